@@ -1,0 +1,298 @@
+"""The ``kvd`` command: ``serve``, ``status``, ``bench``.
+
+Exit codes: 0 ok; 1 failure; 2 bad command line; 3 ``status`` could not reach a daemon;
+78 (EX_CONFIG) invalid configuration. The unit files set ``RestartPreventExitStatus=2 78`` so a bad
+configuration fails once instead of restart-looping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import kvd
+from kvd.config import ConfigError, ServeConfig, add_config_flags, load_config, setup_logging
+
+__all__ = ["main", "build_parser", "EXIT_CONFIG", "EXIT_UNREACHABLE"]
+
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+EXIT_CONFIG = 78
+
+log = logging.getLogger("kvd.cli")
+
+_DESCRIPTION = """\
+kvd: a KV-cache block manager daemon for LLM inference engines.
+
+One daemon per GPU owns the paged KV-cache block pool; engine processes on the host talk to it over
+ZeroMQ and get block tables and slot mappings back through shared memory."""
+
+_EPILOG = """\
+examples:
+  kvd serve --device cuda:0 --num-gpu-blocks 32768      run in the foreground
+  kvd serve --config /etc/kvd/kvd.toml                  as the systemd unit does
+  kvd status                                            ask the daemon on the default socket
+  kvd status --endpoint ipc:///run/kvd/1/kvd.sock --json
+  kvd bench --help                                      the ZeroMQ benchmark's own options
+
+Every serve option is also a TOML key (--config) and an environment variable KVD_<KEY>."""
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32)
+
+
+class _WrapFormatter(argparse.HelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvd", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=_Formatter
+    )
+    parser.add_argument("--version", action="version", version=f"kvd {kvd.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the daemon in the foreground (systemd Type=notify)",
+        description="Run the daemon in the foreground. Under systemd it reports READY=1 once the "
+        "socket is bound, the pool allocated and the kernels warmed, pings the watchdog and "
+        "reports STOPPING=1 on SIGTERM.",
+        formatter_class=_WrapFormatter,
+    )
+    add_config_flags(serve)
+
+    status = sub.add_parser(
+        "status",
+        help="show pools, sessions, usage, hit rate and evictions of a running daemon",
+        description="Ask a running daemon for its statistics. The daemon is found the way "
+        "`kvd serve` would bind it: --endpoint, else --runtime-dir, else $KVD_ENDPOINT, "
+        "the --config file, $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR/kvd or /tmp/kvd-UID. "
+        "Exit status 3 if no daemon answers.",
+        formatter_class=_WrapFormatter,
+    )
+    status.add_argument("--json", action="store_true", help="print the raw statistics as JSON")
+    status.add_argument("--config", metavar="PATH", default=None, help="TOML config file of the daemon")
+    status.add_argument("--endpoint", metavar="STR", default=None, help="the daemon's ZeroMQ endpoint")
+    status.add_argument("--runtime-dir", metavar="DIR", default=None, help="directory of the daemon's socket")
+
+    sub.add_parser(
+        "bench",
+        help="run the ZeroMQ benchmark (scripts/bench_zmq.py); arguments are passed through",
+        description="Run scripts/bench_zmq.py with the remaining arguments (see `kvd bench --help`).",
+        add_help=False,
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `bench` forwards everything after it, --help included, to the benchmark's own parser.
+    if argv and argv[0] == "bench":
+        return _bench(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        cfg = load_config(args)
+    except ConfigError as exc:
+        return _config_error(exc)
+    if args.command == "serve":
+        return _serve(cfg)
+    if args.command == "status":
+        return _status(cfg, as_json=args.json)
+    raise AssertionError(args.command)  # pragma: no cover
+
+
+def _config_error(exc: ConfigError) -> int:
+    from kvd.systemd import notify
+
+    print(f"kvd: invalid configuration: {exc}", file=sys.stderr)
+    notify(f"STATUS=invalid configuration: {exc}")
+    return EXIT_CONFIG
+
+
+# ---------------------------------------------------------------------------------------------------
+# serve
+
+
+def _serve(cfg: ServeConfig) -> int:
+    setup_logging(cfg.log_level)
+    log.info(
+        "kvd %s starting: device=%s endpoint=%s gpu_blocks=%d cpu_blocks=%d block_size=%d",
+        kvd.__version__,
+        cfg.device,
+        cfg.resolved_endpoint(),
+        cfg.num_gpu_blocks,
+        cfg.num_cpu_blocks,
+        cfg.block_size,
+    )
+    log.debug("effective configuration: %s", json.dumps(cfg.to_dict(), sort_keys=True))
+    from kvd import server  # lazy: pulls in zmq, uvloop and (on GPU) torch + triton
+
+    try:
+        code = server.serve(cfg)
+    except ConfigError as exc:
+        return _config_error(exc)
+    except KeyboardInterrupt:
+        return 130
+    return int(code or 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# status
+
+
+def _status(cfg: ServeConfig, *, as_json: bool) -> int:
+    endpoint = cfg.resolved_endpoint()
+    if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://") :]):
+        print(f"kvd status: no daemon socket at {endpoint[len('ipc://'):]}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    try:
+        from kvd_client import Client
+    except ImportError as exc:  # pragma: no cover - packaging problem
+        print(f"kvd status: the client library is not installed: {exc}", file=sys.stderr)
+        return 1
+    client = None
+    try:
+        client = Client(endpoint)
+        stats = client.stats()
+    except Exception as exc:  # noqa: BLE001 - any failure to talk to the daemon is "unreachable"
+        print(f"kvd status: no answer from {endpoint}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    finally:
+        close = getattr(client, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:  # noqa: BLE001
+                pass
+    if as_json:
+        print(json.dumps(stats, indent=2, sort_keys=True, default=_json_default))
+    else:
+        print(format_status_table(stats, endpoint))
+    return 0
+
+
+def _json_default(obj: Any) -> Any:
+    for attr in ("tolist", "item"):
+        if hasattr(obj, attr):
+            return getattr(obj, attr)()
+    if isinstance(obj, bytes):
+        return obj.hex()
+    return str(obj)
+
+
+def _pct(num: float, den: float) -> str:
+    return f"{100.0 * num / den:.1f}%" if den else "-"
+
+
+def format_status_table(stats: dict[str, Any], endpoint: str = "") -> str:
+    """Human-readable ``kvd status`` output."""
+    lines = []
+    head = "kvd"
+    if stats.get("version"):
+        head += f" {stats['version']}"
+    if endpoint:
+        head += f" at {endpoint}"
+    lines.append(head)
+    pools = stats.get("pools") or {}
+    cols = ("pool", "blocks", "free", "used", "cached", "usage", "hit rate", "evictions", "swaps out/in", "cow")
+    rows = [cols]
+    for name, p in pools.items():
+        g = lambda k: int(p.get(k, 0))  # noqa: E731
+        rows.append(
+            (
+                name,
+                str(g("num_blocks")),
+                str(g("num_free_blocks")),
+                str(g("num_used_blocks")),
+                str(g("num_cached_blocks")),
+                _pct(g("num_used_blocks"), g("num_blocks")),
+                _pct(g("prefix_hits"), g("prefix_queries")),
+                str(g("evictions")),
+                f"{g('swaps_out')}/{g('swaps_in')}",
+                str(g("cow_copies")),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    sessions = stats.get("sessions", 0)
+    if isinstance(sessions, int):
+        lines.append(f"sessions: {sessions}")
+    else:
+        items = list(sessions.values()) if isinstance(sessions, dict) else list(sessions or ())
+        if isinstance(sessions, dict):
+            items = [{"id": k, **v} if isinstance(v, dict) else {"id": k, "value": v} for k, v in sessions.items()]
+        lines.append(f"sessions: {len(items)}")
+        for s in items:
+            if isinstance(s, dict):
+                lines.append("  " + " ".join(f"{k}={_short(v)}" for k, v in s.items()))
+            else:
+                lines.append(f"  {_short(s)}")
+    for key in sorted(set(stats) - {"pools", "sessions", "version"}):
+        lines.append(f"{key}: {_short(stats[key])}")
+    return "\n".join(lines)
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    if isinstance(v, bytes):
+        return v.hex()
+    return str(v)
+
+
+# ---------------------------------------------------------------------------------------------------
+# bench
+
+
+def _bench_script() -> Path:
+    env = os.environ.get("KVD_BENCH_SCRIPT")
+    if env:
+        return Path(env)
+    return Path(kvd.__file__).resolve().parent.parent / "scripts" / "bench_zmq.py"
+
+
+def _bench(args: list[str]) -> int:
+    path = _bench_script()
+    if not path.is_file():
+        print(f"kvd bench: {path} not found (the benchmark ships with the source tree)", file=sys.stderr)
+        return 1
+    spec = importlib.util.spec_from_file_location("kvd_bench_zmq", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    saved_argv = sys.argv
+    sys.argv = [str(path), *args]
+    try:
+        spec.loader.exec_module(module)
+        bench_main = getattr(module, "main", None)
+        if bench_main is None:
+            print(f"kvd bench: {path} has no main()", file=sys.stderr)
+            return 1
+        takes_args = bool(inspect.signature(bench_main).parameters)
+        code = bench_main(args) if takes_args else bench_main()
+    except SystemExit as exc:  # argparse --help / errors inside the benchmark
+        code = exc.code
+    finally:
+        sys.argv = saved_argv
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
