@@ -26,6 +26,8 @@ __all__ = ["main", "build_parser", "EXIT_CONFIG", "EXIT_UNREACHABLE"]
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 EXIT_CONFIG = 78
+SYSTEM_SOCKET = "/run/kvd/kvd.sock"
+"""Socket of the system unit kvd.service, tried by ``kvd status`` when nothing else is configured."""
 
 log = logging.getLogger("kvd.cli")
 
@@ -159,8 +161,12 @@ def _serve(cfg: ServeConfig) -> int:
 def _status(cfg: ServeConfig, *, as_json: bool) -> int:
     endpoint = cfg.resolved_endpoint()
     if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://") :]):
-        print(f"kvd status: no daemon socket at {endpoint[len('ipc://'):]}", file=sys.stderr)
-        return EXIT_UNREACHABLE
+        # Nothing configured explicitly: fall back to the system unit's socket.
+        if not (cfg.endpoint or cfg.runtime_dir) and os.path.exists(SYSTEM_SOCKET):
+            endpoint = "ipc://" + SYSTEM_SOCKET
+        else:
+            print(f"kvd status: no daemon socket at {endpoint[len('ipc://'):]}", file=sys.stderr)
+            return EXIT_UNREACHABLE
     try:
         from kvd_client import Client
     except ImportError as exc:  # pragma: no cover - packaging problem
