@@ -1,0 +1,1083 @@
+"""BlockManager: the request-level KV-cache block manager. Synchronous, deterministic, no I/O.
+
+Requests live in *rows* of fixed-size arrays (``max_num_reqs`` of them); a request id maps to its row.
+Per row: ``num_tokens`` (tokens whose KV is computed or being computed), and per KV-cache group a
+block-table row, its block count, how many leading full blocks have been registered in the prefix
+cache, and how many leading entries a sliding window has turned into the null block.
+
+Decode steps, frees and forks work on arrays of rows at once; only admissions (each needs its own
+prefix lookup) and copy-on-write candidates are handled one request at a time.
+
+Semantics worth knowing:
+- blocks of one batch are taken group by group, and within a group in batch order (a request's
+  copy-on-write block first, then its new blocks);
+- blocks that fell out of a sliding window are returned after the batch's allocations, and only
+  for requests that grew (a no-space request stays exactly as it was);
+- admission (``allocate``, ``can_allocate``, step admissions, ``swap_in``) keeps the watermark
+  (and, as configured, decode reserves) free; appends of running requests may use every block;
+- prefix hits never cover the whole prompt: at most ``(num_tokens - 1) // block_size`` blocks hit,
+  so the engine computes at least one token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvd import errors
+from kvd.api import (
+    DEFAULT_PRIORITY,
+    MAX_PRIORITY,
+    MIN_PRIORITY,
+    NULL_BLOCK,
+    STATUS_NO_SPACE,
+    STATUS_OK,
+    AdmitRequest,
+    AllocResult,
+    AllocStatus,
+    AppendResult,
+    ManagerConfig,
+    ReqId,
+    StepBatch,
+    StepResult,
+    SwapResult,
+)
+from kvd.hashing import HASH_DTYPE, as_hash_array
+from kvd.pool import BlockPool
+
+_EMPTY_I32 = np.empty(0, np.int32)
+_EMPTY_COPIES = np.empty((0, 2), np.int32)
+_EMPTY_HASHES = np.empty(0, HASH_DTYPE)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+@dataclass
+class _Swapped:
+    """A swapped-out request: its CPU blocks per group, in table positions [skip, skip + n)."""
+
+    cpu_blocks: list[np.ndarray]
+    num_skipped: list[int]
+    cross: np.ndarray
+
+
+class _Group:
+    """Per-group arrays over every row."""
+
+    def __init__(self, block_size: int, window: int | None, max_reqs: int, max_blocks: int) -> None:
+        self.block_size = block_size
+        self.window = window or 0
+        self.table = np.zeros((max_reqs, max_blocks), np.int32)
+        self.num_blocks = np.zeros(max_reqs, np.int32)
+        self.num_registered = np.zeros(max_reqs, np.int32)
+        self.num_skipped = np.zeros(max_reqs, np.int32)
+
+    def skip_for(self, num_computed):
+        """Leading blocks no longer needed once ``num_computed`` tokens are computed."""
+        if not self.window:
+            return np.zeros_like(num_computed) if isinstance(num_computed, np.ndarray) else 0
+        return np.maximum(num_computed - self.window + 1, 0) // self.block_size
+
+
+def _row_blocks(table: np.ndarray, rows: np.ndarray, starts: np.ndarray, stops: np.ndarray, reverse: bool):
+    """Entries table[row, start:stop] of every row, concatenated (each reversed if asked)."""
+    counts = np.maximum(stops - starts, 0)
+    total = int(counts.sum())
+    if not total:
+        return _EMPTY_I32, _EMPTY_I32
+    rep = np.repeat(np.arange(rows.size), counts)
+    offsets = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    cols = (np.repeat(stops - 1, counts) - offsets) if reverse else (np.repeat(starts, counts) + offsets)
+    return table[rows[rep], cols], rep
+
+
+class BlockManager:
+    def __init__(self, config: ManagerConfig) -> None:
+        _validate_config(config)
+        self.config = config
+        self.pool = BlockPool(config.num_gpu_blocks)
+        self.cpu_pool = BlockPool(max(config.num_cpu_blocks, 1))
+        self._cpu_carry_key = np.zeros(self.cpu_pool.num_blocks, np.uint16)
+        R = config.max_num_reqs
+        self.max_lookahead = config.max_lookahead_tokens
+        self.groups = [
+            _Group(g.block_size, g.sliding_window, R, _cdiv(config.max_model_len + self.max_lookahead, g.block_size))
+            for g in config.groups
+        ]
+        self.block_sizes = tuple(g.block_size for g in self.groups)
+        self.tables = tuple(g.table for g in self.groups)
+        self.num_blocks = tuple(g.num_blocks for g in self.groups)
+        self.num_tokens = np.zeros(R, np.int64)
+        self.priority = np.zeros(R, np.uint8)
+        self.namespace = np.zeros(R, np.int64)
+        self.active = np.zeros(R, bool)
+        self.swapped = np.zeros(R, bool)
+        self.max_cross_blocks = _cdiv(config.max_encoder_len, config.encoder_block_size)
+        self.cross_table = np.zeros((R, self.max_cross_blocks), np.int32)
+        self.cross_num_blocks = np.zeros(R, np.int32)
+        self._row_of: dict[ReqId, int] = {}
+        self._id_of: list[ReqId | None] = [None] * R
+        self._free_rows = list(range(R - 1, -1, -1))
+        self._swapped: dict[int, _Swapped] = {}
+        self._cache_keys: dict[tuple[int, int], int] = {}
+        self._copies: list[np.ndarray] = []
+        self._watermark_blocks = int(config.watermark * config.num_gpu_blocks)
+        self.counters = dict(prefix_queries=0, prefix_hits=0, swaps_out=0, swaps_in=0, cow_copies=0)
+
+    # ================================================================== ids and rows
+    def row_of(self, req_id: ReqId) -> int:
+        try:
+            return self._row_of[req_id]
+        except (KeyError, TypeError):
+            raise errors.UnknownRequest(f"unknown request {req_id!r}") from None
+
+    def rows_of(self, req_ids: Sequence[ReqId]) -> np.ndarray:
+        get = self._row_of.get
+        rows = np.fromiter((get(r, -1) for r in req_ids), np.int32, count=len(req_ids))
+        if rows.size and rows.min() < 0:
+            bad = req_ids[int(np.argmin(rows))]
+            raise errors.UnknownRequest(f"unknown request {bad!r}")
+        return rows
+
+    def req_id_of_row(self, row: int) -> ReqId | None:
+        return self._id_of[row]
+
+    def __contains__(self, req_id: ReqId) -> bool:
+        return req_id in self._row_of
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._row_of)
+
+    def _cache_key(self, namespace: int, group: int) -> int:
+        key = self._cache_keys.get((namespace, group))
+        if key is None:
+            key = len(self._cache_keys) + 1
+            if key > np.iinfo(np.uint16).max:
+                raise errors.CapacityExceeded("too many prefix-cache namespaces")
+            self._cache_keys[(namespace, group)] = key
+        return key
+
+    # ================================================================== validation helpers
+    def _hash_lists(self, block_hashes, num_tokens: int) -> list[np.ndarray]:
+        """One validated S16 array per group. Accepts one array (or list of bytes) when there is
+        one group, or a sequence with one array per group; empty means no hashes."""
+        G = len(self.groups)
+        try:
+            empty = len(block_hashes) == 0
+        except TypeError:
+            raise errors.BadHashes("block hashes must be a sequence") from None
+        if empty:
+            return [_EMPTY_HASHES] * G
+        if isinstance(block_hashes, (list, tuple)) and all(
+            isinstance(x, (np.ndarray, list, tuple)) for x in block_hashes
+        ):
+            per_group = list(block_hashes)
+        else:
+            per_group = [block_hashes]
+        if len(per_group) != G:
+            raise errors.BadHashes(f"expected block hashes for {G} group(s), got {len(per_group)}")
+        out = []
+        for g, hashes in zip(self.groups, per_group):
+            arr = as_hash_array(hashes) if len(hashes) else _EMPTY_HASHES
+            if arr.size > num_tokens // g.block_size:
+                raise errors.BadHashes(
+                    f"{arr.size} hashes for {num_tokens} tokens: more than the {num_tokens // g.block_size} full blocks"
+                )
+            out.append(arr)
+        return out
+
+    def _check_sizes(self, num_tokens: int, lookahead: int, what: str = "num_tokens") -> None:
+        if not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, bool):
+            raise errors.InvalidArgument(f"{what} must be an integer")
+        if num_tokens < 0:
+            raise errors.InvalidArgument(f"{what} must not be negative, got {num_tokens}")
+        if not isinstance(lookahead, (int, np.integer)) or not 0 <= lookahead <= self.max_lookahead:
+            raise errors.InvalidArgument(f"num_lookahead_tokens must be in [0, {self.max_lookahead}], got {lookahead}")
+
+    def _check_new_request(self, req_id, num_tokens, lookahead, priority, num_encoder_tokens, max_new_tokens):
+        try:
+            known = req_id in self._row_of
+        except TypeError:
+            raise errors.InvalidArgument(f"request id {req_id!r} is not hashable") from None
+        if known:
+            raise errors.DuplicateRequest(f"request {req_id!r} already exists")
+        self._check_sizes(num_tokens, lookahead)
+        for name, value in (("priority", priority), ("num_encoder_tokens", num_encoder_tokens), ("max_new_tokens", max_new_tokens)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+                raise errors.InvalidArgument(f"{name} must be an integer")
+        if num_tokens < 1 or num_tokens > self.config.max_model_len:
+            raise errors.InvalidArgument(f"num_tokens must be in [1, {self.config.max_model_len}], got {num_tokens}")
+        if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+            raise errors.InvalidArgument(f"priority must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority}")
+        if not 0 <= num_encoder_tokens <= self.config.max_encoder_len:
+            raise errors.InvalidArgument(
+                f"num_encoder_tokens must be in [0, {self.config.max_encoder_len}], got {num_encoder_tokens}"
+            )
+        if max_new_tokens < 0:
+            raise errors.InvalidArgument(f"max_new_tokens must not be negative, got {max_new_tokens}")
+
+    # ================================================================== prefix cache
+    def _group_hits(self, g: int, hashes: list[bytes], namespace: int) -> np.ndarray:
+        return self.pool.lookup(self._cache_key(namespace, g), hashes)
+
+    def _cached_prefix(self, hash_lists: list[np.ndarray], num_tokens: int | None, namespace: int):
+        """(cached tokens, per-group hit blocks for positions [skip, hit)) agreed by every group."""
+        G = len(self.groups)
+        if not self.config.enable_prefix_caching or not all(h.size for h in hash_lists):
+            return 0, [_EMPTY_I32] * G
+        limits = [
+            h.size if num_tokens is None else min(h.size, (num_tokens - 1) // g.block_size)
+            for g, h in zip(self.groups, hash_lists)
+        ]
+        if G == 1 and not self.groups[0].window:
+            hits = self._group_hits(0, hash_lists[0][: limits[0]].tolist(), namespace)
+            return hits.size * self.groups[0].block_size, [hits]
+        found = [self._hit_mask(gi, hash_lists[gi][: limits[gi]], namespace) for gi in range(G)]
+        length = min(lim * g.block_size for lim, g in zip(limits, self.groups))
+        while True:
+            new_length = length
+            for g, (mask, blocks) in zip(self.groups, found):
+                new_length = min(new_length, self._longest_hit(g, mask, new_length))
+            if new_length == length:
+                break
+            length = new_length
+        hits = []
+        for g, (mask, blocks) in zip(self.groups, found):
+            end = length // g.block_size
+            hits.append(blocks[int(g.skip_for(length)) : end].astype(np.int32))
+        return length, hits
+
+    def _hit_mask(self, g: int, hashes: np.ndarray, namespace: int):
+        """Per-block hit flags and block ids (every block looked up: windows need no leading run)."""
+        cache = self.pool.caches.get(self._cache_key(namespace, g), {})
+        blocks = np.array([cache.get(h, -1) for h in hashes.tolist()], np.int64)
+        if not self.groups[g].window:
+            miss = np.flatnonzero(blocks < 0)
+            if miss.size:
+                blocks[miss[0] :] = -1
+        return blocks >= 0, blocks
+
+    @staticmethod
+    def _longest_hit(g: _Group, mask: np.ndarray, cap_tokens: int) -> int:
+        """Longest cached length <= cap (a multiple of the block size) this group can serve."""
+        end = min(cap_tokens // g.block_size, mask.size)
+        if not g.window:
+            return end * g.block_size
+        while end > 0:
+            start = int(g.skip_for(end * g.block_size))
+            if mask[start:end].all():
+                return end * g.block_size
+            end -= 1
+        return 0
+
+    def lookup(self, block_hashes, namespace: int = 0) -> int:
+        """Leading blocks (of group 0) already cached; changes nothing."""
+        hash_lists = self._hash_lists(block_hashes, 1 << 62)
+        tokens, _ = self._cached_prefix(hash_lists, None, namespace)
+        return tokens // self.groups[0].block_size
+
+    # ================================================================== admission
+    def _admission_headroom(self) -> int:
+        """Blocks admission may use now."""
+        reserve = self._watermark_blocks
+        if self.config.reserve_decode_blocks:
+            g = self.groups[0]
+            running = self.active & ~self.swapped
+            reserve += int(np.count_nonzero(running & (self.num_tokens % g.block_size == 0)))
+        return self.pool.num_free - reserve
+
+    def _admission_need(self, num_tokens, lookahead, cached_tokens, hits, num_encoder_tokens):
+        """(new blocks per group, blocks the request needs from the free queue)."""
+        new = [_cdiv(num_tokens + lookahead, g.block_size) - cached_tokens // g.block_size for g in self.groups]
+        revived = sum(int(np.count_nonzero(self.pool.ref_cnt[h] == 0)) for h in hits)
+        cross = _cdiv(num_encoder_tokens, self.config.encoder_block_size)
+        return new, sum(new) + revived + cross
+
+    def _never_fits(self, num_tokens, lookahead, max_new_tokens, num_encoder_tokens) -> bool:
+        tokens = num_tokens + (max_new_tokens if self.config.admit_full_sequence else 0)
+        if tokens > self.config.max_model_len:
+            return True
+        blocks = sum(_cdiv(tokens + lookahead, g.block_size) for g in self.groups)
+        blocks += _cdiv(num_encoder_tokens, self.config.encoder_block_size)
+        return blocks > self.pool.num_blocks - 1 - self._watermark_blocks
+
+    def can_allocate(
+        self,
+        num_tokens: int,
+        block_hashes=(),
+        num_lookahead_tokens: int = 0,
+        *,
+        namespace: int = 0,
+        max_new_tokens: int = 0,
+        num_encoder_tokens: int = 0,
+    ) -> AllocStatus:
+        self._check_sizes(num_tokens, num_lookahead_tokens)
+        if num_tokens < 1 or num_encoder_tokens < 0 or max_new_tokens < 0:
+            raise errors.InvalidArgument("num_tokens must be >= 1 and other sizes >= 0")
+        if num_encoder_tokens > self.config.max_encoder_len or self._never_fits(
+            num_tokens, num_lookahead_tokens, max_new_tokens, num_encoder_tokens
+        ):
+            return AllocStatus.NEVER
+        hash_lists = self._hash_lists(block_hashes, num_tokens)
+        cached, hits = self._cached_prefix(hash_lists, num_tokens, namespace)
+        _, need = self._admission_need(num_tokens, num_lookahead_tokens, cached, hits, num_encoder_tokens)
+        if self.config.admit_full_sequence:
+            need += sum(
+                _cdiv(num_tokens + max_new_tokens, g.block_size) - _cdiv(num_tokens, g.block_size) for g in self.groups
+            )
+        if not self._free_rows or need > self._admission_headroom():
+            return AllocStatus.LATER
+        return AllocStatus.OK
+
+    def allocate(
+        self,
+        req_id: ReqId,
+        num_tokens: int,
+        block_hashes=(),
+        num_lookahead_tokens: int = 0,
+        *,
+        namespace: int = 0,
+        priority: int = DEFAULT_PRIORITY,
+        num_encoder_tokens: int = 0,
+        max_new_tokens: int = 0,
+    ) -> AllocResult:
+        result = self._admit(
+            AdmitRequest(req_id, num_tokens, block_hashes, num_lookahead_tokens, priority, num_encoder_tokens, max_new_tokens),
+            namespace,
+        )
+        self._debug_check()
+        return result
+
+    def _admit(self, req: AdmitRequest, namespace: int) -> AllocResult:
+        num_tokens, lookahead = req.num_tokens, req.num_lookahead_tokens
+        self._check_new_request(req.req_id, num_tokens, lookahead, req.priority, req.num_encoder_tokens, req.max_new_tokens)
+        hash_lists = self._hash_lists(req.block_hashes, num_tokens)
+        if self._never_fits(num_tokens, lookahead, req.max_new_tokens, req.num_encoder_tokens):
+            return AllocResult(STATUS_NO_SPACE)
+        cached, hits = self._cached_prefix(hash_lists, num_tokens, namespace)
+        new, need = self._admission_need(num_tokens, lookahead, cached, hits, req.num_encoder_tokens)
+        if self.config.admit_full_sequence:
+            need += sum(
+                _cdiv(num_tokens + req.max_new_tokens, g.block_size) - _cdiv(num_tokens, g.block_size)
+                for g in self.groups
+            )
+        if not self._free_rows or need > self._admission_headroom():
+            return AllocResult(STATUS_NO_SPACE)
+
+        row = self._free_rows.pop()
+        self._row_of[req.req_id] = row
+        self._id_of[row] = req.req_id
+        self.active[row] = True
+        self.swapped[row] = False
+        self.num_tokens[row] = num_tokens
+        self.priority[row] = req.priority
+        self.namespace[row] = namespace
+        out = []
+        for gi, g in enumerate(self.groups):
+            hit = hits[gi]
+            if hit.size:
+                self.pool.touch(hit)
+            skip = int(g.skip_for(cached))
+            end = cached // g.block_size
+            fresh = self.pool.take(new[gi])
+            g.table[row, :skip] = NULL_BLOCK
+            g.table[row, skip:end] = hit
+            g.table[row, end : end + fresh.size] = fresh
+            g.num_blocks[row] = end + fresh.size
+            g.num_skipped[row] = skip
+            g.num_registered[row] = end
+            self._register(gi, row, hash_lists[gi], num_tokens)
+            out.append(g.table[row, : end + fresh.size].copy())
+        cross = self.pool.take(_cdiv(req.num_encoder_tokens, self.config.encoder_block_size))
+        self.cross_table[row, : cross.size] = cross
+        self.cross_num_blocks[row] = cross.size
+        if self.config.enable_prefix_caching:
+            self.counters["prefix_queries"] += num_tokens
+            self.counters["prefix_hits"] += cached
+        return AllocResult(STATUS_OK, tuple(out), cached, row)
+
+    def _register(self, gi: int, row: int, hashes: np.ndarray, num_tokens: int) -> None:
+        """Register the row's full blocks [num_registered, len(hashes)) that are still present."""
+        if not self.config.enable_prefix_caching:
+            return
+        g = self.groups[gi]
+        start = int(g.num_registered[row])
+        stop = min(hashes.size, num_tokens // g.block_size)
+        if stop <= start:
+            return
+        blocks = g.table[row, start:stop]
+        present = blocks != NULL_BLOCK
+        self.pool.register(
+            self._cache_key(int(self.namespace[row]), gi), hashes[start:stop][present], blocks[present]
+        )
+        g.num_registered[row] = stop
+
+    # ================================================================== appends
+    def append_slots(
+        self, req_id: ReqId, num_new_tokens: int, new_block_hashes=(), num_lookahead_tokens: int = 0
+    ) -> AppendResult:
+        row = self.row_of(req_id)
+        self._check_sizes(num_new_tokens, num_lookahead_tokens, "num_new_tokens")
+        total = int(self.num_tokens[row]) + num_new_tokens
+        hash_lists = self._hash_lists(new_block_hashes, total)
+        counts = [np.array([h.size], np.int32) for h in hash_lists]
+        before = [int(g.num_blocks[row]) for g in self.groups]
+        copies_before = len(self._copies)
+        status = self._append_rows(np.array([row], np.int32), np.array([num_new_tokens], np.int64), hash_lists, counts, num_lookahead_tokens)
+        code = int(status[0])
+        if code >= 2:
+            raise errors.ERROR_BY_CODE[code](self._last_append_error)
+        if code == STATUS_NO_SPACE:
+            return AppendResult(STATUS_NO_SPACE)
+        new_ids = tuple(g.table[row, b : g.num_blocks[row]].copy() for g, b in zip(self.groups, before))
+        copies = np.concatenate(self._copies[copies_before:]) if len(self._copies) > copies_before else _EMPTY_COPIES
+        self._debug_check()
+        return AppendResult(STATUS_OK, new_ids, copies)
+
+    def _validate_appends(self, rows, n_new, lookahead, hash_counts, status):
+        """Mark per-request misuse in ``status`` (vectorized)."""
+        R = self.num_tokens.size
+        in_range = (rows >= 0) & (rows < R)
+        safe = np.where(in_range, rows, 0)
+        unknown = ~in_range | ~self.active[safe]
+        status[unknown] = errors.UnknownRequest.code
+        status[(status == 0) & self.swapped[safe]] = errors.RequestSwapped.code
+        total = self.num_tokens[safe] + n_new
+        bad_size = (n_new < 0) | (total > self.config.max_model_len)
+        status[(status == 0) & bad_size] = errors.InvalidArgument.code
+        if rows.size > 1:
+            order = np.argsort(rows, kind="stable")
+            dup = np.zeros(rows.size, bool)
+            dup[order[1:]] = rows[order[1:]] == rows[order[:-1]]
+            status[(status == 0) & dup] = errors.InvalidArgument.code
+        for g, counts in zip(self.groups, hash_counts):
+            allowed = total // g.block_size - g.num_registered[safe]
+            status[(status == 0) & ((counts < 0) | (counts > allowed))] = errors.BadHashes.code
+        if lookahead < 0 or lookahead > self.max_lookahead:
+            status[status == 0] = errors.InvalidArgument.code
+
+    def _append_rows(self, rows, n_new, hash_lists, hash_counts, lookahead) -> np.ndarray:
+        """Grow many requests at once. Returns the int16 status per request."""
+        n = rows.size
+        status = np.zeros(n, np.int16)
+        if not n:
+            return status
+        self._validate_appends(rows, n_new, lookahead, hash_counts, status)
+        if status.any():
+            self._last_append_error = f"append rejected for {int(np.count_nonzero(status))} request(s)"
+        valid = status == 0
+        vrows = rows[valid]
+        old = self.num_tokens[vrows]
+        new = old + n_new[valid]
+        grow = []
+        need = np.zeros(vrows.size, np.int64)
+        cow_cand = []
+        for g in self.groups:
+            want = _cdiv(new + lookahead, g.block_size)
+            g_grow = np.maximum(want - g.num_blocks[vrows], 0)
+            grow.append(g_grow)
+            need += g_grow
+            partial = (old % g.block_size != 0) & (new > old)
+            last = g.table[vrows, np.minimum(old // g.block_size, g.table.shape[1] - 1)]
+            cand = partial & (self.pool.ref_cnt[last] > 1)
+            cow_cand.append(cand)
+        any_cow = any(c.any() for c in cow_cand)
+        avail = self.pool.num_free
+        if any_cow:
+            ok, cow = self._decide_with_cow(vrows, need, cow_cand, avail, old)
+        else:
+            cow = None
+            ok = np.ones(vrows.size, bool)
+            needers = np.flatnonzero(need)
+            if needers.size and need[needers].sum() > avail:
+                ok = self._greedy(need, avail)
+        vstatus = np.where(ok, STATUS_OK, STATUS_NO_SPACE).astype(np.int16)
+        status[valid] = vstatus
+        if not ok.any():
+            return status
+        orows, oold, onew = vrows[ok], old[ok], new[ok]
+        for gi, g in enumerate(self.groups):
+            g_grow = grow[gi][ok]
+            g_cow = cow[gi][ok] if cow is not None else None
+            self._grow_group(gi, orows, oold, g_grow, g_cow)
+        self.num_tokens[orows] = onew
+        self._register_appends(rows, status, hash_lists, hash_counts)
+        for g in self.groups:
+            if g.window:
+                self._release_out_of_window(g, orows, oold)
+        return status
+
+    @staticmethod
+    def _greedy(need: np.ndarray, avail: int) -> np.ndarray:
+        """In batch order, each request fits if its need fits in what is left."""
+        ok = np.ones(need.size, bool)
+        for i in np.flatnonzero(need).tolist():
+            if need[i] <= avail:
+                avail -= int(need[i])
+            else:
+                ok[i] = False
+        return ok
+
+    def _decide_with_cow(self, vrows, need, cow_cand, avail, old):
+        """Sequential decision when some writers share their partial last block: a later sharer
+        may find itself the only holder left and write in place."""
+        ok = np.ones(vrows.size, bool)
+        cow = [np.zeros(vrows.size, bool) for _ in self.groups]
+        pending: dict[int, int] = {}
+        ref = self.pool.ref_cnt
+        cand_any = np.zeros(vrows.size, bool)
+        for c in cow_cand:
+            cand_any |= c
+        for i in np.flatnonzero((need > 0) | cand_any).tolist():
+            extra = []
+            for gi, g in enumerate(self.groups):
+                if cow_cand[gi][i]:
+                    block = int(g.table[vrows[i], old[i] // g.block_size])
+                    if ref[block] - pending.get(block, 0) > 1:
+                        extra.append((gi, block))
+            total = int(need[i]) + len(extra)
+            if total > avail:
+                ok[i] = False
+                continue
+            avail -= total
+            for gi, block in extra:
+                cow[gi][i] = True
+                pending[block] = pending.get(block, 0) + 1
+        return ok, cow
+
+    def _grow_group(self, gi: int, rows, old, grow, cow) -> None:
+        g = self.groups[gi]
+        n_cow = int(cow.sum()) if cow is not None else 0
+        total = int(grow.sum()) + n_cow
+        if not total:
+            return
+        blocks = self.pool.take(total)
+        per_req = grow + (cow if cow is not None else 0)
+        offsets = np.cumsum(per_req) - per_req
+        if n_cow:
+            cow_idx = np.flatnonzero(cow)
+            cow_rows = rows[cow_idx]
+            cols = old[cow_idx] // g.block_size
+            src = g.table[cow_rows, cols].copy()
+            dst = blocks[offsets[cow_idx]]
+            g.table[cow_rows, cols] = dst
+            self.pool.release(src)
+            self._copies.append(np.stack([src, dst], axis=1).astype(np.int32))
+            self.counters["cow_copies"] += n_cow
+            offsets = offsets + cow
+        grow_idx = np.flatnonzero(grow)
+        counts = grow[grow_idx]
+        rep = np.repeat(grow_idx, counts)
+        within = np.arange(rep.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        cols = g.num_blocks[rows[rep]] + within
+        g.table[rows[rep], cols] = blocks[offsets[rep] + within]
+        g.num_blocks[rows] += grow.astype(np.int32)
+
+    def _register_appends(self, rows, status, hash_lists, hash_counts) -> None:
+        if not self.config.enable_prefix_caching:
+            return
+        for gi, (g, hashes, counts) in enumerate(zip(self.groups, hash_lists, hash_counts)):
+            if not hashes.size:
+                continue
+            take = counts * (status == STATUS_OK)
+            sel = np.flatnonzero(take)
+            if not sel.size:
+                continue
+            starts = np.cumsum(counts) - counts
+            hash_idx = np.concatenate([np.arange(s, s + c) for s, c in zip(starts[sel].tolist(), counts[sel].tolist())])
+            srows = rows[sel]
+            blocks, rep = _row_blocks(g.table, srows, g.num_registered[srows], g.num_registered[srows] + counts[sel], False)
+            ns = self.namespace[srows]
+            present = blocks != NULL_BLOCK
+            if np.all(ns == ns[0]):
+                key = self._cache_key(int(ns[0]), gi)
+                self.pool.register(key, hashes[hash_idx][present], blocks[present])
+            else:
+                for ns_value in np.unique(ns).tolist():
+                    m = present & (ns[rep] == ns_value)
+                    self.pool.register(self._cache_key(ns_value, gi), hashes[hash_idx][m], blocks[m])
+            g.num_registered[srows] += counts[sel]
+
+    def _release_out_of_window(self, g: _Group, rows, num_computed) -> None:
+        skip = g.skip_for(num_computed).astype(np.int32)
+        skip = np.minimum(skip, g.num_blocks[rows])
+        starts = g.num_skipped[rows]
+        moved = skip > starts
+        if not moved.any():
+            return
+        rows, skip, starts = rows[moved], skip[moved], starts[moved]
+        blocks, rep = _row_blocks(g.table, rows, starts, skip, True)
+        cols_rows = rows[rep]
+        live = blocks != NULL_BLOCK
+        self.pool.release(blocks[live], self.priority[cols_rows[live]])
+        # Null out [start, skip) of every moved row.
+        counts = skip - starts
+        within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        g.table[np.repeat(rows, counts), np.repeat(starts, counts) + within] = NULL_BLOCK
+        g.num_skipped[rows] = skip
+
+    # ================================================================== free
+    def free(self, req_id: ReqId) -> None:
+        row = self.row_of(req_id)
+        self._free_rows_now(np.array([row], np.int32))
+        self._debug_check()
+
+    def _free_rows_now(self, rows: np.ndarray) -> None:
+        """Return every block of these (distinct, active) rows, tail blocks before head blocks."""
+        resident = rows[~self.swapped[rows]]
+        parts, prios = [], []
+        for g in self.groups:
+            blocks, rep = _row_blocks(g.table, resident, g.num_skipped[resident], g.num_blocks[resident], True)
+            parts.append(blocks)
+            prios.append(self.priority[resident[rep]])
+        cross, rep = _row_blocks(self.cross_table, resident, np.zeros_like(resident), self.cross_num_blocks[resident], True)
+        parts.append(cross)
+        prios.append(self.priority[resident[rep]])
+        blocks = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        if blocks.size:
+            prio = np.concatenate(prios)
+            live = blocks != NULL_BLOCK
+            blocks, prio = blocks[live], prio[live]
+            self.pool.release(blocks, int(prio[0]) if prio.size and (prio == prio[0]).all() else prio)
+        for row in rows[self.swapped[rows]].tolist():
+            record = self._swapped.pop(row)
+            self._release_cpu(np.concatenate([*record.cpu_blocks, record.cross]))
+        for g in self.groups:
+            g.num_blocks[rows] = 0
+            g.num_registered[rows] = 0
+            g.num_skipped[rows] = 0
+        self.cross_num_blocks[rows] = 0
+        self.num_tokens[rows] = 0
+        self.active[rows] = False
+        self.swapped[rows] = False
+        for row in rows.tolist():
+            del self._row_of[self._id_of[row]]
+            self._id_of[row] = None
+            self._free_rows.append(row)
+
+    # ================================================================== fork
+    def fork(self, parent_id: ReqId, child_id: ReqId) -> None:
+        self._fork(parent_id, child_id)
+        self._debug_check()
+
+    def _fork(self, parent_id: ReqId, child_id: ReqId) -> None:
+        parent = self.row_of(parent_id)
+        if self.swapped[parent]:
+            raise errors.RequestSwapped(f"request {parent_id!r} is swapped out")
+        self._check_new_request(child_id, 1, 0, DEFAULT_PRIORITY, 0, 0)
+        if not self._free_rows:
+            raise errors.CapacityExceeded("no free request row for the child")
+        child = self._free_rows.pop()
+        self._row_of[child_id] = child
+        self._id_of[child] = child_id
+        self.active[child] = True
+        self.num_tokens[child] = self.num_tokens[parent]
+        self.priority[child] = self.priority[parent]
+        self.namespace[child] = self.namespace[parent]
+        shared = []
+        for g in self.groups:
+            # Lookahead blocks past the last token stay the parent's: the child reserves its own.
+            nb = min(int(g.num_blocks[parent]), _cdiv(int(self.num_tokens[parent]), g.block_size))
+            g.table[child, :nb] = g.table[parent, :nb]
+            g.num_blocks[child] = nb
+            g.num_skipped[child] = g.num_skipped[parent]
+            g.num_registered[child] = min(int(g.num_registered[parent]), nb)
+            shared.append(g.table[child, g.num_skipped[child] : nb])
+        nc = int(self.cross_num_blocks[parent])
+        self.cross_table[child, :nc] = self.cross_table[parent, :nc]
+        self.cross_num_blocks[child] = nc
+        shared.append(self.cross_table[child, :nc])
+        blocks = np.concatenate(shared)
+        self.pool.incref(blocks[blocks != NULL_BLOCK])
+
+    def take_copies(self) -> np.ndarray:
+        """Copy-on-write ``(src, dst)`` pairs since the last call; the KV owner performs them
+        before the next forward pass."""
+        if not self._copies:
+            return _EMPTY_COPIES
+        out = np.concatenate(self._copies)
+        self._copies.clear()
+        return out
+
+    # ================================================================== swap
+    def _swap_rows(self, req_ids) -> np.ndarray:
+        ids = [req_ids] if not isinstance(req_ids, (list, tuple)) else list(req_ids)
+        rows = self.rows_of(ids)
+        if np.unique(rows).size != rows.size:
+            raise errors.InvalidArgument("a request is named twice")
+        return rows
+
+    def _resident_blocks(self, rows):
+        """Every (group, row, table position, block) of resident rows, plus the cross blocks."""
+        entries = []
+        for g in self.groups:
+            blocks, rep = _row_blocks(g.table, rows, g.num_skipped[rows], g.num_blocks[rows], False)
+            entries.append((blocks, rep))
+        entries.append(_row_blocks(self.cross_table, rows, np.zeros_like(rows), self.cross_num_blocks[rows], False))
+        return entries
+
+    def can_swap_out(self, req_ids) -> bool:
+        rows = self._check_swap_out(req_ids)
+        blocks = np.concatenate([b for b, _ in self._resident_blocks(rows)])
+        return self.config.num_cpu_blocks > 0 and np.unique(blocks[blocks != NULL_BLOCK]).size <= self.cpu_pool.num_free
+
+    def _check_swap_out(self, req_ids) -> np.ndarray:
+        rows = self._swap_rows(req_ids)
+        if self.swapped[rows].any():
+            raise errors.RequestSwapped("request already swapped out")
+        return rows
+
+    def swap_out(self, req_ids) -> SwapResult:
+        """Move requests' blocks to the CPU pool; a block shared among them moves once and stays
+        shared. Returns ``(gpu_block, cpu_block)`` pairs to copy."""
+        rows = self._check_swap_out(req_ids)
+        entries = self._resident_blocks(rows)
+        flat = np.concatenate([b for b, _ in entries])
+        live = flat[flat != NULL_BLOCK]
+        gpu, counts = np.unique(live, return_counts=True)
+        if self.config.num_cpu_blocks == 0 or gpu.size > self.cpu_pool.num_free:
+            return SwapResult(STATUS_NO_SPACE)
+        cpu = self.cpu_pool.take(gpu.size)
+        self.cpu_pool.ref_cnt[cpu] = counts
+        self.cpu_pool.block_hash[cpu] = self.pool.block_hash[gpu]
+        self._cpu_carry_key[cpu] = self.pool.cache_key[gpu]
+        for i, row in enumerate(rows.tolist()):
+            per_group = []
+            for (blocks, rep), g in zip(entries[:-1], self.groups):
+                mine = blocks[rep == i]
+                per_group.append(np.where(mine == NULL_BLOCK, -1, cpu[np.searchsorted(gpu, mine)]))
+            cross_blocks, cross_rep = entries[-1]
+            cross = cpu[np.searchsorted(gpu, cross_blocks[cross_rep == i])]
+            self._swapped[row] = _Swapped(per_group, [int(g.num_skipped[row]) for g in self.groups], cross)
+        self._release_rows_gpu(rows)
+        self.swapped[rows] = True
+        self.counters["swaps_out"] += gpu.size
+        self._debug_check()
+        return SwapResult(STATUS_OK, np.stack([gpu, cpu], axis=1).astype(np.int32))
+
+    def _release_rows_gpu(self, rows) -> None:
+        parts, prios = [], []
+        for g in self.groups:
+            blocks, rep = _row_blocks(g.table, rows, g.num_skipped[rows], g.num_blocks[rows], True)
+            parts.append(blocks)
+            prios.append(self.priority[rows[rep]])
+        cross, rep = _row_blocks(self.cross_table, rows, np.zeros_like(rows), self.cross_num_blocks[rows], True)
+        parts.append(cross)
+        prios.append(self.priority[rows[rep]])
+        blocks, prio = np.concatenate(parts), np.concatenate(prios)
+        live = blocks != NULL_BLOCK
+        self.pool.release(blocks[live], prio[live])
+        for g in self.groups:
+            g.table[rows] = NULL_BLOCK
+            g.num_blocks[rows] = 0
+        self.cross_table[rows] = NULL_BLOCK
+        self.cross_num_blocks[rows] = 0
+
+    def _check_swap_in(self, req_ids) -> np.ndarray:
+        rows = self._swap_rows(req_ids)
+        if not self.swapped[rows].all():
+            raise errors.RequestNotSwapped("request is not swapped out")
+        return rows
+
+    def _swap_in_plan(self, rows):
+        cpu_all = np.concatenate(
+            [b for row in rows.tolist() for b in (*self._swapped[row].cpu_blocks, self._swapped[row].cross)]
+        )
+        cpu_live = cpu_all[cpu_all >= 0]
+        cpu, counts = np.unique(cpu_live, return_counts=True)
+        keys = self._cpu_carry_key[cpu]
+        found = np.full(cpu.size, -1, np.int64)
+        for key in np.unique(keys[keys != 0]).tolist():
+            sel = np.flatnonzero(keys == key)
+            found[sel] = self.pool.cached_in(key, self.cpu_pool.block_hash[cpu[sel]])
+        revived = int(np.count_nonzero(self.pool.ref_cnt[found[found >= 0]] == 0))
+        need = int(np.count_nonzero(found < 0)) + revived
+        return cpu, counts, found, need
+
+    def can_swap_in(self, req_ids) -> bool:
+        rows = self._check_swap_in(req_ids)
+        _, _, _, need = self._swap_in_plan(rows)
+        return bool(need <= self._admission_headroom()) and len(self._free_rows) >= 0
+
+    def swap_in(self, req_ids) -> SwapResult:
+        """Bring swapped requests back. Content still in the GPU prefix cache is reused without a
+        copy. Returns ``(cpu_block, gpu_block)`` pairs to copy."""
+        rows = self._check_swap_in(req_ids)
+        cpu, counts, found, need = self._swap_in_plan(rows)
+        if need > self._admission_headroom():
+            return SwapResult(STATUS_NO_SPACE)
+        hit = found >= 0
+        gpu = np.empty(cpu.size, np.int32)
+        if hit.any():
+            reused = found[hit].astype(np.int32)
+            self.pool.touch(reused)
+            self.pool.ref_cnt[reused] += (counts[hit] - 1).astype(np.int32)
+            gpu[hit] = reused
+        miss = np.flatnonzero(~hit)
+        fresh = self.pool.take(miss.size)
+        self.pool.ref_cnt[fresh] = counts[miss]
+        gpu[miss] = fresh
+        keys = self._cpu_carry_key[cpu[miss]]
+        for key in np.unique(keys[keys != 0]).tolist():
+            sel = miss[keys == key]
+            self.pool.register(key, self.cpu_pool.block_hash[cpu[sel]], gpu[sel])
+        for row in rows.tolist():
+            record = self._swapped.pop(row)
+            for g, cpu_blocks, skip in zip(self.groups, record.cpu_blocks, record.num_skipped):
+                ids = np.where(cpu_blocks < 0, NULL_BLOCK, gpu[np.searchsorted(cpu, np.maximum(cpu_blocks, 0))])
+                g.table[row, :skip] = NULL_BLOCK
+                g.table[row, skip : skip + ids.size] = ids
+                g.num_blocks[row] = skip + ids.size
+            cross = gpu[np.searchsorted(cpu, record.cross)]
+            self.cross_table[row, : cross.size] = cross
+            self.cross_num_blocks[row] = cross.size
+        self._release_cpu(np.repeat(cpu, counts))
+        self.swapped[rows] = False
+        self.counters["swaps_in"] += cpu.size
+        self._debug_check()
+        return SwapResult(STATUS_OK, np.stack([cpu, gpu], axis=1).astype(np.int32))
+
+    def _release_cpu(self, blocks: np.ndarray) -> None:
+        blocks = blocks[blocks >= 0].astype(np.int32)
+        self.cpu_pool.release(blocks)
+        gone = blocks[self.cpu_pool.ref_cnt[blocks] == 0]
+        self._cpu_carry_key[gone] = 0
+
+    # ================================================================== step
+    def step(self, batch: StepBatch, namespace: int = 0) -> StepResult:
+        """Apply one scheduler step: frees, forks, appends, admissions (in that order). Misuse of
+        one request is reported in its status and does not stop the others."""
+        rows, n_new = self._step_append_inputs(batch)
+        hash_lists, hash_counts = self._step_hashes(batch, rows.size)
+        free_status, freed_rows = self._step_frees(batch.free)
+        fork_status, child_rows = self._step_forks(batch.forks)
+        copies_before = len(self._copies)
+        append_status = self._append_rows(rows, n_new, hash_lists, hash_counts, batch.num_lookahead_tokens)
+        admit_status, admit_rows, admit_cached = self._step_admits(batch.admit, namespace)
+        ok_app = append_status == STATUS_OK
+        ok_adm = admit_status == STATUS_OK
+        admit_tokens = np.fromiter((a.num_tokens for a in batch.admit), np.int64, count=len(batch.admit))
+        sched_rows = np.concatenate([rows[ok_app], admit_rows[ok_adm]]).astype(np.int32)
+        sched_len = np.concatenate([n_new[ok_app], admit_tokens[ok_adm] - admit_cached[ok_adm]]).astype(np.int32)
+        sched_start = (self.num_tokens[sched_rows] - sched_len).astype(np.int32)
+        copies = np.concatenate(self._copies[copies_before:]) if len(self._copies) > copies_before else _EMPTY_COPIES
+        self._debug_check()
+        return StepResult(
+            free_status=free_status,
+            fork_status=fork_status,
+            append_status=append_status,
+            admit_status=admit_status,
+            admit_rows=admit_rows,
+            admit_cached_tokens=admit_cached,
+            copies=copies,
+            changed_rows=np.concatenate([sched_rows, child_rows]) if child_rows.size else sched_rows,
+            sched_rows=sched_rows,
+            sched_start=sched_start,
+            sched_len=sched_len,
+            freed_rows=freed_rows,
+        )
+
+    def _step_frees(self, ids):
+        status = np.zeros(len(ids), np.int16)
+        if not len(ids):
+            return status, _EMPTY_I32
+        get = self._row_of.get
+        rows = []
+        seen = set()
+        for i, req_id in enumerate(ids):
+            try:
+                row = get(req_id)
+            except TypeError:
+                row = None
+            if row is None:
+                status[i] = errors.UnknownRequest.code
+            elif row in seen:
+                status[i] = errors.InvalidArgument.code
+            else:
+                seen.add(row)
+                rows.append(row)
+        rows = np.array(rows, np.int32)
+        if rows.size:
+            self._free_rows_now(rows)
+        return status, rows
+
+    def _step_forks(self, forks):
+        status = np.zeros(len(forks), np.int16)
+        child_rows = []
+        for i, pair in enumerate(forks):
+            try:
+                parent_id, child_id = pair
+                self._fork(parent_id, child_id)
+                child_rows.append(self._row_of[child_id])
+            except errors.KvdError as exc:
+                status[i] = exc.code
+            except (TypeError, ValueError):
+                status[i] = errors.InvalidArgument.code
+        return status, np.array(child_rows, np.int32)
+
+    def _step_append_inputs(self, batch: StepBatch):
+        if batch.append_rows is not None:
+            if len(batch.append_ids):
+                raise errors.InvalidArgument("give append_ids or append_rows, not both")
+            rows = np.asarray(batch.append_rows, np.int32).reshape(-1)
+        else:
+            get = self._row_of.get
+            rows = np.fromiter((_safe_get(get, r) for r in batch.append_ids), np.int32, count=len(batch.append_ids))
+        n_new = batch.append_num_tokens
+        n_new = np.full(rows.size, n_new, np.int64) if np.isscalar(n_new) else np.asarray(n_new, np.int64)
+        if n_new.shape != rows.shape:
+            raise errors.InvalidArgument("append_num_tokens must be one per appended request")
+        return rows, n_new
+
+    def _step_hashes(self, batch: StepBatch, n: int):
+        G = len(self.groups)
+        if not len(batch.append_hashes):
+            return [_EMPTY_HASHES] * G, [np.zeros(n, np.int64)] * G
+        if len(batch.append_hashes) != G or len(batch.append_hash_counts) != G:
+            raise errors.BadHashes(f"append hashes must be given for all {G} groups")
+        hashes = [as_hash_array(h) if len(h) else _EMPTY_HASHES for h in batch.append_hashes]
+        counts = [np.asarray(c, np.int64) for c in batch.append_hash_counts]
+        for h, c in zip(hashes, counts):
+            if c.shape != (n,) or (c < 0).any() or int(c.sum()) != h.size:
+                raise errors.BadHashes("append_hash_counts must be one non-negative count per request summing to the hashes given")
+        return hashes, counts
+
+    def _step_admits(self, admits, namespace: int):
+        m = len(admits)
+        status = np.zeros(m, np.int16)
+        rows = np.full(m, -1, np.int32)
+        cached = np.zeros(m, np.int64)
+        for i, req in enumerate(admits):
+            try:
+                result = self._admit(req, namespace)
+            except errors.KvdError as exc:
+                status[i] = exc.code
+                continue
+            except (TypeError, ValueError, AttributeError):
+                status[i] = errors.InvalidArgument.code
+                continue
+            status[i] = result.status
+            rows[i] = result.row
+            cached[i] = result.num_cached_tokens
+        return status, rows, cached
+
+    # ================================================================== queries
+    def block_table(self, req_id: ReqId, group: int = 0) -> np.ndarray:
+        row = self.row_of(req_id)
+        if not 0 <= group < len(self.groups):
+            raise errors.InvalidArgument(f"group must be in [0, {len(self.groups)})")
+        if self.swapped[row]:
+            raise errors.RequestSwapped(f"request {req_id!r} is swapped out")
+        g = self.groups[group]
+        return g.table[row, : g.num_blocks[row]].copy()
+
+    def cross_block_table(self, req_id: ReqId) -> np.ndarray:
+        row = self.row_of(req_id)
+        return self.cross_table[row, : self.cross_num_blocks[row]].copy()
+
+    def num_common_prefix_blocks(self, req_id: ReqId, num_running: int) -> int:
+        """Leading blocks held by exactly ``num_running`` requests (for cascade attention)."""
+        row = self.row_of(req_id)
+        g = self.groups[0]
+        blocks = g.table[row, : g.num_blocks[row]]
+        shared = self.pool.ref_cnt[blocks] == num_running
+        return int(blocks.size if shared.all() else np.argmin(shared))
+
+    def reset_prefix_cache(self, namespace: int | None = None) -> bool:
+        keys = None if namespace is None else {k for (ns, _), k in self._cache_keys.items() if ns == namespace}
+        return self.pool.reset_cache(keys)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return self.pool.num_used / max(self.pool.num_blocks - 1, 1)
+
+    def stats(self) -> dict:
+        queries = self.counters["prefix_queries"]
+        return {
+            "num_blocks": self.pool.num_blocks - 1,
+            "num_free_blocks": self.pool.num_free,
+            "num_used_blocks": self.pool.num_used,
+            "num_cached_blocks": self.pool.num_evictable,
+            "usage": self.usage,
+            "prefix_queries": queries,
+            "prefix_hits": self.counters["prefix_hits"],
+            "hit_rate": self.counters["prefix_hits"] / queries if queries else 0.0,
+            "evictions": self.pool.num_evictions,
+            "swaps_out": self.counters["swaps_out"],
+            "swaps_in": self.counters["swaps_in"],
+            "cow_copies": self.counters["cow_copies"],
+            "num_requests": self.num_requests,
+            "num_cpu_blocks": self.config.num_cpu_blocks,
+            "num_free_cpu_blocks": self.cpu_pool.num_free if self.config.num_cpu_blocks else 0,
+        }
+
+    # ================================================================== invariants
+    def _debug_check(self) -> None:
+        if self.config.debug_checks:
+            self.check_invariants(heavy=True)
+
+    def check_invariants(self, heavy: bool = False) -> None:
+        """Conservation (free + in use + cached-evictable == total) always; with ``heavy``, every
+        reference count recomputed from every block table and swap record."""
+        self.pool.check_invariants(heavy)
+        self.cpu_pool.check_invariants(heavy)
+        if not heavy:
+            return
+        assert len(self._row_of) + len(self._free_rows) == self.num_tokens.size
+        expected = np.zeros(self.pool.num_blocks, np.int64)
+        resident = np.flatnonzero(self.active & ~self.swapped)
+        for g in self.groups:
+            blocks, _ = _row_blocks(g.table, resident, g.num_skipped[resident], g.num_blocks[resident], False)
+            assert np.all(g.table[resident[:, None], np.arange(g.table.shape[1])[None, :]][
+                np.arange(g.table.shape[1])[None, :] < g.num_skipped[resident][:, None]] == NULL_BLOCK)
+            np.add.at(expected, blocks[blocks != NULL_BLOCK], 1)
+            assert np.all(g.num_registered[resident] <= self.num_tokens[resident] // g.block_size)
+            assert np.all(g.num_blocks[resident] >= _cdiv(self.num_tokens[resident], g.block_size))
+        cross, _ = _row_blocks(self.cross_table, resident, np.zeros_like(resident), self.cross_num_blocks[resident], False)
+        np.add.at(expected, cross, 1)
+        assert np.array_equal(expected, self.pool.ref_cnt), "GPU reference counts disagree with block tables"
+        cpu_expected = np.zeros(self.cpu_pool.num_blocks, np.int64)
+        for record in self._swapped.values():
+            for blocks in (*record.cpu_blocks, record.cross):
+                np.add.at(cpu_expected, blocks[blocks >= 0], 1)
+        assert np.array_equal(cpu_expected, self.cpu_pool.ref_cnt), "CPU reference counts disagree with swap records"
+        assert set(self._swapped) == set(np.flatnonzero(self.swapped & self.active).tolist())
+
+
+def _safe_get(get, req_id) -> int:
+    try:
+        return get(req_id, -1)
+    except TypeError:  # unhashable id
+        return -1
+
+
+def _validate_config(config: ManagerConfig) -> None:
+    if config.num_gpu_blocks < 2:
+        raise errors.InvalidArgument("num_gpu_blocks must be at least 2 (block 0 is the null block)")
+    if not config.groups:
+        raise errors.InvalidArgument("at least one KV-cache group is needed")
+    for g in config.groups:
+        if not 1 <= g.block_size <= 1024:
+            raise errors.InvalidArgument(f"block_size must be in [1, 1024], got {g.block_size}")
+        if g.sliding_window is not None and g.sliding_window < 1:
+            raise errors.InvalidArgument("sliding_window must be positive or None")
+    for name in ("max_model_len", "max_num_reqs"):
+        if getattr(config, name) < 1:
+            raise errors.InvalidArgument(f"{name} must be positive")
+    if config.num_cpu_blocks < 0 or config.max_encoder_len < 0 or config.max_lookahead_tokens < 0:
+        raise errors.InvalidArgument("sizes must not be negative")
+    if not 0.0 <= config.watermark < 1.0:
+        raise errors.InvalidArgument("watermark must be in [0, 1)")
+    if config.encoder_block_size < 1:
+        raise errors.InvalidArgument("encoder_block_size must be positive")
+    assert math.isfinite(config.watermark)

@@ -1,0 +1,369 @@
+"""The block pool: struct-of-arrays over every block, with an array-backed LRU free queue.
+
+Per block (numpy arrays, no Python object per block):
+
+    ref_cnt     int32   holders of the block (requests, forks, swap copies)
+    block_hash  S16     its prefix-cache hash; meaningful only while cache_key != 0
+    cache_key   uint16  which prefix-cache map holds it (a (namespace, group) id); 0 = not cached
+    evict_prio  uint8   eviction priority it was freed with
+    queue_pos   int32   its index in an eviction queue's buffer, or -1
+
+The free queue, front to back, is two array-backed parts:
+
+    1. the *fresh stack*: free blocks with no hash. Freed ones are pushed on top, so they are reused
+       first (front of the queue). Initially 1, 2, 3, ... come off in that order.
+    2. one *eviction queue* per priority (lowest first): free blocks that are still in the prefix
+       cache, in the order they were freed (least recently freed first). Taking one evicts it from
+       the cache. A prefix hit takes a block out of the middle in O(1) by leaving a tombstone
+       (queue_pos = -1); tombstones are skipped when popping and squeezed out on compaction.
+
+This is the order vLLM's doubly linked free list gives (uncached blocks at the head, cached blocks
+appended at the tail), but every operation works on arrays of blocks at once: popping k blocks is a
+slice, not k pointer hops. Block 0 is the null block: never free, never handed out, never counted.
+
+Conservation, always: fresh + evictable + in use == num_blocks - 1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvd.api import DEFAULT_PRIORITY, MAX_PRIORITY, NULL_BLOCK
+from kvd.hashing import HASH_DTYPE
+
+NO_CACHE_KEY = 0
+_MIN_QUEUE_CAPACITY = 1024
+
+
+class _EvictionQueue:
+    """FIFO of cached free blocks of one priority, with tombstones for O(1) removal."""
+
+    __slots__ = ("buf", "head", "tail", "live")
+
+    def __init__(self, capacity: int) -> None:
+        self.buf = np.empty(capacity, np.int32)
+        self.head = 0
+        self.tail = 0
+        self.live = 0
+
+    def push(self, blocks: np.ndarray, queue_pos: np.ndarray) -> None:
+        k = blocks.size
+        if self.tail + k > self.buf.size:
+            self._compact(queue_pos, k)
+        self.buf[self.tail : self.tail + k] = blocks
+        queue_pos[blocks] = np.arange(self.tail, self.tail + k, dtype=np.int32)
+        self.tail += k
+        self.live += k
+
+    def _compact(self, queue_pos: np.ndarray, extra: int) -> None:
+        alive = self.members(queue_pos)
+        capacity = self.buf.size
+        while capacity < 2 * (alive.size + extra):
+            capacity *= 2
+        if capacity != self.buf.size:
+            self.buf = np.empty(capacity, np.int32)
+        self.buf[: alive.size] = alive
+        queue_pos[alive] = np.arange(alive.size, dtype=np.int32)
+        self.head, self.tail = 0, alive.size
+
+    def members(self, queue_pos: np.ndarray) -> np.ndarray:
+        """Live blocks, oldest first."""
+        span = self.buf[self.head : self.tail]
+        return span[queue_pos[span] == np.arange(self.head, self.tail, dtype=np.int32)]
+
+    def pop(self, k: int, queue_pos: np.ndarray) -> np.ndarray:
+        """Take the k oldest live blocks (k <= live)."""
+        assert 0 < k <= self.live
+        taken = []
+        need = k
+        chunk = max(2 * k, 64)
+        while need:
+            end = min(self.head + chunk, self.tail)
+            span = self.buf[self.head : end]
+            valid = queue_pos[span] == np.arange(self.head, end, dtype=np.int32)
+            idx = np.flatnonzero(valid)
+            if idx.size >= need:
+                idx = idx[:need]
+                self.head += int(idx[-1]) + 1
+            else:
+                self.head = end
+            taken.append(span[idx])
+            need -= idx.size
+            chunk *= 2
+        blocks = taken[0] if len(taken) == 1 else np.concatenate(taken)
+        queue_pos[blocks] = -1
+        self.live -= k
+        return blocks
+
+
+class BlockPool:
+    """Reference counts, prefix-cache maps and the free queue of one pool (GPU or CPU)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError("a pool needs at least the null block")
+        self.num_blocks = num_blocks
+        self.ref_cnt = np.zeros(num_blocks, np.int32)
+        self.block_hash = np.zeros(num_blocks, HASH_DTYPE)
+        self.cache_key = np.zeros(num_blocks, np.uint16)
+        self.evict_prio = np.zeros(num_blocks, np.uint8)
+        self.queue_pos = np.full(num_blocks, -1, np.int32)
+        # Top of the stack is the end: the reversed range hands out 1, 2, 3, ... first.
+        self._stack = np.arange(num_blocks - 1, 0, -1, dtype=np.int32)
+        self._stack_top = num_blocks - 1
+        self._queues: dict[int, _EvictionQueue] = {}
+        self._queue_order: list[int] = []
+        self.caches: dict[int, dict[bytes, int]] = {}
+        self.num_evictions = 0
+        # Conservation is checked against these counts on every call that changes them.
+        self._num_evictable = 0
+
+    # ---------------------------------------------------------------- counts
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (fresh + evictable cached)."""
+        return self._stack_top + self._num_evictable
+
+    @property
+    def num_fresh(self) -> int:
+        return self._stack_top
+
+    @property
+    def num_evictable(self) -> int:
+        return self._num_evictable
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - 1 - self.num_free
+
+    def nbytes_per_block(self) -> float:
+        queues = sum(q.buf.nbytes for q in self._queues.values())
+        arrays = (
+            self.ref_cnt.nbytes
+            + self.block_hash.nbytes
+            + self.cache_key.nbytes
+            + self.evict_prio.nbytes
+            + self.queue_pos.nbytes
+            + self._stack.nbytes
+        )
+        return (arrays + queues) / self.num_blocks
+
+    # ---------------------------------------------------------------- taking blocks
+    def take(self, k: int) -> np.ndarray:
+        """Hand out k blocks from the front of the free queue (ref count 1). k <= num_free."""
+        assert 0 <= k <= self.num_free, (k, self.num_free)
+        from_stack = min(k, self._stack_top)
+        top = self._stack_top
+        blocks = self._stack[top - from_stack : top][::-1]
+        self._stack_top = top - from_stack
+        if from_stack < k:
+            blocks = np.concatenate([blocks, self._evict(k - from_stack)])
+        else:
+            blocks = blocks.copy()
+        self.ref_cnt[blocks] = 1
+        return blocks
+
+    def _evict(self, k: int) -> np.ndarray:
+        parts = []
+        for prio in self._queue_order:
+            queue = self._queues[prio]
+            if not queue.live:
+                continue
+            n = min(k, queue.live)
+            parts.append(queue.pop(n, self.queue_pos))
+            k -= n
+            if not k:
+                break
+        assert k == 0
+        blocks = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        self._num_evictable -= blocks.size
+        self._uncache(blocks)
+        self.num_evictions += blocks.size
+        return blocks
+
+    def _uncache(self, blocks: np.ndarray) -> None:
+        keys = self.cache_key[blocks]
+        for key, h in zip(keys.tolist(), self.block_hash[blocks].tolist()):
+            del self.caches[key][h]
+        self.cache_key[blocks] = NO_CACHE_KEY
+
+    def touch(self, blocks: np.ndarray) -> None:
+        """Take a reference on blocks found in the prefix cache (unique ids), reviving free ones."""
+        revived = blocks[self.ref_cnt[blocks] == 0]
+        if revived.size:
+            self.queue_pos[revived] = -1
+            for prio, count in zip(*np.unique(self.evict_prio[revived], return_counts=True)):
+                self._queues[int(prio)].live -= int(count)
+            self._num_evictable -= revived.size
+        self.ref_cnt[blocks] += 1
+
+    def incref(self, blocks: np.ndarray) -> None:
+        """Another holder of blocks already in use (fork, shared swap copy); ids may repeat."""
+        np.add.at(self.ref_cnt, blocks, 1)
+
+    # ---------------------------------------------------------------- returning blocks
+    def release(self, blocks: np.ndarray, priority: int | np.ndarray = DEFAULT_PRIORITY) -> None:
+        """Drop one reference per entry, in freeing order (ids may repeat). Blocks whose count
+        reaches zero join the free queue: uncached ones at the front, cached ones at the back of
+        their priority's eviction queue. ``priority`` is one value or one per entry."""
+        if not blocks.size:
+            return
+        assert not np.any(blocks == NULL_BLOCK)
+        if _has_duplicates(blocks, self.num_blocks):
+            np.subtract.at(self.ref_cnt, blocks, 1)
+            last = np.full(self.num_blocks, -1, np.int64)
+            np.maximum.at(last, blocks, np.arange(blocks.size))
+            keep = last[blocks] == np.arange(blocks.size)
+        else:
+            self.ref_cnt[blocks] -= 1
+            keep = slice(None)
+        assert self.ref_cnt.min(initial=0) >= 0
+        freed_mask = self.ref_cnt[blocks] == 0
+        if isinstance(keep, np.ndarray):
+            freed_mask &= keep
+        freed = blocks[freed_mask]
+        if not freed.size:
+            return
+        prio = priority if np.isscalar(priority) else np.asarray(priority)[freed_mask]
+        cached = self.cache_key[freed] != NO_CACHE_KEY
+        fresh = freed[~cached]
+        if fresh.size:
+            top = self._stack_top
+            self._stack[top : top + fresh.size] = fresh
+            self._stack_top = top + fresh.size
+        if fresh.size != freed.size:
+            self._enqueue(freed[cached], prio if np.isscalar(prio) else prio[cached])
+
+    def _enqueue(self, blocks: np.ndarray, priority) -> None:
+        if np.isscalar(priority):
+            self._queue(int(priority)).push(blocks, self.queue_pos)
+            self.evict_prio[blocks] = priority
+        else:
+            self.evict_prio[blocks] = priority
+            for prio in np.unique(priority).tolist():
+                self._queue(prio).push(blocks[priority == prio], self.queue_pos)
+        self._num_evictable += blocks.size
+
+    def _queue(self, prio: int) -> _EvictionQueue:
+        queue = self._queues.get(prio)
+        if queue is None:
+            assert 0 <= prio <= MAX_PRIORITY
+            queue = _EvictionQueue(min(_MIN_QUEUE_CAPACITY, 2 * self.num_blocks))
+            self._queues[prio] = queue
+            self._queue_order = sorted(self._queues)
+        return queue
+
+    # ---------------------------------------------------------------- prefix cache
+    def cache_map(self, key: int) -> dict[bytes, int]:
+        cache = self.caches.get(key)
+        if cache is None:
+            cache = self.caches[key] = {}
+        return cache
+
+    def lookup(self, key: int, hashes: list[bytes]) -> np.ndarray:
+        """Blocks of the leading run of ``hashes`` found in cache ``key``."""
+        cache = self.caches.get(key)
+        if not cache:
+            return np.empty(0, np.int32)
+        hits = []
+        for h in hashes:
+            block = cache.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return np.array(hits, np.int32)
+
+    def register(self, key: int, hashes: np.ndarray, blocks: np.ndarray) -> None:
+        """Put full blocks in cache ``key`` under their hashes; a hash already cached keeps its
+        block (the new block then stays uncached, as block tables never dedup)."""
+        if not blocks.size:
+            return
+        cache = self.cache_map(key)
+        keys = hashes.tolist()
+        if cache.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+            cache.update(zip(keys, blocks.tolist()))
+            mask = slice(None)
+        else:
+            mask = np.zeros(blocks.size, bool)
+            for i, (h, b) in enumerate(zip(keys, blocks.tolist())):
+                if h not in cache:
+                    cache[h] = b
+                    mask[i] = True
+        self.block_hash[blocks[mask]] = hashes[mask]
+        self.cache_key[blocks[mask]] = key
+
+    def cached_in(self, key: int, hashes: np.ndarray) -> np.ndarray:
+        """Block per hash (or -1) in cache ``key`` — used to revive swapped-in content."""
+        cache = self.caches.get(key, {})
+        return np.array([cache.get(h, -1) for h in hashes.tolist()], np.int64)
+
+    def reset_cache(self, keys: set[int] | None = None) -> bool:
+        """Forget cached hashes (of ``keys`` only, if given) provided no request holds any such
+        block; evictable ones become fresh free blocks. Returns whether it reset."""
+        cached = np.flatnonzero(self.cache_key != NO_CACHE_KEY)
+        if keys is not None:
+            cached = cached[np.isin(self.cache_key[cached], list(keys))]
+        if np.any(self.ref_cnt[cached] > 0):
+            return False
+        for key in keys if keys is not None else list(self.caches):
+            self.caches.pop(key, None)
+        self.cache_key[cached] = NO_CACHE_KEY
+        self.queue_pos[cached] = -1
+        for queue in self._queues.values():
+            queue.live = len(queue.members(self.queue_pos))
+        self._num_evictable -= cached.size
+        # Newly fresh blocks go on top of the stack in their old eviction order.
+        top = self._stack_top
+        self._stack[top : top + cached.size] = cached[::-1]
+        self._stack_top = top + cached.size
+        return True
+
+    # ---------------------------------------------------------------- introspection
+    def free_queue_order(self) -> np.ndarray:
+        """Every free block, front (next handed out) to back (last evicted)."""
+        parts = [self._stack[: self._stack_top][::-1]]
+        parts += [self._queues[p].members(self.queue_pos) for p in self._queue_order]
+        return np.concatenate(parts)
+
+    def check_invariants(self, heavy: bool = False) -> None:
+        """Conservation always; with ``heavy``, every array against every other."""
+        assert self.ref_cnt[NULL_BLOCK] == 0 and self.cache_key[NULL_BLOCK] == NO_CACHE_KEY
+        assert self._num_evictable == sum(q.live for q in self._queues.values())
+        in_use = int(np.count_nonzero(self.ref_cnt))
+        assert self._stack_top + self._num_evictable + in_use == self.num_blocks - 1, (
+            self._stack_top,
+            self._num_evictable,
+            in_use,
+        )
+        if not heavy:
+            return
+        free = self.free_queue_order()
+        assert np.unique(free).size == free.size
+        assert NULL_BLOCK not in free
+        assert np.all(self.ref_cnt[free] == 0)
+        stack = self._stack[: self._stack_top]
+        assert np.all(self.cache_key[stack] == NO_CACHE_KEY)
+        evictable = free[self._stack_top :]
+        assert np.all(self.cache_key[evictable] != NO_CACHE_KEY)
+        for prio in self._queue_order:
+            members = self._queues[prio].members(self.queue_pos)
+            assert members.size == self._queues[prio].live
+            assert np.all(self.evict_prio[members] == prio)
+        in_queue = np.flatnonzero(self.queue_pos >= 0)
+        assert np.array_equal(np.sort(in_queue), np.sort(evictable))
+        total = 0
+        for key, cache in self.caches.items():
+            for h, b in cache.items():
+                assert self.cache_key[b] == key and self.block_hash[b].tobytes().rstrip(b"\0") == h
+            total += len(cache)
+        assert total == np.count_nonzero(self.cache_key)
+
+
+def _has_duplicates(blocks: np.ndarray, num_blocks: int) -> bool:
+    if blocks.size < 2:
+        return False
+    if blocks.size > 64:
+        # Sorting is O(k log k) but cheaper than a pool-sized scratch array for small k.
+        s = np.sort(blocks)
+        return bool(np.any(s[1:] == s[:-1]))
+    return len(set(blocks.tolist())) != blocks.size
