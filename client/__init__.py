@@ -1,0 +1,5 @@
+"""kvd_client: the kvd block manager's API over the daemon (see kvd_client.client)."""
+
+from kvd_client.client import AsyncClient, Client, default_endpoint
+
+__all__ = ["Client", "AsyncClient", "default_endpoint"]

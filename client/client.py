@@ -1,0 +1,783 @@
+"""kvd client library: the ``BlockManager`` API over the daemon's socket and shared memory.
+
+``Client`` (blocking) and ``AsyncClient`` (asyncio) expose the manager's methods (lookup,
+can_allocate, allocate, append_slots, free, fork, can_swap_out/swap_out, can_swap_in/swap_in,
+reset_prefix_cache, stats, block_table) plus ``step`` (one whole scheduler step, one round trip).
+
+Request ids are whatever the engine uses (str, int, any hashable); the client maps them to rows of
+its session (``row_of``). Block tables, block counts and slot mappings are read-only numpy views into
+the session's shared memory (``tables[g]``, ``num_blocks[g]``, ``slot_mappings[g]``), written by the
+daemon before it replies; they never move while the session lives (they are replaced by
+``reconnect()`` after a daemon restart).
+
+Reliability: every request has a timeout and is retried with the same sequence number (the daemon
+replays its cached reply, so a retried step is applied once); ``Timeout`` when every attempt failed.
+A reply from a daemon with another boot epoch raises ``DaemonRestarted``: every block is gone;
+``reconnect()`` opens a new session. A background thread heartbeats the session (lease renewal) so an
+idle engine keeps its blocks; a killed engine stops heartbeating and the daemon reclaims its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import os
+import secrets
+import threading
+import time
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import numpy as np
+import orjson
+import zmq
+
+from kvd import protocol as P
+from kvd.api import (
+    DEFAULT_PRIORITY,
+    STATUS_OK,
+    AllocResult,
+    AllocStatus,
+    AppendResult,
+    StepBatch,
+    StepResult,
+)
+from kvd.errors import (
+    ERROR_BY_CODE,
+    DaemonRestarted,
+    DuplicateRequest,
+    InvalidArgument,
+    KvdError,
+    ProtocolError,
+    SessionError,
+    Timeout,
+    UnknownRequest,
+)
+from kvd.shm import SessionBuffers
+
+DEFAULT_ENDPOINT_ENV = "KVD_ENDPOINT"
+_EMPTY_I32 = np.empty(0, np.int32)
+_EMPTY_I16 = np.empty(0, np.int16)
+
+
+def default_endpoint() -> str:
+    """$KVD_ENDPOINT, else the daemon's default ipc socket (see kvd.config.ServeConfig)."""
+    ep = os.environ.get(DEFAULT_ENDPOINT_ENV)
+    if ep:
+        return ep
+    rd = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    if not rd:
+        xdg = os.environ.get("XDG_RUNTIME_DIR", "")
+        rd = os.path.join(xdg, "kvd") if xdg else f"/tmp/kvd-{os.getuid()}"
+    return "ipc://" + os.path.join(rd, "kvd.sock")
+
+
+def _tag(req_id: Hashable) -> int:
+    if type(req_id) is int and 0 < req_id < (1 << 63):
+        return req_id
+    d = hashlib.blake2b(repr(req_id).encode(), digest_size=8).digest()
+    return int.from_bytes(d, "little") or 1
+
+
+def _raise(h: dict) -> None:
+    cls = ERROR_BY_CODE.get(int(h.get("err", 1)), KvdError)
+    raise cls(h.get("msg", ""))
+
+
+class _Heartbeat(threading.Thread):
+    """Sends a heartbeat for the session every ``interval`` seconds on its own socket."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, interval: float):
+        super().__init__(name="kvd-heartbeat", daemon=True)
+        self.ctx = ctx
+        self.endpoint = endpoint
+        self.interval = interval
+        self.sid = 0
+        self.stop_event = threading.Event()
+        self.last_error: dict | None = None
+
+    def run(self) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 4)
+        sock.setsockopt(zmq.RCVHWM, 4)
+        sock.connect(self.endpoint)
+        try:
+            while not self.stop_event.wait(self.interval):
+                sid = self.sid
+                if not sid:
+                    continue
+                try:
+                    sock.send(P.request(P.HEARTBEAT, sid, 0), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                while sock.poll(0):
+                    rep = sock.recv_multipart()
+                    try:
+                        h = orjson.loads(rep[0])
+                        self.last_error = h if "err" in h else None
+                    except Exception:
+                        pass
+        except zmq.ZMQError:
+            pass
+        finally:
+            sock.close(0)
+
+
+class _Core:
+    """State and message building shared by Client and AsyncClient (no I/O here)."""
+
+    def __init__(self, endpoint: str | None = None, *, tenant: str = "", name: str = "",
+                 timeout_s: float = 2.0, retries: int = 2, heartbeat: bool = True):
+        self.endpoint = endpoint or default_endpoint()
+        self.tenant = tenant
+        self.name = name
+        self.timeout_s = float(timeout_s)
+        self.retries = int(retries)
+        self._want_heartbeat = heartbeat
+        self._seq = 0
+        self.sid = 0
+        self.epoch: str | None = None
+        self.info: dict = {}
+        self.shm: SessionBuffers | None = None
+        self._reset_rows(0)
+
+    # ---- rows ---------------------------------------------------------------------------------------
+    def _reset_rows(self, max_reqs: int) -> None:
+        self._row_of: dict[Hashable, int] = {}
+        self._id_of: list[Hashable | None] = [None] * max_reqs
+        self._free_rows: list[int] = list(range(max_reqs - 1, -1, -1))
+
+    def _new_row(self, req_id: Hashable) -> int:
+        if req_id in self._row_of:
+            raise DuplicateRequest(f"request {req_id!r} already exists")
+        if not self._free_rows:
+            from kvd.errors import CapacityExceeded
+
+            raise CapacityExceeded("no free row in this session (max_reqs_per_session)")
+        r = self._free_rows.pop()
+        self._row_of[req_id] = r
+        self._id_of[r] = req_id
+        return r
+
+    def _drop_row(self, row: int) -> None:
+        rid = self._id_of[row]
+        if rid is not None:
+            self._id_of[row] = None
+            del self._row_of[rid]
+            self._free_rows.append(row)
+
+    def row_of(self, req_id: Hashable) -> int:
+        try:
+            return self._row_of[req_id]
+        except KeyError:
+            raise UnknownRequest(f"unknown request {req_id!r}") from None
+
+    def rows_of(self, req_ids: Sequence[Hashable]) -> np.ndarray:
+        m = self._row_of
+        try:
+            return np.fromiter((m[i] for i in req_ids), np.int32, len(req_ids))
+        except KeyError as e:
+            raise UnknownRequest(f"unknown request {e.args[0]!r}") from None
+
+    def id_of(self, row: int) -> Hashable | None:
+        return self._id_of[row]
+
+    @property
+    def request_ids(self) -> list:
+        return list(self._row_of)
+
+    # ---- shared-memory views ----------------------------------------------------------------------
+    @property
+    def tables(self) -> list[np.ndarray]:
+        return self.shm.tables
+
+    @property
+    def num_blocks(self) -> list[np.ndarray]:
+        return self.shm.counts
+
+    @property
+    def slot_mappings(self) -> list[np.ndarray]:
+        return self.shm.slots
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        return tuple(self.info.get("block_sizes", ()))
+
+    def block_table(self, req_id: Hashable, group: int = 0) -> np.ndarray:
+        """The request's block ids (read-only view into shared memory, valid until it changes)."""
+        r = self.row_of(req_id)
+        return self.shm.tables[group][r, : int(self.shm.counts[group][r])]
+
+    def hash_prompt(self, token_ids, **kw) -> np.ndarray:
+        """kvd.hashing.hash_prompt with this pool's block size and hash algorithm."""
+        from kvd.hashing import hash_prompt
+
+        kw.setdefault("algo", self.info.get("hash_algo", "sha256"))
+        return hash_prompt(token_ids, self.block_sizes[0], **kw)
+
+    # ---- session ----------------------------------------------------------------------------------
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _hello_msg(self) -> tuple[str, dict, list]:
+        return P.HELLO, {"tenant": self.tenant, "name": self.name, "pid": os.getpid(),
+                         "nonce": secrets.token_hex(8)}, []
+
+    def _on_session(self, h: dict) -> None:
+        old = self.shm
+        self.sid = int(h["sid"])
+        self.epoch = h["e"]
+        self.info = h
+        if old is None or old.name != h["shm"]:
+            self.shm = SessionBuffers.attach(h["shm"])
+            self._reset_rows(int(h["max_reqs"]))
+            if old is not None:
+                old.close()
+
+    def _check(self, h: dict, seq: int) -> bool:
+        """True when ``h`` answers ``seq``; raises for errors and for another daemon boot."""
+        if h.get("q") != seq:
+            return False
+        e = h.get("e")
+        if self.epoch is not None and e != self.epoch:
+            raise DaemonRestarted(f"daemon restarted (epoch {self.epoch} -> {e}); call reconnect()")
+        if "err" in h:
+            _raise(h)
+        return True
+
+    def _hashes(self, block_hashes: Any) -> list[bytes]:
+        G = int(self.info.get("num_groups", 1))
+        if G == 1:
+            if isinstance(block_hashes, (list, tuple)) and block_hashes and isinstance(block_hashes[0], np.ndarray):
+                block_hashes = block_hashes[0] if len(block_hashes) == 1 else block_hashes
+            return [P.hashes_frame(block_hashes)]
+        if not block_hashes:
+            return [P.EMPTY] * G
+        if len(block_hashes) != G:
+            raise InvalidArgument(f"expected block hashes for {G} groups")
+        return [P.hashes_frame(x) for x in block_hashes]
+
+    # ---- requests: (op, header fields, frames, post-processing) -----------------------------------
+    def _req_lookup(self, block_hashes, namespace=None):
+        """Number of leading blocks of ``block_hashes`` (group 0) cached in this session's namespace."""
+        return P.LOOKUP, {}, [P.hashes_frame(block_hashes)], lambda h, f: int(h["n"])
+
+    def _req_can_allocate(self, num_tokens, block_hashes=(), num_lookahead_tokens=0, *,
+                          max_new_tokens=0, num_encoder_tokens=0, namespace=None):
+        return (P.CAN_ALLOCATE, {"nt": int(num_tokens), "la": int(num_lookahead_tokens),
+                                 "mnt": int(max_new_tokens), "net": int(num_encoder_tokens)},
+                self._hashes(block_hashes), lambda h, f: AllocStatus(int(h["status"])))
+
+    def _req_allocate(self, req_id, num_tokens, block_hashes=(), num_lookahead_tokens=0, *,
+                      priority=DEFAULT_PRIORITY, num_encoder_tokens=0, max_new_tokens=0, namespace=None):
+        frames = self._hashes(block_hashes)
+        row = self._new_row(req_id)
+
+        def post(h, f):
+            st = int(h["status"])
+            if st != STATUS_OK:
+                self._drop_row(row)
+                return AllocResult(st)
+            return AllocResult(STATUS_OK, self._row_tables(row), int(h["cached"]), row)
+
+        return (P.ALLOCATE, {"row": row, "tag": _tag(req_id), "nt": int(num_tokens),
+                             "la": int(num_lookahead_tokens), "pri": int(priority),
+                             "net": int(num_encoder_tokens), "mnt": int(max_new_tokens)},
+                frames, post, lambda: self._drop_row(row))
+
+    def _row_tables(self, row: int) -> tuple[np.ndarray, ...]:
+        shm = self.shm
+        return tuple(shm.tables[g][row, : int(shm.counts[g][row])] for g in range(len(shm.tables)))
+
+    def _req_append_slots(self, req_id, num_new_tokens, new_block_hashes=(), num_lookahead_tokens=0):
+        row = self.row_of(req_id)
+
+        def post(h, f):
+            st = int(h["status"])
+            if st != STATUS_OK:
+                return AppendResult(st)
+            G = len(f) - 1
+            ids = tuple(np.frombuffer(f[g], np.int32) for g in range(G))
+            return AppendResult(STATUS_OK, ids, np.frombuffer(f[G], np.int32).reshape(-1, 2))
+
+        return (P.APPEND, {"row": row, "n": int(num_new_tokens), "la": int(num_lookahead_tokens)},
+                self._hashes(new_block_hashes), post)
+
+    def _req_free(self, req_id):
+        row = self.row_of(req_id)
+
+        def post(h, f):
+            self._drop_row(row)
+
+        return P.FREE, {}, [np.array([row], np.int32).tobytes()], post
+
+    def _req_fork(self, parent_id, child_id):
+        prow = self.row_of(parent_id)
+        crow = self._new_row(child_id)
+        return (P.FORK, {"parent": prow, "child": crow, "tag": _tag(child_id)}, [],
+                lambda h, f: None, lambda: self._drop_row(crow))
+
+    def _swap_rows(self, req_ids) -> bytes:
+        if isinstance(req_ids, (list, tuple, np.ndarray)):
+            return self.rows_of(list(req_ids)).tobytes()
+        return np.array([self.row_of(req_ids)], np.int32).tobytes()
+
+    def _req_can_swap_out(self, req_ids):
+        return P.CAN_SWAP_OUT, {}, [self._swap_rows(req_ids)], lambda h, f: bool(h["ok"])
+
+    def _req_can_swap_in(self, req_ids):
+        return P.CAN_SWAP_IN, {}, [self._swap_rows(req_ids)], lambda h, f: bool(h["ok"])
+
+    def _req_swap_out(self, req_ids):
+        return P.SWAP_OUT, {}, [self._swap_rows(req_ids)], _swap_result
+
+    def _req_swap_in(self, req_ids):
+        return P.SWAP_IN, {}, [self._swap_rows(req_ids)], _swap_result
+
+    def _req_reset_prefix_cache(self, namespace=None):
+        """Clear this session's namespace of the prefix cache (other tenants are untouched)."""
+        return P.RESET_PREFIX_CACHE, {}, [], lambda h, f: bool(h["done"])
+
+    def _req_stats(self):
+        return P.STATS, {}, [], lambda h, f: h["stats"]
+
+    def _req_heartbeat(self):
+        return P.HEARTBEAT, {}, [], lambda h, f: None
+
+    def _req_step(self, batch: StepBatch, namespace=None):
+        """Apply one scheduler step (frees, forks, appends, admissions; see kvd.api.StepBatch).
+        Returns a StepResult whose rows are session rows; the block tables and the step's slot
+        mapping are in ``tables`` / ``slot_mappings`` when it returns."""
+        G = int(self.info.get("num_groups", 1))
+        new_rows: list[int] = []
+        try:
+            free_ids = batch.free
+            nf = len(free_ids)
+            free_rows = self.rows_of(list(free_ids)) if nf else _EMPTY_I32
+            nk = len(batch.forks)
+            if nk:
+                fr = np.empty((nk, 2), np.int32)
+                tags = np.empty(nk, np.uint64)
+                for i, (p, c) in enumerate(batch.forks):
+                    fr[i, 0] = self.row_of(p)
+                    fr[i, 1] = self._new_row(c)
+                    new_rows.append(int(fr[i, 1]))
+                    tags[i] = _tag(c)
+                fork_b, tags_b = fr.tobytes(), tags.tobytes()
+            else:
+                fork_b = tags_b = P.EMPTY
+            if batch.append_rows is not None:
+                app_rows = np.ascontiguousarray(batch.append_rows, np.int32)
+            elif len(batch.append_ids):
+                app_rows = self.rows_of(batch.append_ids)
+            else:
+                app_rows = _EMPTY_I32
+            na = app_rows.shape[0]
+            ant = batch.append_num_tokens
+            fields = {"la": int(batch.num_lookahead_tokens), "nf": nf, "nk": nk, "na": na}
+            if isinstance(ant, (int, np.integer)):
+                fields["an"] = int(ant)
+                ant_b = P.EMPTY
+            else:
+                ant_b = np.ascontiguousarray(ant, np.int32).tobytes()
+            frames = [free_rows.tobytes(), fork_b, tags_b, app_rows.tobytes(), ant_b]
+            ah = batch.append_hashes
+            ac = batch.append_hash_counts
+            for g in range(G):
+                if len(ah) > g and len(ac) > g:
+                    frames.append(P.hashes_frame(ah[g]))
+                    frames.append(np.ascontiguousarray(ac[g], np.int32).tobytes())
+                else:
+                    frames.append(P.EMPTY)
+                    frames.append(P.EMPTY)
+            nd = len(batch.admit)
+            fields["nd"] = nd
+            adm = np.empty((nd, P.ADMIT_COLS), np.int64)
+            hs: list[list[bytes]] = [[] for _ in range(G)]
+            cnts = np.empty((G, nd), np.int32)
+            for i, a in enumerate(batch.admit):
+                row = self._new_row(a.req_id)
+                new_rows.append(row)
+                adm[i] = (row, a.num_tokens, a.num_lookahead_tokens, a.priority,
+                          a.num_encoder_tokens, a.max_new_tokens, 0)
+                adm[i, 6] = np.uint64(_tag(a.req_id)).view(np.int64)
+                per_g = self._hashes(a.block_hashes)
+                for g in range(G):
+                    hs[g].append(per_g[g])
+                    cnts[g, i] = len(per_g[g]) // P.HASH_WIDTH
+            frames.append(adm.tobytes())
+            for g in range(G):
+                frames.append(b"".join(hs[g]))
+                frames.append(cnts[g].tobytes())
+        except BaseException:
+            for r in new_rows:
+                self._drop_row(r)
+            raise
+
+        def post(h, f):
+            free_status = np.frombuffer(f[0], np.int16)
+            fork_status = np.frombuffer(f[1], np.int16)
+            admit_status = np.frombuffer(f[3], np.int16)
+            admit_rows = adm[:, 0].astype(np.int32) if nd else _EMPTY_I32
+            if nf:
+                for r, st in zip(free_rows.tolist(), free_status.tolist()):
+                    if st == STATUS_OK:
+                        self._drop_row(r)
+            if nk:
+                for i, st in enumerate(fork_status.tolist()):
+                    if st != STATUS_OK:
+                        self._drop_row(int(fr[i, 1]))
+            if nd:
+                bad = admit_status != STATUS_OK
+                if bad.any():
+                    for r in admit_rows[bad].tolist():
+                        self._drop_row(r)
+                    admit_rows = np.where(bad, -1, admit_rows).astype(np.int32)
+            res = StepResult(
+                free_status=free_status, fork_status=fork_status,
+                append_status=np.frombuffer(f[2], np.int16), admit_status=admit_status,
+                admit_rows=admit_rows, admit_cached_tokens=np.frombuffer(f[4], np.int32),
+                copies=np.frombuffer(f[5], np.int32).reshape(-1, 2),
+                changed_rows=np.frombuffer(f[6], np.int32),
+                sched_rows=_EMPTY_I32, sched_start=_EMPTY_I32, sched_len=_EMPTY_I32,
+                freed_rows=np.frombuffer(f[7], np.int32),
+            )
+            res.num_scheduled_tokens = h.get("nt", [])  # type: ignore[attr-defined]
+            return res
+
+        def undo():
+            for r in new_rows:
+                self._drop_row(r)
+
+        return P.STEP, fields, frames, post, undo
+
+
+def _swap_result(h, f):
+    st = int(h["status"])
+    mapping = np.frombuffer(f[0], np.int32).reshape(-1, 2) if f else np.empty((0, 2), np.int32)
+    try:
+        from kvd.manager import SwapResult  # type: ignore
+
+        return SwapResult(st, mapping)
+    except Exception:
+        return _SwapResult(st, mapping)
+
+
+class _SwapResult:
+    __slots__ = ("status", "mapping")
+
+    def __init__(self, status, mapping):
+        self.status = status
+        self.mapping = mapping
+
+    @property
+    def ok(self) -> bool:
+        return self.status == STATUS_OK
+
+
+_API = ("lookup", "can_allocate", "allocate", "append_slots", "free", "fork", "can_swap_out",
+        "swap_out", "can_swap_in", "swap_in", "reset_prefix_cache", "stats", "step")
+
+
+# ---- blocking client ----------------------------------------------------------------------------
+
+class Client(_Core):
+    """Blocking client. ``Client(endpoint=None, tenant="", name="", timeout_s=2.0, retries=2)``
+    says hello at once (raises Timeout when no daemon answers)."""
+
+    def __init__(self, endpoint: str | None = None, **kw: Any):
+        super().__init__(endpoint, **kw)
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket | None = None
+        self._hb: _Heartbeat | None = None
+        try:
+            self._open()
+            self._hello()
+        except BaseException:
+            self.close(goodbye=False)
+            raise
+
+    def _open(self) -> None:
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 64)
+        s.setsockopt(zmq.RCVHWM, 64)
+        s.connect(self.endpoint)
+        self._sock = s
+
+    def _start_heartbeat(self) -> None:
+        if not self._want_heartbeat:
+            return
+        if self._hb is None:
+            self._hb = _Heartbeat(self._ctx, self.endpoint, float(self.info.get("hb_s", 0.375)))
+            self._hb.sid = self.sid
+            self._hb.start()
+        self._hb.sid = self.sid
+
+    def _hello(self) -> None:
+        op, fields, frames = self._hello_msg()
+        self.epoch = None
+        h, _ = self._call(op, fields, frames, sid=0)
+        self._on_session(h)
+        self._start_heartbeat()
+
+    def _call(self, op: str, fields: dict, frames: list, sid: int | None = None) -> tuple[dict, list]:
+        seq = self._next_seq()
+        msg = [P.request(op, self.sid if sid is None else sid, seq, **fields), *frames]
+        sock = self._sock
+        if sock is None:
+            raise SessionError("client is closed")
+        timeout_ms = int(self.timeout_s * 1000)
+        for _attempt in range(self.retries + 1):
+            try:
+                sock.send_multipart(msg, zmq.NOBLOCK)
+            except zmq.Again:
+                time.sleep(min(self.timeout_s, 0.05))
+                continue
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                left = int((deadline - time.monotonic()) * 1000)
+                if left <= 0 or not sock.poll(max(left, 0) if left < timeout_ms else timeout_ms):
+                    break
+                rep = sock.recv_multipart()
+                try:
+                    h = orjson.loads(rep[0])
+                except orjson.JSONDecodeError:
+                    continue
+                if self._check(h, seq):
+                    return h, rep[1:]
+        raise Timeout(f"no reply to {op} from {self.endpoint} after {self.retries + 1} attempts")
+
+    def _do(self, spec: tuple) -> Any:
+        op, fields, frames, post = spec[:4]
+        try:
+            h, f = self._call(op, fields, frames)
+        except BaseException:
+            if len(spec) > 4:
+                spec[4]()
+            raise
+        return post(h, f)
+
+    def heartbeat(self) -> None:
+        self._do(self._req_heartbeat())
+
+    def reconnect(self) -> bool:
+        """Re-attach to the daemon. Returns True when the old session survived (same daemon boot),
+        False when a new session was opened (every request of the old one is gone)."""
+        old_sid, old_epoch = self.sid, self.epoch
+        if self._sock is not None:
+            self._sock.close(0)
+        self._open()
+        if old_sid and old_epoch:
+            try:
+                h, _ = self._call(P.ATTACH, {"epoch": old_epoch}, [], sid=old_sid)
+                self._on_session(h)
+                self._start_heartbeat()
+                return True
+            except SessionError:
+                pass
+        self._hello()
+        return False
+
+    def close(self, goodbye: bool = True) -> None:
+        """Say goodbye (the daemon frees every request of the session), stop heartbeating."""
+        if self._hb is not None:
+            self._hb.stop_event.set()
+            self._hb.join(timeout=2)
+            self._hb = None
+        if goodbye and self._sock is not None and self.sid:
+            try:
+                saved = self.retries
+                self.retries = 0
+                self._call(P.GOODBYE, {}, [])
+            except KvdError:
+                pass
+            finally:
+                self.retries = saved
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
+        self.sid = 0
+        self._ctx.term()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _make_sync(name: str):
+    req = getattr(_Core, "_req_" + name)
+
+    @functools.wraps(req)
+    def method(self, *a, **k):
+        return self._do(req(self, *a, **k))
+
+    method.__name__ = name
+    method.__qualname__ = "Client." + name
+    return method
+
+
+for _n in _API:
+    setattr(Client, _n, _make_sync(_n))
+
+
+# ---- asyncio client -----------------------------------------------------------------------------
+
+class AsyncClient(_Core):
+    """asyncio client: ``c = await AsyncClient.connect(endpoint, tenant=...)``; every API method is
+    a coroutine. Heartbeats run on a thread (they keep the lease even if the loop is busy)."""
+
+    def __init__(self, endpoint: str | None = None, **kw: Any):
+        super().__init__(endpoint, **kw)
+        import zmq.asyncio
+
+        self._ctx = zmq.asyncio.Context()
+        self._sync_ctx = zmq.Context()
+        self._sock = None
+        self._hb: _Heartbeat | None = None
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    async def connect(cls, endpoint: str | None = None, **kw: Any) -> "AsyncClient":
+        self = cls(endpoint, **kw)
+        try:
+            self._open()
+            await self._hello()
+        except BaseException:
+            await self.close(goodbye=False)
+            raise
+        return self
+
+    def _open(self) -> None:
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 64)
+        s.setsockopt(zmq.RCVHWM, 64)
+        s.connect(self.endpoint)
+        self._sock = s
+
+    async def _hello(self) -> None:
+        op, fields, frames = self._hello_msg()
+        self.epoch = None
+        h, _ = await self._call(op, fields, frames, sid=0)
+        self._on_session(h)
+        self._start_heartbeat()
+
+    def _start_heartbeat(self) -> None:
+        if not self._want_heartbeat:
+            return
+        if self._hb is None:
+            self._hb = _Heartbeat(self._sync_ctx, self.endpoint, float(self.info.get("hb_s", 0.375)))
+            self._hb.sid = self.sid
+            self._hb.start()
+        self._hb.sid = self.sid
+
+    async def _call(self, op: str, fields: dict, frames: list, sid: int | None = None):
+        async with self._lock:
+            seq = self._next_seq()
+            msg = [P.request(op, self.sid if sid is None else sid, seq, **fields), *frames]
+            sock = self._sock
+            if sock is None:
+                raise SessionError("client is closed")
+            for _attempt in range(self.retries + 1):
+                try:
+                    await sock.send_multipart(msg, zmq.NOBLOCK)
+                except zmq.Again:
+                    await asyncio.sleep(min(self.timeout_s, 0.05))
+                    continue
+                deadline = time.monotonic() + self.timeout_s
+                while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not await sock.poll(int(left * 1000)):
+                        break
+                    rep = await sock.recv_multipart()
+                    try:
+                        h = orjson.loads(rep[0])
+                    except orjson.JSONDecodeError:
+                        continue
+                    if self._check(h, seq):
+                        return h, rep[1:]
+            raise Timeout(f"no reply to {op} from {self.endpoint} after {self.retries + 1} attempts")
+
+    async def _do(self, spec: tuple) -> Any:
+        op, fields, frames, post = spec[:4]
+        try:
+            h, f = await self._call(op, fields, frames)
+        except BaseException:
+            if len(spec) > 4:
+                spec[4]()
+            raise
+        return post(h, f)
+
+    async def heartbeat(self) -> None:
+        await self._do(self._req_heartbeat())
+
+    async def reconnect(self) -> bool:
+        old_sid, old_epoch = self.sid, self.epoch
+        if self._sock is not None:
+            self._sock.close(0)
+        self._open()
+        if old_sid and old_epoch:
+            try:
+                h, _ = await self._call(P.ATTACH, {"epoch": old_epoch}, [], sid=old_sid)
+                self._on_session(h)
+                self._start_heartbeat()
+                return True
+            except SessionError:
+                pass
+        await self._hello()
+        return False
+
+    async def close(self, goodbye: bool = True) -> None:
+        if self._hb is not None:
+            self._hb.stop_event.set()
+            self._hb.join(timeout=2)
+            self._hb = None
+        if goodbye and self._sock is not None and self.sid:
+            saved = self.retries
+            self.retries = 0
+            try:
+                await self._call(P.GOODBYE, {}, [])
+            except KvdError:
+                pass
+            finally:
+                self.retries = saved
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
+        self.sid = 0
+        self._ctx.term()
+        self._sync_ctx.term()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+def _make_async(name: str):
+    req = getattr(_Core, "_req_" + name)
+
+    @functools.wraps(req)
+    async def method(self, *a, **k):
+        return await self._do(req(self, *a, **k))
+
+    method.__name__ = name
+    method.__qualname__ = "AsyncClient." + name
+    return method
+
+
+for _n in _API:
+    setattr(AsyncClient, _n, _make_async(_n))

@@ -1,0 +1,255 @@
+"""The kvd wire format: the one file that defines what travels between a client and the daemon.
+
+Transport
+=========
+One ZeroMQ ROUTER socket in the daemon, one DEALER socket per client (plus, in the blocking client,
+a second DEALER used only for heartbeats). A message is a multipart ZeroMQ message::
+
+    [header, frame_1, ..., frame_n]          (the ROUTER prepends the peer identity on its side)
+
+``header`` is a small orjson object; ``frame_i`` are raw little-endian arrays read with
+``numpy.frombuffer`` (never pickle). Every header field and every frame is validated and bounded
+(frame count, byte length, dtype width, value ranges) by the daemon before anything reaches the
+manager; a message that fails validation gets an error reply (or, when it is too broken to have a
+sequence number, is counted and dropped) and changes nothing.
+
+Request header (client -> daemon), keys kept short because it is parsed on every step::
+
+    {"v": VERSION, "op": <op name>, "s": <session id, 0 before hello>, "q": <sequence number>, ...}
+
+``q`` is a per-session, strictly increasing unsigned integer. The daemon keeps the last reply of
+every session; a request that repeats the last ``q`` gets that reply again without being applied
+(so a retried ``step`` is applied exactly once); a ``q`` lower than the last one is a ProtocolError.
+
+Reply header (daemon -> client)::
+
+    {"v": VERSION, "q": <seq of the request>, "e": <daemon boot epoch, hex str>, "ok": 1, ...}
+    {"v": VERSION, "q": <seq>, "e": <epoch>, "err": <kvd.errors code>, "msg": <text>}
+
+An error reply carries no frames. ``err`` is the ``code`` of a ``kvd.errors`` class; the client raises
+``ERROR_BY_CODE[err](msg)``. The boot epoch lets a client notice a restarted daemon
+(``DaemonRestarted``).
+
+Rows and ids
+============
+Requests travel as *session rows* (int32, ``0 <= row < max_reqs_per_session``): the client maps its
+own request ids (any str/int) to rows and chooses the row of a new request (admission, allocate,
+fork child). The daemon keeps ``session row -> manager row`` in an array and rejects a row that is out
+of range, not live (for existing requests) or already live (for new ones) — so a client can only ever
+name its own requests. With every new request the client also sends a uint64 ``tag`` (its id's 64-bit
+digest) that the daemon publishes in the session's shared memory (``kvd.shm``: row -> tag map).
+
+Hashes are ``S16`` frames (16 bytes per full block), one frame per KV-cache group; with several
+requests in one message a parallel int32 "counts" frame says how many hashes belong to each request.
+
+Ops and their frames (G = number of KV-cache groups of the pool; "hdr" = extra header keys)
+===========================================================================================
+hello      hdr: tenant (str, <= 256 chars), name (str), pid (int), nonce (str, <= 64 chars).
+           frames: none. reply hdr: sid, epoch, shm (segment name), layout (dict, see kvd.shm),
+           block_sizes, max_reqs, max_blocks, max_tokens, lease_s, hb_s (heartbeat interval).
+           A retried hello (same nonce) returns the same session.
+attach     hdr: s (existing sid), epoch. Re-binds a live session (e.g. after the client rebuilt
+           its socket). Wrong epoch -> DaemonRestarted; unknown/expired sid -> SessionError.
+step       hdr: la (lookahead tokens, int), an (uniform append token count used when the
+           append-counts frame is empty), nf, nk, na, nd (counts of frees, forks, appends, admits).
+           frames after the header (6 + 4G), in this order:
+             0  free rows            int32[nf]
+             1  fork rows            int32[nk, 2]   (parent row, child row)
+             2  fork tags            uint64[nk]
+             3  append rows          int32[na]
+             4  append token counts  int32[na] or empty (then every append adds ``an`` tokens)
+             5 .. 5+2G-1  per group g: append hashes S16[*], append hash counts int32[na] or empty
+             5+2G  admissions        int64[nd, ADMIT_COLS]  (row, num_tokens, lookahead, priority,
+                                      num_encoder_tokens, max_new_tokens, tag as int64)
+             6+2G .. 6+4G-1  per group g: admit hashes S16[*], admit hash counts int32[nd]
+           reply hdr: nt (real scheduled tokens per group, list). reply frames:
+             free status int16[nf], fork status int16[nk], append status int16[na],
+             admit status int16[nd], admit cached tokens int32[nd], copies int32[k, 2],
+             changed rows int32[*] (session rows whose block-table rows / counts changed),
+             freed rows int32[*]
+           Block tables, counts and the step's slot mapping (padded with PAD_SLOT_ID) are written
+           into shared memory before the reply is sent.
+lookup     frames: hashes S16[n] (group 0). reply hdr: n (leading cached blocks).
+can_alloc  hdr: nt, la, mnt, net. frames: per group hashes S16. reply hdr: status (AllocStatus).
+allocate   hdr: row, tag, nt, la, pri, net, mnt. frames: per group hashes S16.
+           reply hdr: status, cached. reply frames: per group new block ids int32 (the row's table).
+append     hdr: row, n, la. frames: per group new hashes S16.
+           reply hdr: status. frames: per group new block ids int32, copies int32[k, 2].
+free       frames: rows int32[n]. reply: ok.
+fork       hdr: parent, child, tag. reply: ok.
+can_swap_out / swap_out / can_swap_in / swap_in
+           frames: rows int32[n]. reply hdr: ok (bool for can_*), status (swap). frames (swap):
+           mapping int32[k, 2].
+reset_prefix_cache   resets the session's own namespace. reply hdr: done (bool).
+stats      reply hdr: stats (the manager's stats dict plus "sessions").
+heartbeat  reply: ok. Renews the session's lease (every message does).
+goodbye    frees every request of the session, unlinks its shared memory; reply: ok.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import orjson
+
+from kvd.errors import ProtocolError
+
+VERSION = 1
+
+# ---- op names -----------------------------------------------------------------------------------
+HELLO = "hello"
+ATTACH = "attach"
+STEP = "step"
+LOOKUP = "lookup"
+CAN_ALLOCATE = "can_alloc"
+ALLOCATE = "allocate"
+APPEND = "append"
+FREE = "free"
+FORK = "fork"
+CAN_SWAP_OUT = "can_swap_out"
+SWAP_OUT = "swap_out"
+CAN_SWAP_IN = "can_swap_in"
+SWAP_IN = "swap_in"
+RESET_PREFIX_CACHE = "reset_prefix_cache"
+STATS = "stats"
+HEARTBEAT = "heartbeat"
+GOODBYE = "goodbye"
+
+OPS = frozenset(
+    {
+        HELLO, ATTACH, STEP, LOOKUP, CAN_ALLOCATE, ALLOCATE, APPEND, FREE, FORK, CAN_SWAP_OUT,
+        SWAP_OUT, CAN_SWAP_IN, SWAP_IN, RESET_PREFIX_CACHE, STATS, HEARTBEAT, GOODBYE,
+    }
+)
+SESSIONLESS_OPS = frozenset({HELLO})
+
+# ---- bounds -------------------------------------------------------------------------------------
+MAX_HEADER_BYTES = 4096
+MAX_FRAMES = 64
+MAX_STR = 256
+MAX_INT = (1 << 62) - 1
+HASH_WIDTH = 16
+HASH_DTYPE = np.dtype("S16")
+ADMIT_COLS = 7  # row, num_tokens, lookahead, priority, num_encoder_tokens, max_new_tokens, tag
+
+I16 = np.dtype("<i2")
+I32 = np.dtype("<i4")
+I64 = np.dtype("<i8")
+U64 = np.dtype("<u8")
+
+EMPTY = b""
+
+
+def step_frame_count(num_groups: int) -> int:
+    """Frames of a step request after the header."""
+    return 6 + 4 * num_groups
+
+
+# ---- encoding -----------------------------------------------------------------------------------
+
+def dumps(obj: dict) -> bytes:
+    return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def request(op: str, sid: int, seq: int, **fields: Any) -> bytes:
+    h = {"v": VERSION, "op": op, "s": sid, "q": seq}
+    h.update(fields)
+    return dumps(h)
+
+
+def ok_reply(seq: int, epoch: str, **fields: Any) -> bytes:
+    h = {"v": VERSION, "q": seq, "e": epoch, "ok": 1}
+    h.update(fields)
+    return dumps(h)
+
+
+def error_reply(seq: int | None, epoch: str, code: int, msg: str) -> bytes:
+    return dumps({"v": VERSION, "q": seq, "e": epoch, "err": int(code), "msg": str(msg)[:1024]})
+
+
+def arr(a: Any, dtype: np.dtype) -> bytes:
+    """Array -> frame bytes (contiguous, little-endian, of ``dtype``)."""
+    if a is None:
+        return EMPTY
+    return np.ascontiguousarray(a, dtype=dtype).tobytes()
+
+
+def hashes_frame(h: Any) -> bytes:
+    """Block hashes (S16 array, (n, 16) uint8 array, list of 16-byte values, or ()) -> frame bytes.
+    Raises kvd.errors.BadHashes for anything else."""
+    if h is None:
+        return EMPTY
+    if isinstance(h, np.ndarray) and h.dtype == HASH_DTYPE and h.ndim == 1:
+        return h.tobytes()
+    if isinstance(h, (tuple, list)) and not h:
+        return EMPTY
+    from kvd.hashing import as_hash_array
+
+    return as_hash_array(h).tobytes()
+
+
+# ---- decoding / validation (daemon and client side) ---------------------------------------------
+
+def parse_header(raw: bytes) -> dict:
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(raw)} bytes > {MAX_HEADER_BYTES}")
+    try:
+        h = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ProtocolError(f"header is not JSON: {e}") from None
+    if not isinstance(h, dict):
+        raise ProtocolError("header is not an object")
+    if h.get("v") != VERSION:
+        raise ProtocolError(f"protocol version {h.get('v')!r} != {VERSION}")
+    return h
+
+
+def get_int(h: dict, key: str, default: int | None = None, lo: int = 0, hi: int = MAX_INT) -> int:
+    v = h.get(key, default)
+    if v is None:
+        raise ProtocolError(f"missing header field {key!r}")
+    if type(v) is not int:  # bool is not accepted either
+        raise ProtocolError(f"header field {key!r} must be an int")
+    if v < lo or v > hi:
+        raise ProtocolError(f"header field {key!r}={v} out of range [{lo}, {hi}]")
+    return v
+
+
+def get_str(h: dict, key: str, default: str | None = None, maxlen: int = MAX_STR) -> str:
+    v = h.get(key, default)
+    if v is None:
+        raise ProtocolError(f"missing header field {key!r}")
+    if not isinstance(v, str) or len(v) > maxlen:
+        raise ProtocolError(f"header field {key!r} must be a str of <= {maxlen} chars")
+    return v
+
+
+def frame_array(buf: bytes, dtype: np.dtype, n: int | None = None, name: str = "frame",
+                max_n: int | None = None) -> np.ndarray:
+    """Frame bytes -> read-only 1-D array of ``dtype``; checks the width (and length ``n``)."""
+    size = dtype.itemsize
+    if len(buf) % size:
+        raise ProtocolError(f"{name}: {len(buf)} bytes is not a multiple of {size}")
+    count = len(buf) // size
+    if n is not None and count != n:
+        raise ProtocolError(f"{name}: {count} items, expected {n}")
+    if max_n is not None and count > max_n:
+        raise ProtocolError(f"{name}: {count} items > {max_n}")
+    return np.frombuffer(buf, dtype=dtype)
+
+
+def frame_hashes(buf: bytes, name: str = "hashes", max_n: int | None = None) -> np.ndarray:
+    return frame_array(buf, HASH_DTYPE, None, name, max_n)
+
+
+def split_counts(hashes: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
+    """Split a concatenated S16 array by per-request counts (validated: >= 0, sum == len)."""
+    if counts.size and int(counts.min()) < 0:
+        raise ProtocolError("negative hash count")
+    if int(counts.sum(dtype=np.int64)) != hashes.shape[0]:
+        raise ProtocolError("hash counts do not add up to the number of hashes")
+    if counts.size == 0:
+        return []
+    bounds = np.cumsum(counts[:-1], dtype=np.int64)
+    return np.split(hashes, bounds)

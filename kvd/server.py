@@ -1,0 +1,901 @@
+"""The kvd daemon: one ZeroMQ ROUTER socket on an asyncio (uvloop) loop around one ``BlockManager``.
+
+Everything that touches the manager runs synchronously inside the socket's reader callback on the
+loop thread (no ``await`` between receiving a message and sending its reply), so the core stays
+single-threaded and every step is applied atomically. See ``kvd.protocol`` for the wire format and
+``kvd.shm`` for the shared-memory layout.
+
+Sessions: ``hello`` creates one (a shared-memory segment, a row map, a namespace from the tenant
+salt). Every message renews its lease; a session silent for ``lease_s`` (or silent for two heartbeat
+intervals when ZeroMQ reports a peer disconnect) is ended: all its requests are freed and its segment
+unlinked. Manager request ids are ints ``sid << 32 | session_row``, so sessions never collide and a
+client can only name its own requests.
+
+Shutdown (SIGTERM/SIGINT): stop reading, answer what was already received, end every session
+(unlinking every segment), remove the ipc socket, release the lock, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+
+from kvd import protocol as P
+from kvd.api import (
+    PAD_SLOT_ID,
+    STATUS_OK,
+    AdmitRequest,
+    GroupSpec,
+    ManagerConfig,
+    StepBatch,
+)
+from kvd.errors import (
+    CapacityExceeded,
+    InvalidArgument,
+    KvdError,
+    ProtocolError,
+    ServerBusy,
+    SessionError,
+    UnknownRequest,
+    DaemonRestarted,
+)
+from kvd.shm import SessionBuffers, segment_name, sweep_stale
+
+log = logging.getLogger("kvd.server")
+
+SID_SHIFT = 32
+RECV_HWM = 1024
+SEND_HWM = 1024
+TICK_S = 0.1
+
+
+# ---- slot mapping -------------------------------------------------------------------------------
+
+def _slot_mapping_np(table: np.ndarray, bs: int, rows: np.ndarray, start: np.ndarray,
+                     lens: np.ndarray, out: np.ndarray) -> int:
+    """slot = table[row, pos // bs] * bs + pos % bs for every scheduled token, in batch order.
+    Writes ``out[:n]`` and returns n (tokens beyond ``out.size`` are not written)."""
+    n_req = rows.shape[0]
+    if n_req == 0:
+        return 0
+    total = int(lens.sum())
+    if total == n_req and (n_req == 0 or int(lens.min()) == 1):  # decode: one token each
+        pos = start.astype(np.int64, copy=False)
+        r = rows
+    else:
+        r = np.repeat(rows, lens)
+        first = np.repeat(np.cumsum(lens, dtype=np.int64) - lens, lens)
+        pos = np.repeat(start.astype(np.int64, copy=False), lens) + (np.arange(total, dtype=np.int64) - first)
+    n = min(total, out.shape[0])
+    if n < total:
+        r, pos = r[:n], pos[:n]
+    blk = table[r, pos // bs]
+    np.multiply(blk, bs, out=out[:n], casting="unsafe")
+    out[:n] += pos % bs
+    return n
+
+
+try:  # the kernels' numpy reference, when it exists, has the same contract
+    from kvd_kernels import slot_mapping_from_ranges_ref as _kernel_ref  # type: ignore
+except Exception:  # pragma: no cover - kernels not installed yet
+    _kernel_ref = None
+
+
+# ---- sessions -----------------------------------------------------------------------------------
+
+class Session:
+    __slots__ = (
+        "sid", "tenant", "namespace", "name", "pid", "nonce", "shm", "mrow", "last_seen",
+        "last_seq", "last_reply", "ident", "slots_written", "base",
+    )
+
+    def __init__(self, sid: int, tenant: str, namespace: int, name: str, pid: int, nonce: str,
+                 shm: SessionBuffers, max_reqs: int, num_groups: int, ident: bytes):
+        self.sid = sid
+        self.tenant = tenant
+        self.namespace = namespace
+        self.name = name
+        self.pid = pid
+        self.nonce = nonce
+        self.shm = shm
+        self.mrow = np.full(max_reqs, -1, np.int32)  # session row -> manager row
+        self.last_seen = time.monotonic()
+        self.last_seq = -1
+        self.last_reply: list[bytes] | None = None
+        self.ident = ident
+        self.slots_written = [0] * num_groups
+        self.base = sid << SID_SHIFT
+
+
+def _opt(config: Any, name: str, default: Any) -> Any:
+    return getattr(config, name, default)
+
+
+class Daemon:
+    def __init__(self, config: Any):
+        from kvd.manager import BlockManager
+
+        self.config = config
+        self.epoch = secrets.token_hex(6)
+        self.pid = os.getpid()
+        sw = int(_opt(config, "sliding_window", 0) or 0)
+        self.groups = (GroupSpec(block_size=int(config.block_size), sliding_window=sw or None),)
+        self.mcfg = ManagerConfig(
+            num_gpu_blocks=int(config.num_gpu_blocks),
+            groups=self.groups,
+            num_cpu_blocks=int(_opt(config, "num_cpu_blocks", 0)),
+            max_model_len=int(config.max_model_len),
+            max_num_reqs=int(config.max_num_reqs),
+            enable_prefix_caching=bool(_opt(config, "enable_prefix_caching", True)),
+            watermark=float(_opt(config, "watermark", 0.0)),
+        )
+        self.manager = BlockManager(self.mcfg)
+        m = self.manager
+        self.G = len(self.groups)
+        self.block_sizes = [int(b) for b in m.block_sizes]
+        self.max_blocks = [int(t.shape[1]) for t in m.tables]
+        self.max_reqs = int(config.max_reqs_per_session)
+        self.max_tokens = int(config.max_num_batched_tokens)
+        self.max_model_len = int(config.max_model_len)
+        self.max_sessions = int(_opt(config, "max_sessions", 64))
+        self.lease_s = float(_opt(config, "lease_s", 1.5))
+        self.hb_s = self.lease_s / 4
+        self.max_message_bytes = int(_opt(config, "max_message_bytes", 64 << 20))
+        self.hash_algo = str(_opt(config, "hash_algo", "sha256"))
+        n = int(config.max_num_reqs)
+        self.owner_sid = np.zeros(n, np.int64)  # manager row -> session id (0: none)
+        self.owner_srow = np.full(n, -1, np.int32)  # manager row -> session row
+        self.sessions: dict[int, Session] = {}
+        self.by_nonce: dict[str, int] = {}
+        self.namespaces: dict[str, int] = {"": 0}
+        self.next_sid = 1
+        self.stopping = False
+        self.sock: zmq.Socket | None = None
+        self.monitor: zmq.Socket | None = None
+        self.metrics = None
+        self._disconnect_at = 0.0
+        self.n_steps = 0
+        self.was_step = False
+        self.ops = {
+            P.HELLO: self.op_hello, P.ATTACH: self.op_attach, P.STEP: self.op_step,
+            P.LOOKUP: self.op_lookup, P.CAN_ALLOCATE: self.op_can_allocate,
+            P.ALLOCATE: self.op_allocate, P.APPEND: self.op_append, P.FREE: self.op_free,
+            P.FORK: self.op_fork, P.CAN_SWAP_OUT: self.op_swap, P.SWAP_OUT: self.op_swap,
+            P.CAN_SWAP_IN: self.op_swap, P.SWAP_IN: self.op_swap,
+            P.RESET_PREFIX_CACHE: self.op_reset, P.STATS: self.op_stats,
+            P.HEARTBEAT: self.op_heartbeat, P.GOODBYE: self.op_goodbye,
+        }
+
+    # ---- message dispatch -------------------------------------------------------------------------
+    def handle(self, msg: list[bytes]) -> list[bytes] | None:
+        """One message (identity first) -> reply frames (without identity), or None to drop."""
+        ident = msg[0]
+        frames = msg[1:]
+        seq = None
+        try:
+            if not frames:
+                raise ProtocolError("empty message")
+            if len(frames) > P.MAX_FRAMES:
+                raise ProtocolError(f"{len(frames)} frames > {P.MAX_FRAMES}")
+            total = 0
+            for f in frames:
+                total += len(f)
+            if total > self.max_message_bytes:
+                raise ProtocolError(f"message of {total} bytes > {self.max_message_bytes}")
+            h = P.parse_header(frames[0])
+            seq = P.get_int(h, "q", None)
+            op = h.get("op")
+            fn = self.ops.get(op) if isinstance(op, str) else None
+            if fn is None:
+                raise ProtocolError(f"unknown op {op!r}")
+            if op == P.HELLO:
+                return fn(None, h, frames[1:], ident, seq)
+            sid = P.get_int(h, "s", None, 1)
+            sess = self.sessions.get(sid)
+            if sess is None:
+                if op == P.ATTACH:
+                    return fn(None, h, frames[1:], ident, seq)
+                raise SessionError(f"unknown or expired session {sid}")
+            sess.last_seen = time.monotonic()
+            if op == P.HEARTBEAT:
+                return [P.ok_reply(seq, self.epoch)]
+            if seq == sess.last_seq and sess.last_reply is not None:
+                return sess.last_reply  # a retry: the reply again, applied once
+            if seq < sess.last_seq:
+                raise ProtocolError(f"sequence number {seq} < last {sess.last_seq}")
+            sess.ident = ident
+            reply = fn(sess, h, frames[1:], ident, seq)
+            if sess.sid in self.sessions:
+                sess.last_seq = seq
+                sess.last_reply = reply
+            return reply
+        except KvdError as e:
+            if isinstance(e, ProtocolError) and self.metrics is not None:
+                self.metrics.inc_malformed()
+            if self.metrics is not None:
+                try:
+                    self.metrics.inc_error(e.code)
+                except Exception:
+                    pass
+            return [P.error_reply(seq, self.epoch, e.code, str(e))]
+        except Exception as e:  # a bug must not kill the loop
+            log.exception("internal error handling a message")
+            return [P.error_reply(seq, self.epoch, KvdError.code, f"internal error: {type(e).__name__}: {e}")]
+
+    # ---- helpers ------------------------------------------------------------------------------------
+    def _rows(self, buf: bytes, name: str, n: int | None = None) -> np.ndarray:
+        rows = P.frame_array(buf, P.I32, n, name, self.max_reqs)
+        if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= self.max_reqs):
+            raise InvalidArgument(f"{name}: row out of range [0, {self.max_reqs})")
+        return rows
+
+    def _row(self, h: dict, key: str) -> int:
+        return P.get_int(h, key, None, 0, self.max_reqs - 1)
+
+    def _group_hashes(self, frames: list[bytes], start: int) -> list[np.ndarray]:
+        max_n = self.max_model_len // min(self.block_sizes) + 1
+        return [P.frame_hashes(frames[start + g], f"hashes[{g}]", max_n) for g in range(self.G)]
+
+    def _hash_arg(self, hs: list[np.ndarray]) -> Any:
+        return hs[0] if self.G == 1 else hs
+
+    def _map(self, sess: Session, srow: int, mrow: int, tag: int) -> None:
+        sess.mrow[srow] = mrow
+        self.owner_sid[mrow] = sess.sid
+        self.owner_srow[mrow] = srow
+        sess.shm.row_tags[srow] = tag
+
+    def _unmap_mrows(self, sess: Session, mrows: np.ndarray) -> None:
+        if mrows.size == 0:
+            return
+        mine = mrows[self.owner_sid[mrows] == sess.sid]
+        srows = self.owner_srow[mine]
+        sess.mrow[srows] = -1
+        self.owner_sid[mine] = 0
+        self.owner_srow[mine] = -1
+        shm = sess.shm
+        shm.row_tags[srows] = 0
+        for g in range(self.G):
+            shm.counts[g][srows] = 0
+
+    def _sync_rows(self, sess: Session, mrows: np.ndarray) -> np.ndarray:
+        """Copy the manager's rows (tables + counts) of this session into its shared memory."""
+        if mrows.size == 0:
+            return np.empty(0, np.int32)
+        mrows = mrows[self.owner_sid[mrows] == sess.sid]
+        srows = self.owner_srow[mrows]
+        m = self.manager
+        shm = sess.shm
+        for g in range(self.G):
+            cnt = m.num_blocks[g][mrows]
+            shm.counts[g][srows] = cnt
+            w = int(cnt.max()) if cnt.size else 0
+            if w:
+                shm.tables[g][srows, :w] = m.tables[g][mrows, :w]
+        return srows
+
+    def _sync_row(self, sess: Session, srow: int) -> None:
+        mrow = int(sess.mrow[srow])
+        m = self.manager
+        shm = sess.shm
+        for g in range(self.G):
+            c = int(m.num_blocks[g][mrow])
+            shm.counts[g][srow] = c
+            shm.tables[g][srow, :c] = m.tables[g][mrow, :c]
+
+    def _write_slots(self, sess: Session, rows: np.ndarray, start: np.ndarray, lens: np.ndarray) -> list[int]:
+        m = self.manager
+        shm = sess.shm
+        if _kernel_ref is not None and int(lens.sum()) <= self.max_tokens:
+            _kernel_ref(m.tables, self.block_sizes, rows, start, lens, shm.slot_array)
+            n = int(lens.sum())
+            sess.slots_written = [n] * self.G
+            return sess.slots_written
+        out_n = []
+        for g in range(self.G):
+            out = shm.slots[g]
+            n = _slot_mapping_np(m.tables[g], self.block_sizes[g], rows, start, lens, out)
+            prev = sess.slots_written[g]
+            if prev > n:
+                out[n:prev] = PAD_SLOT_ID
+            sess.slots_written[g] = n
+            out_n.append(n)
+        return out_n
+
+    # ---- ops --------------------------------------------------------------------------------------
+    def op_hello(self, _sess, h, frames, ident, seq):
+        tenant = P.get_str(h, "tenant", "")
+        name = P.get_str(h, "name", "")
+        nonce = P.get_str(h, "nonce", "", 64)
+        pid = P.get_int(h, "pid", 0)
+        if frames:
+            raise ProtocolError("hello carries no frames")
+        if nonce and nonce in self.by_nonce and self.by_nonce[nonce] in self.sessions:
+            sess = self.sessions[self.by_nonce[nonce]]  # a retried hello
+        else:
+            if len(self.sessions) >= self.max_sessions:
+                raise ServerBusy(f"{len(self.sessions)} sessions: max_sessions reached")
+            ns = self.namespaces.get(tenant)
+            if ns is None:
+                ns = self.namespaces[tenant] = len(self.namespaces)
+            sid = self.next_sid
+            self.next_sid += 1
+            shm = SessionBuffers.create(
+                segment_name(self.pid, self.epoch, sid), max_reqs=self.max_reqs,
+                max_blocks=self.max_blocks, max_tokens=self.max_tokens,
+                block_sizes=self.block_sizes, epoch=self.epoch, sid=sid,
+            )
+            sess = Session(sid, tenant, ns, name, pid, nonce, shm, self.max_reqs, self.G, ident)
+            self.sessions[sid] = sess
+            if nonce:
+                self.by_nonce[nonce] = sid
+            log.info("session %d hello: name=%r pid=%d tenant namespace=%d", sid, name, pid, ns)
+        sess.last_seq = seq
+        sess.last_reply = None
+        return [self._session_reply(sess, seq)]
+
+    def _session_reply(self, sess: Session, seq: int) -> bytes:
+        return P.ok_reply(
+            seq, self.epoch, sid=sess.sid, shm=sess.shm.name, block_sizes=self.block_sizes,
+            max_reqs=self.max_reqs, max_blocks=self.max_blocks, max_tokens=self.max_tokens,
+            lease_s=self.lease_s, hb_s=self.hb_s, hash_algo=self.hash_algo,
+            num_groups=self.G, max_model_len=self.max_model_len,
+        )
+
+    def op_attach(self, sess, h, frames, ident, seq):
+        epoch = P.get_str(h, "epoch", "")
+        if epoch != self.epoch:
+            raise DaemonRestarted(f"daemon epoch is {self.epoch}, session was made by {epoch}")
+        if sess is None:
+            raise SessionError(f"unknown or expired session {h.get('s')}")
+        sess.ident = ident
+        return [self._session_reply(sess, seq)]
+
+    def op_heartbeat(self, sess, h, frames, ident, seq):
+        return [P.ok_reply(seq, self.epoch)]
+
+    def op_goodbye(self, sess, h, frames, ident, seq):
+        self.end_session(sess, "goodbye")
+        return [P.ok_reply(seq, self.epoch)]
+
+    def op_stats(self, sess, h, frames, ident, seq):
+        st = dict(self.manager.stats())
+        st["sessions"] = len(self.sessions)
+        st["session_requests"] = int((sess.mrow >= 0).sum())
+        return [P.ok_reply(seq, self.epoch, stats=st)]
+
+    def op_reset(self, sess, h, frames, ident, seq):
+        done = bool(self.manager.reset_prefix_cache(namespace=sess.namespace))
+        return [P.ok_reply(seq, self.epoch, done=done)]
+
+    def op_lookup(self, sess, h, frames, ident, seq):
+        if len(frames) != 1:
+            raise ProtocolError("lookup: expected 1 frame")
+        hs = P.frame_hashes(frames[0], "hashes", self.max_model_len)
+        n = self.manager.lookup(hs, namespace=sess.namespace)
+        return [P.ok_reply(seq, self.epoch, n=int(n))]
+
+    def op_can_allocate(self, sess, h, frames, ident, seq):
+        if len(frames) != self.G:
+            raise ProtocolError(f"can_alloc: expected {self.G} frames")
+        hs = self._group_hashes(frames, 0)
+        st = self.manager.can_allocate(
+            P.get_int(h, "nt", None, 0, self.max_model_len), self._hash_arg(hs),
+            P.get_int(h, "la", 0, 0, self.max_model_len), namespace=sess.namespace,
+            max_new_tokens=P.get_int(h, "mnt", 0, 0, self.max_model_len),
+            num_encoder_tokens=P.get_int(h, "net", 0, 0, self.max_model_len),
+        )
+        return [P.ok_reply(seq, self.epoch, status=int(st))]
+
+    def op_allocate(self, sess, h, frames, ident, seq):
+        if len(frames) != self.G:
+            raise ProtocolError(f"allocate: expected {self.G} frames")
+        srow = self._row(h, "row")
+        tag = P.get_int(h, "tag", 0, 0, (1 << 64) - 1)
+        hs = self._group_hashes(frames, 0)
+        res = self.manager.allocate(
+            sess.base | srow, P.get_int(h, "nt", None, 0, self.max_model_len), self._hash_arg(hs),
+            P.get_int(h, "la", 0, 0, self.max_model_len), namespace=sess.namespace,
+            priority=P.get_int(h, "pri", 50, 0, 100),
+            num_encoder_tokens=P.get_int(h, "net", 0, 0, self.max_model_len),
+            max_new_tokens=P.get_int(h, "mnt", 0, 0, self.max_model_len),
+        )
+        if res.status != STATUS_OK:
+            return [P.ok_reply(seq, self.epoch, status=int(res.status), cached=0)]
+        self._map(sess, srow, int(res.row), tag)
+        self._sync_row(sess, srow)
+        return [P.ok_reply(seq, self.epoch, status=STATUS_OK, cached=int(res.num_cached_tokens))]
+
+    def op_append(self, sess, h, frames, ident, seq):
+        if len(frames) != self.G:
+            raise ProtocolError(f"append: expected {self.G} frames")
+        srow = self._row(h, "row")
+        if sess.mrow[srow] < 0:
+            raise UnknownRequest(f"row {srow} holds no request of this session")
+        hs = self._group_hashes(frames, 0)
+        res = self.manager.append_slots(
+            sess.base | srow, P.get_int(h, "n", None, 0, self.max_model_len), self._hash_arg(hs),
+            P.get_int(h, "la", 0, 0, self.max_model_len),
+        )
+        if res.status != STATUS_OK:
+            return [P.ok_reply(seq, self.epoch, status=int(res.status))]
+        self._sync_row(sess, srow)
+        out = [P.ok_reply(seq, self.epoch, status=STATUS_OK)]
+        for g in range(self.G):
+            ids = res.group_new_block_ids[g] if g < len(res.group_new_block_ids) else ()
+            out.append(P.arr(ids, P.I32))
+        out.append(P.arr(res.copies, P.I32))
+        return out
+
+    def op_free(self, sess, h, frames, ident, seq):
+        if len(frames) != 1:
+            raise ProtocolError("free: expected 1 frame")
+        srows = self._rows(frames[0], "rows")
+        if srows.size == 0:
+            return [P.ok_reply(seq, self.epoch)]
+        if (sess.mrow[srows] < 0).any() or np.unique(srows).size != srows.size:
+            raise UnknownRequest("free of a row that holds no request of this session")
+        mrows = sess.mrow[srows].copy()
+        for r in srows.tolist():
+            self.manager.free(sess.base | r)
+        self._unmap_mrows(sess, mrows)
+        return [P.ok_reply(seq, self.epoch)]
+
+    def op_fork(self, sess, h, frames, ident, seq):
+        parent = self._row(h, "parent")
+        child = self._row(h, "child")
+        tag = P.get_int(h, "tag", 0, 0, (1 << 64) - 1)
+        if sess.mrow[parent] < 0:
+            raise UnknownRequest(f"row {parent} holds no request of this session")
+        self.manager.fork(sess.base | parent, sess.base | child)
+        self._map(sess, child, int(self.manager.row_of(sess.base | child)), tag)
+        self._sync_row(sess, child)
+        return [P.ok_reply(seq, self.epoch)]
+
+    def op_swap(self, sess, h, frames, ident, seq):
+        if len(frames) != 1:
+            raise ProtocolError("swap: expected 1 frame")
+        srows = self._rows(frames[0], "rows")
+        if (sess.mrow[srows] < 0).any():
+            raise UnknownRequest("swap of a row that holds no request of this session")
+        ids = [sess.base | r for r in srows.tolist()]
+        op = h["op"]
+        m = self.manager
+        if op == P.CAN_SWAP_OUT:
+            return [P.ok_reply(seq, self.epoch, ok=bool(m.can_swap_out(ids)))]
+        if op == P.CAN_SWAP_IN:
+            return [P.ok_reply(seq, self.epoch, ok=bool(m.can_swap_in(ids)))]
+        res = m.swap_out(ids) if op == P.SWAP_OUT else m.swap_in(ids)
+        if int(res.status) == STATUS_OK:
+            self._sync_rows(sess, sess.mrow[srows].copy())
+        return [P.ok_reply(seq, self.epoch, status=int(res.status)), P.arr(res.mapping, P.I32)]
+
+    def op_step(self, sess, h, frames, ident, seq):
+        G = self.G
+        if len(frames) != P.step_frame_count(G):
+            raise ProtocolError(f"step: expected {P.step_frame_count(G)} frames after the header")
+        R = self.max_reqs
+        mml = self.max_model_len
+        nf = P.get_int(h, "nf", 0, 0, R)
+        nk = P.get_int(h, "nk", 0, 0, R)
+        na = P.get_int(h, "na", 0, 0, R)
+        nd = P.get_int(h, "nd", 0, 0, R)
+        la = P.get_int(h, "la", 0, 0, mml)
+        free_rows = self._rows(frames[0], "free rows", nf)
+        fork_rows = self._rows(frames[1], "fork rows", 2 * nk).reshape(nk, 2)
+        fork_tags = P.frame_array(frames[2], P.U64, nk, "fork tags")
+        app_rows = self._rows(frames[3], "append rows", na)
+        if frames[4]:
+            ntok = P.frame_array(frames[4], P.I32, na, "append counts")
+            if na and (int(ntok.min()) < 0 or int(ntok.max()) > mml):
+                raise InvalidArgument("append token count out of range")
+            app_tokens = int(ntok.sum(dtype=np.int64))
+        else:
+            ntok = P.get_int(h, "an", 1, 0, mml)
+            app_tokens = ntok * na
+        if app_tokens > self.max_tokens:
+            raise InvalidArgument(f"{app_tokens} append tokens > max_num_batched_tokens {self.max_tokens}")
+        app_hashes = []
+        app_counts = []
+        for g in range(G):
+            hs = P.frame_hashes(frames[5 + 2 * g], "append hashes", R * (mml // self.block_sizes[g] + 1))
+            if frames[6 + 2 * g]:
+                cnt = P.frame_array(frames[6 + 2 * g], P.I32, na, "append hash counts")
+                if cnt.size and int(cnt.min()) < 0:
+                    raise ProtocolError("negative hash count")
+                if int(cnt.sum(dtype=np.int64)) != hs.shape[0]:
+                    raise ProtocolError("append hash counts do not add up")
+                app_hashes.append(hs)
+                app_counts.append(cnt)
+            elif hs.shape[0]:
+                raise ProtocolError("append hashes without counts")
+        k = 5 + 2 * G
+        adm = P.frame_array(frames[k], P.I64, nd * P.ADMIT_COLS, "admissions").reshape(nd, P.ADMIT_COLS)
+        adm_hashes = []
+        for g in range(G):
+            hs = P.frame_hashes(frames[k + 1 + 2 * g], "admit hashes", R * (mml // self.block_sizes[g] + 1))
+            cnt = P.frame_array(frames[k + 2 + 2 * g], P.I32, nd, "admit hash counts")
+            adm_hashes.append(P.split_counts(hs, cnt))
+
+        # -- map session rows -> manager ids / rows (arrays; per-request Python only for the rare
+        #    frees, forks and admissions)
+        base = sess.base
+        frees = [base | r for r in free_rows.tolist()] if nf else ()
+        forks = []
+        if nk:
+            for p, c in fork_rows.tolist():
+                forks.append((base | p, base | c))
+        admits = []
+        if nd:
+            cols = adm[:, :6]
+            if (cols[:, 0] < 0).any() or (cols[:, 0] >= R).any():
+                raise InvalidArgument("admission row out of range")
+            if (cols[:, 1:3] < 0).any() or (cols[:, 1:3] > mml).any() or (cols[:, 4:6] < 0).any() \
+                    or (cols[:, 4:6] > mml).any() or (cols[:, 3] < 0).any() or (cols[:, 3] > 100).any():
+                raise InvalidArgument("admission field out of range")
+            if np.unique(cols[:, 0]).size != nd:
+                raise InvalidArgument("two admissions in one row")
+            for i, (row, nt, l, pri, net, mnt) in enumerate(cols.tolist()):
+                hs = [adm_hashes[g][i] for g in range(G)]
+                admits.append(AdmitRequest(base | row, nt, hs[0] if G == 1 else hs, l, pri, net, mnt))
+        app_status = None
+        if na:
+            mrows = sess.mrow[app_rows]
+            bad = mrows < 0
+            if np.bincount(app_rows, minlength=R).max() > 1:
+                raise InvalidArgument("a row appears twice among the appends")
+            if bad.any():  # unknown rows get UnknownRequest, the others go on
+                keep = ~bad
+                app_status_full = np.where(bad, UnknownRequest.code, STATUS_OK).astype(np.int16)
+                mrows = mrows[keep]
+                if not isinstance(ntok, int):
+                    ntok = ntok[keep]
+                if app_counts:
+                    new_h, new_c = [], []
+                    for g in range(G):
+                        parts = P.split_counts(app_hashes[g], app_counts[g])
+                        kept = [p for p, k_ in zip(parts, keep.tolist()) if k_]
+                        new_h.append(np.concatenate(kept) if kept else np.empty(0, P.HASH_DTYPE))
+                        new_c.append(app_counts[g][keep])
+                    app_hashes, app_counts = new_h, new_c
+                app_status = (app_status_full, keep)
+        else:
+            mrows = np.empty(0, np.int32)
+        batch = StepBatch(
+            free=frees, forks=forks, append_rows=mrows, append_num_tokens=ntok,
+            append_hashes=app_hashes, append_hash_counts=app_counts, num_lookahead_tokens=la,
+            admit=admits,
+        )
+        m = self.manager
+        res = m.step(batch, namespace=sess.namespace)
+
+        # -- publish: unmap freed rows, map forks and admissions, copy changed rows, slot mapping
+        freed_s = np.empty(0, np.int32)
+        if res.freed_rows.size:
+            fr = np.asarray(res.freed_rows)
+            freed_s = self.owner_srow[fr[self.owner_sid[fr] == sess.sid]]
+            self._unmap_mrows(sess, fr)
+        if nk:
+            fs = np.asarray(res.fork_status)
+            tags = fork_tags.tolist()
+            for i, (p, c) in enumerate(fork_rows.tolist()):
+                if fs[i] == STATUS_OK:
+                    self._map(sess, c, int(m.row_of(base | c)), tags[i])
+        if nd:
+            ast_ = np.asarray(res.admit_status)
+            okm = ast_ == STATUS_OK
+            if okm.any():
+                srows = adm[okm, 0].astype(np.int32)
+                mr = np.asarray(res.admit_rows)[okm]
+                sess.mrow[srows] = mr
+                self.owner_sid[mr] = sess.sid
+                self.owner_srow[mr] = srows
+                sess.shm.row_tags[srows] = adm[okm, 6].view(np.uint64)
+        changed = self._sync_rows(sess, np.asarray(res.changed_rows))
+        nt = self._write_slots(sess, res.sched_rows, res.sched_start, res.sched_len)
+        self.was_step = True
+        if app_status is not None:
+            full, keep = app_status
+            full[keep] = res.append_status
+            append_status = full
+        else:
+            append_status = res.append_status
+        copies = res.copies
+        return [
+            P.ok_reply(seq, self.epoch, nt=nt, tot=int(np.sum(res.sched_len))),
+            P.arr(res.free_status, P.I16), P.arr(res.fork_status, P.I16),
+            P.arr(append_status, P.I16), P.arr(res.admit_status, P.I16),
+            P.arr(res.admit_cached_tokens, P.I32), P.arr(copies, P.I32),
+            P.arr(changed, P.I32), freed_s.tobytes(),
+        ]
+
+    # ---- session lifecycle -----------------------------------------------------------------------
+    def end_session(self, sess: Session, why: str) -> None:
+        if self.sessions.pop(sess.sid, None) is None:
+            return
+        if sess.nonce and self.by_nonce.get(sess.nonce) == sess.sid:
+            del self.by_nonce[sess.nonce]
+        live = np.flatnonzero(sess.mrow >= 0)
+        freed = 0
+        for r in live.tolist():
+            try:
+                self.manager.free(sess.base | r)
+                freed += 1
+            except KvdError as e:  # should not happen; keep going
+                log.error("session %d: free of row %d failed: %s", sess.sid, r, e)
+        mrows = sess.mrow[live]
+        self.owner_sid[mrows] = 0
+        self.owner_srow[mrows] = -1
+        sess.mrow[:] = -1
+        sess.shm.unlink()
+        sess.shm.close()
+        log.info("session %d ended (%s): %d requests freed", sess.sid, why, freed)
+
+    def reap(self, now: float) -> None:
+        dead = []
+        recent_disconnect = now - self._disconnect_at < 2 * self.hb_s + 0.5
+        for s in self.sessions.values():
+            idle = now - s.last_seen
+            if idle > self.lease_s or (recent_disconnect and idle > 2 * self.hb_s):
+                dead.append(s)
+        for s in dead:
+            self.end_session(s, "lease expired")
+
+    def source(self) -> dict:
+        st = dict(self.manager.stats())
+        return {"pools": {"gpu": st, "cpu": {"num_blocks": int(self.mcfg.num_cpu_blocks)}},
+                "sessions": len(self.sessions)}
+
+    def status_line(self) -> str:
+        st = self.manager.stats()
+        return (f"sessions={len(self.sessions)} used={st.get('num_used_blocks')}/{st.get('num_blocks')} "
+                f"requests={st.get('num_requests')} hit_rate={st.get('hit_rate', 0):.3f} steps={self.n_steps}")
+
+
+# ---- the loop -----------------------------------------------------------------------------------
+
+def _systemd():
+    try:
+        from kvd import systemd  # type: ignore
+
+        return systemd
+    except Exception:
+        return None
+
+
+def _notify(*lines: str) -> None:
+    sd = _systemd()
+    if sd is not None:
+        try:
+            sd.notify(*lines)
+        except Exception:
+            log.debug("sd_notify failed", exc_info=True)
+
+
+def _lock_path(runtime_dir: str, endpoint: str, default_endpoint: bool) -> str:
+    if default_endpoint:
+        return os.path.join(runtime_dir, "kvd.lock")
+    return os.path.join(runtime_dir, f"kvd-{hashlib.sha1(endpoint.encode()).hexdigest()[:12]}.lock")
+
+
+def _prepare_runtime_dir(path: str) -> None:
+    under_systemd = bool(os.environ.get("RUNTIME_DIRECTORY")) and path == os.environ["RUNTIME_DIRECTORY"].split(":")[0]
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    if not under_systemd:
+        st = os.stat(path)
+        if st.st_uid == os.getuid() and (st.st_mode & 0o777) != 0o700:
+            os.chmod(path, 0o700)
+
+
+def serve(config: Any) -> int:
+    """Run the daemon until SIGTERM/SIGINT. Returns the process exit code."""
+    try:
+        import uvloop  # type: ignore
+    except ImportError:  # pragma: no cover
+        uvloop = None
+    if uvloop is not None:
+        loop = uvloop.new_event_loop()
+    else:  # pragma: no cover
+        loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(_serve(config, loop))
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+def _resolve(config: Any) -> tuple[str, str]:
+    if hasattr(config, "resolved_runtime_dir"):
+        rd = config.resolved_runtime_dir()
+    else:
+        rd = getattr(config, "runtime_dir", "") or f"/tmp/kvd-{os.getuid()}"
+    if hasattr(config, "resolved_endpoint"):
+        ep = config.resolved_endpoint()
+    else:
+        ep = getattr(config, "endpoint", "") or "ipc://" + os.path.join(rd, "kvd.sock")
+    return rd, ep
+
+
+async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
+    runtime_dir, endpoint = _resolve(config)
+    default_ep = not getattr(config, "endpoint", "")
+    try:
+        _prepare_runtime_dir(runtime_dir)
+    except OSError as e:
+        print(f"kvd: cannot create runtime directory {runtime_dir}: {e}", file=sys.stderr)
+        return 1
+    lock_path = _lock_path(runtime_dir, endpoint, default_ep)
+    lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        try:
+            other = os.pread(lock_fd, 32, 0).decode().strip()
+        except OSError:
+            other = "?"
+        os.close(lock_fd)
+        print(f"kvd: another kvd daemon (pid {other or '?'}) already serves {endpoint} "
+              f"(lock {lock_path} is held); not starting", file=sys.stderr)
+        return 2
+    os.ftruncate(lock_fd, 0)
+    os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+
+    ipc_path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+    ctx = zmq.Context()
+    d: Daemon | None = None
+    sock = None
+    try:
+        removed = sweep_stale(own_pid=os.getpid())
+        if removed:
+            log.info("removed %d stale shared-memory segments of dead daemons", len(removed))
+        d = Daemon(config)
+        try:
+            from kvd.metrics import Metrics  # type: ignore
+
+            d.metrics = Metrics()
+            d.metrics.set_source(d.source)
+            if int(getattr(config, "metrics_port", 0) or 0) > 0:
+                d.metrics.start_http(getattr(config, "metrics_host", "127.0.0.1"), int(config.metrics_port))
+        except ImportError:
+            d.metrics = None
+        except Exception as e:
+            log.warning("metrics disabled: %s", e)
+            d.metrics = None
+
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        sock.setsockopt(zmq.RCVHWM, RECV_HWM)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, d.max_message_bytes)
+        if ipc_path is not None and os.path.exists(ipc_path):
+            os.unlink(ipc_path)  # stale socket of a dead daemon: we hold the lock
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as e:
+            print(f"kvd: cannot bind {endpoint}: {e}", file=sys.stderr)
+            return 1
+        if ipc_path is not None:
+            os.chmod(ipc_path, 0o600)
+        d.sock = sock
+        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        d.monitor = mon
+
+        # warm the decode path (numpy dispatch) without touching the pool
+        tbl = np.zeros((2, 4), np.int32)
+        _slot_mapping_np(tbl, d.block_sizes[0], np.zeros(2, np.int32), np.zeros(2, np.int64),
+                         np.ones(2, np.int32), np.empty(4, np.int64))
+
+        stop = asyncio.Event()
+        fd = sock.getsockopt(zmq.FD)
+        mon_fd = mon.getsockopt(zmq.FD)
+
+        def drain() -> None:
+            s = sock
+            handle = d.handle
+            while s.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                try:
+                    msg = s.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                t0 = time.perf_counter()
+                reply = handle(msg)
+                if reply is not None:
+                    try:
+                        s.send_multipart([msg[0], *reply], zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass  # peer's queue full: its loss, our memory stays bounded
+                    except zmq.ZMQError as e:
+                        log.debug("send failed: %s", e)
+                if d.was_step:
+                    d.was_step = False
+                    d.n_steps += 1
+                    if d.metrics is not None:
+                        d.metrics.observe_step(time.perf_counter() - t0)
+
+        def on_monitor() -> None:
+            while mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                try:
+                    mon.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                d._disconnect_at = time.monotonic()
+
+        loop.add_reader(fd, drain)
+        loop.add_reader(mon_fd, on_monitor)
+
+        def on_signal(signame: str) -> None:
+            log.info("%s: shutting down", signame)
+            stop.set()
+
+        for sig, name in ((signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT")):
+            loop.add_signal_handler(sig, on_signal, name)
+
+        async def ticker() -> None:
+            sd = _systemd()
+            wd = None
+            if sd is not None:
+                try:
+                    wd = sd.watchdog_interval()
+                except Exception:
+                    wd = None
+            next_wd = time.monotonic()
+            next_status = time.monotonic() + float(getattr(config, "status_interval_s", 5.0))
+            while not stop.is_set():
+                await asyncio.sleep(TICK_S)
+                now = time.monotonic()
+                drain()
+                on_monitor()
+                d.reap(now)
+                if wd and now >= next_wd:
+                    _notify("WATCHDOG=1")
+                    next_wd = now + wd
+                if now >= next_status:
+                    _notify("STATUS=" + d.status_line())
+                    next_status = now + float(getattr(config, "status_interval_s", 5.0))
+
+        tick = loop.create_task(ticker())
+        log.info("kvd serving %s (epoch %s, %d blocks of %s tokens)", endpoint, d.epoch,
+                 config.num_gpu_blocks, d.block_sizes)
+        _notify("READY=1", f"STATUS=serving {endpoint}: {d.status_line()}")
+        await stop.wait()
+        _notify("STOPPING=1")
+        loop.remove_reader(fd)
+        loop.remove_reader(mon_fd)
+        drain()  # answer what already arrived
+        await tick
+        return 0
+    finally:
+        if d is not None:
+            for s in list(d.sessions.values()):
+                d.end_session(s, "daemon shutdown")
+        if d is not None and d.monitor is not None:
+            try:
+                sock.disable_monitor()
+            except Exception:
+                pass
+            d.monitor.close(0)
+        if sock is not None:
+            sock.close(0)
+        ctx.term()
+        if ipc_path is not None:
+            try:
+                os.unlink(ipc_path)
+            except FileNotFoundError:
+                pass
+        os.close(lock_fd)  # the lock file stays: unlinking it would race with a starting daemon
