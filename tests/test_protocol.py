@@ -1,0 +1,76 @@
+"""Wire-format helpers: encoding, bounds and validation (no daemon)."""
+
+import numpy as np
+import orjson
+import pytest
+
+from kvd import protocol as P
+from kvd.errors import BadHashes, ProtocolError
+
+
+def test_request_roundtrip():
+    raw = P.request(P.STEP, 3, 7, na=2)
+    h = P.parse_header(raw)
+    assert h == {"v": P.VERSION, "op": "step", "s": 3, "q": 7, "na": 2}
+
+
+@pytest.mark.parametrize("raw", [b"", b"[]", b"{", b'{"v": 999}', b"x" * (P.MAX_HEADER_BYTES + 1),
+                                 b'"str"', b"\xff\xfe"])
+def test_bad_headers(raw):
+    with pytest.raises(ProtocolError):
+        P.parse_header(raw)
+
+
+def test_get_int_bounds():
+    h = {"a": 5, "b": True, "c": -1, "d": 1.5, "e": "5"}
+    assert P.get_int(h, "a", None, 0, 10) == 5
+    for k in "bcde":
+        with pytest.raises(ProtocolError):
+            P.get_int(h, k, None, 0, 10)
+    with pytest.raises(ProtocolError):
+        P.get_int(h, "a", None, 0, 4)
+    with pytest.raises(ProtocolError):
+        P.get_int(h, "missing")
+    assert P.get_int(h, "missing", 3) == 3
+
+
+def test_frame_array_checks():
+    a = np.arange(4, dtype=np.int32)
+    assert (P.frame_array(a.tobytes(), P.I32, 4) == a).all()
+    with pytest.raises(ProtocolError):
+        P.frame_array(a.tobytes()[:-1], P.I32)
+    with pytest.raises(ProtocolError):
+        P.frame_array(a.tobytes(), P.I32, 3)
+    with pytest.raises(ProtocolError):
+        P.frame_array(a.tobytes(), P.I32, max_n=3)
+    assert not P.frame_array(a.tobytes(), P.I32).flags.writeable
+
+
+def test_hashes_frame_and_split():
+    hs = np.array([bytes([i + 1]) * 16 for i in range(5)], dtype=P.HASH_DTYPE)
+    assert P.hashes_frame(hs) == hs.tobytes()
+    assert P.hashes_frame([bytes(x) for x in hs]) == hs.tobytes()
+    assert P.hashes_frame(()) == b""
+    with pytest.raises(BadHashes):
+        P.hashes_frame([b"short"])
+    with pytest.raises(BadHashes):
+        P.hashes_frame(np.zeros(3, np.int64))
+    back = P.frame_hashes(hs.tobytes())
+    parts = P.split_counts(back, np.array([2, 0, 3], np.int32))
+    assert [len(p) for p in parts] == [2, 0, 3]
+    with pytest.raises(ProtocolError):
+        P.split_counts(back, np.array([2, 2], np.int32))
+    with pytest.raises(ProtocolError):
+        P.split_counts(back, np.array([6, -1], np.int32))
+
+
+def test_replies():
+    ok = orjson.loads(P.ok_reply(4, "ep", n=3))
+    assert ok == {"v": 1, "q": 4, "e": "ep", "ok": 1, "n": 3}
+    err = orjson.loads(P.error_reply(None, "ep", 20, "bad"))
+    assert err["err"] == 20 and err["q"] is None and "ok" not in err
+
+
+def test_step_frame_count():
+    assert P.step_frame_count(1) == 10
+    assert P.step_frame_count(2) == 14
