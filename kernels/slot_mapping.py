@@ -1,0 +1,201 @@
+"""Slot mapping: where each token of a step writes its K and V, per KV-cache group.
+
+``slot = block_id * block_size + position % block_size`` with ``block_id`` read from the token's
+request row of the group's block table; entries from the real token count up to the buffer's end
+are ``PAD_SLOT_ID`` so a CUDA graph replaying on the persistent buffer sees every element written.
+Slots are int64: a pool of 2^27 blocks of 16 tokens already passes 2^31.
+
+Three entry points compute the same function:
+  * :func:`slot_mapping_ref`: numpy, vLLM's inputs (query start locations and positions);
+  * :func:`slot_mapping_from_ranges_ref`: numpy, the daemon's inputs (first position and token count
+    per request), vectorized for the step path;
+  * :func:`slot_mapping`: torch wrapper around one Triton launch, for tables on a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ._triton import HAS_TRITON, MAX_GROUPS_PER_LAUNCH, group_args, require_triton, tl, torch, triton
+
+#: Slot of a padding token; attention kernels skip it. kvd/api.py repeats the value for the core.
+PAD_SLOT_ID = -1
+
+
+def _check_out(out: np.ndarray, num_groups: int, num_tokens: int) -> None:
+    if out.dtype != np.int64 or out.ndim != 2 or out.shape[0] != num_groups:
+        raise ValueError(f"out must be int64 [{num_groups}, max_num_batched_tokens], "
+                         f"got {out.dtype} {out.shape}")
+    if num_tokens > out.shape[1]:
+        raise ValueError(f"{num_tokens} tokens do not fit in max_num_batched_tokens={out.shape[1]}")
+
+
+def _fill_groups(block_tables, block_sizes, rows, pos, out) -> None:
+    """Write the slots of tokens (rows[t], pos[t]) into out[:, :T] and pad out[:, T:].
+
+    Tuned for the decode step, where numpy's per-call overhead dominates: one flat ``take`` instead
+    of 2-D fancy indexing (4x slower), shifts for power-of-two block sizes, and every intermediate
+    kept in the inputs' own dtype until the int64 output.
+    """
+    num_tokens = len(pos)
+    for g, (table, bs) in enumerate(zip(block_tables, block_sizes)):
+        bs = int(bs)
+        o = out[g, :num_tokens]
+        pow2 = bs & (bs - 1) == 0
+        blk = pos >> (bs.bit_length() - 1) if pow2 else pos // bs
+        if table.flags.c_contiguous:
+            # int32 flat indices would wrap for tables of 2^31 entries or more
+            stride = np.int64(table.shape[1]) if table.size >= 2**31 else table.shape[1]
+            idx = rows * stride
+            idx += blk
+            o[:] = table.reshape(-1).take(idx)
+        else:
+            o[:] = table[rows, blk]
+        # o is int64 from here on, so block ids near 2^31 / bs cannot wrap
+        if pow2:
+            o <<= bs.bit_length() - 1
+            o += pos & (bs - 1)
+        else:
+            o *= bs
+            o += pos % bs
+        out[g, num_tokens:] = PAD_SLOT_ID
+
+
+def slot_mapping_ref(block_tables: Sequence[np.ndarray], block_sizes: Sequence[int],
+                     req_rows: np.ndarray, query_start_loc: np.ndarray, positions: np.ndarray,
+                     out: np.ndarray) -> None:
+    """Numpy reference with vLLM's inputs.
+
+    block_tables[g]: int32 [max_reqs, max_blocks_g], indexed by row. req_rows: int32 [B].
+    query_start_loc: int32 [B+1], starting at 0; request i owns tokens
+    query_start_loc[i] <= t < query_start_loc[i+1] and uses row req_rows[i].
+    positions: int32/int64 [>= T]. out: int64 [G, max_num_batched_tokens], fully written.
+    """
+    num_reqs = len(req_rows)
+    qsl = np.asarray(query_start_loc)
+    if len(qsl) < num_reqs + 1 or (len(qsl) and qsl[0] != 0):
+        raise ValueError("query_start_loc needs B+1 entries starting at 0")
+    num_tokens = int(qsl[num_reqs]) if len(qsl) else 0
+    _check_out(out, len(block_tables), num_tokens)
+    rows = np.repeat(np.asarray(req_rows), np.diff(qsl[:num_reqs + 1]))
+    _fill_groups(block_tables, block_sizes, rows, np.asarray(positions[:num_tokens]), out)
+
+
+def slot_mapping_from_ranges_ref(block_tables: Sequence[np.ndarray], block_sizes: Sequence[int],
+                                 req_rows: np.ndarray, start_pos: np.ndarray,
+                                 num_tokens: np.ndarray, out: np.ndarray) -> None:
+    """Same result as :func:`slot_mapping_ref` for request i's positions
+    start_pos[i] .. start_pos[i] + num_tokens[i] - 1, laid out in request order.
+
+    Array-at-a-time: a decode step (every count 1) skips the expansion entirely.
+    """
+    num_tokens = np.asarray(num_tokens)
+    start_pos = np.asarray(start_pos)
+    total = int(num_tokens.sum())
+    _check_out(out, len(block_tables), total)
+    if total == len(num_tokens) and (total == 0 or num_tokens.max() == 1):
+        rows, pos = req_rows, start_pos
+    else:
+        rows = np.repeat(req_rows, num_tokens)
+        # position of token t = t - (first token index of its request) + start_pos of its request
+        first = np.cumsum(num_tokens, dtype=np.int64) - num_tokens
+        pos = np.arange(total, dtype=np.int64) + np.repeat(start_pos - first, num_tokens)
+    _fill_groups(block_tables, block_sizes, rows, pos, out)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _group_slots(table, row_stride, BS: tl.constexpr, row, pos, valid, in_range, out_ptrs):
+        bid = tl.load(table + row * row_stride + pos // BS, mask=valid, other=0).to(tl.int64)
+        slot = tl.where(valid, bid * BS + pos % BS, -1)
+        tl.store(out_ptrs, slot, mask=in_range)
+
+    @triton.jit
+    def _slot_chunk(pid, req_rows_ptr, qsl_ptr, positions_ptr, out_ptr, out_stride, num_reqs,
+                    num_out, t0, s0, t1, s1, t2, s2, t3, s3,
+                    BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr, BS3: tl.constexpr,
+                    NUM_GROUPS: tl.constexpr, BLOCK: tl.constexpr, REQ_CHUNK: tl.constexpr):
+        """Slots of tokens [pid*BLOCK, (pid+1)*BLOCK) for every group, padding included.
+
+        A token finds its request by counting the request ends at or below it: one vector load of
+        query_start_loc and a compare, instead of a chain of dependent loads (binary search) or a
+        program per request (whose longest request sets the latency).
+        """
+        tok = pid * BLOCK + tl.arange(0, BLOCK)
+        in_range = tok < num_out
+        total = tl.load(qsl_ptr + num_reqs)
+        valid = tok < total
+        pos = tl.load(positions_ptr + tok, mask=valid, other=0).to(tl.int64)
+        req = tl.zeros([BLOCK], dtype=tl.int32)
+        for c in range(0, num_reqs, REQ_CHUNK):
+            r = c + tl.arange(0, REQ_CHUNK)
+            ends = tl.load(qsl_ptr + 1 + r, mask=r < num_reqs, other=2147483647)
+            req += tl.sum((ends[None, :] <= tok[:, None]).to(tl.int32), axis=1)
+        row = tl.load(req_rows_ptr + req, mask=valid, other=0).to(tl.int64)
+        _group_slots(t0, s0, BS0, row, pos, valid, in_range, out_ptr + tok)
+        if NUM_GROUPS > 1:
+            _group_slots(t1, s1, BS1, row, pos, valid, in_range, out_ptr + out_stride + tok)
+        if NUM_GROUPS > 2:
+            _group_slots(t2, s2, BS2, row, pos, valid, in_range, out_ptr + 2 * out_stride + tok)
+        if NUM_GROUPS > 3:
+            _group_slots(t3, s3, BS3, row, pos, valid, in_range, out_ptr + 3 * out_stride + tok)
+
+    @triton.jit
+    def _slot_mapping_kernel(req_rows_ptr, qsl_ptr, positions_ptr, out_ptr, out_stride, num_reqs,
+                             num_out, t0, s0, t1, s1, t2, s2, t3, s3,
+                             BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr,
+                             BS3: tl.constexpr, NUM_GROUPS: tl.constexpr, BLOCK: tl.constexpr,
+                             REQ_CHUNK: tl.constexpr):
+        _slot_chunk(tl.program_id(0), req_rows_ptr, qsl_ptr, positions_ptr, out_ptr, out_stride,
+                    num_reqs, num_out, t0, s0, t1, s1, t2, s2, t3, s3, BS0, BS1, BS2, BS3,
+                    NUM_GROUPS, BLOCK, REQ_CHUNK)
+
+
+#: Tokens per program. 128 keeps 8,192 tokens at 64 programs (one wave) with 1 token per thread.
+SLOT_BLOCK = 128
+
+
+def slot_launch_meta(num_reqs: int) -> dict:
+    # Counting ends over 256 requests per step keeps the [BLOCK, REQ_CHUNK] compare in registers.
+    return dict(BLOCK=SLOT_BLOCK, REQ_CHUNK=min(256, triton.next_power_of_2(max(num_reqs, 1))))
+
+
+def block_size_args(block_sizes) -> dict:
+    sizes = [int(b) for b in block_sizes] + [1] * (MAX_GROUPS_PER_LAUNCH - len(block_sizes))
+    return dict(BS0=sizes[0], BS1=sizes[1], BS2=sizes[2], BS3=sizes[3],
+                NUM_GROUPS=len(block_sizes))
+
+
+def slot_mapping(block_tables, block_sizes: Sequence[int], req_rows, query_start_loc, positions,
+                 out=None, *, num_reqs: int | None = None, max_num_batched_tokens: int | None = None):
+    """Torch wrapper of :func:`slot_mapping_ref`; one launch per 4 groups.
+
+    All tensors on one device (CPU tensors run under TRITON_INTERPRET=1). ``num_reqs`` lets
+    req_rows / query_start_loc be persistent buffers longer than the step's batch. ``out`` (int64
+    [G, max_num_batched_tokens]) is allocated when not given; the token count is read on the device,
+    so the call never synchronizes.
+    """
+    require_triton()
+    num_groups = len(block_tables)
+    if num_reqs is None:
+        num_reqs = req_rows.shape[0]
+    if out is None:
+        if max_num_batched_tokens is None:
+            raise ValueError("give out or max_num_batched_tokens")
+        out = torch.empty((num_groups, max_num_batched_tokens), dtype=torch.int64,
+                          device=positions.device)
+    if out.dtype != torch.int64 or out.dim() != 2 or out.shape[0] != num_groups \
+            or out.stride(1) != 1:
+        raise ValueError("out must be int64 [G, max_num_batched_tokens] with unit column stride")
+    num_out = out.shape[1]
+    meta = slot_launch_meta(num_reqs)
+    grid = (triton.cdiv(num_out, meta["BLOCK"]),)
+    for g0 in range(0, num_groups, MAX_GROUPS_PER_LAUNCH):
+        g1 = min(g0 + MAX_GROUPS_PER_LAUNCH, num_groups)
+        _slot_mapping_kernel[grid](req_rows, query_start_loc, positions, out[g0], out.stride(0),
+                                   num_reqs, num_out, *group_args(block_tables[g0:g1]),
+                                   **block_size_args(block_sizes[g0:g1]), **meta)
+    return out
