@@ -186,11 +186,34 @@ def _status(cfg: ServeConfig, *, as_json: bool) -> int:
                 close()
             except Exception:  # noqa: BLE001
                 pass
+    stats = normalize_stats(stats)
     if as_json:
         print(json.dumps(stats, indent=2, sort_keys=True, default=_json_default))
     else:
         print(format_status_table(stats, endpoint))
     return 0
+
+
+POOL_KEYS = (
+    "num_blocks", "num_free_blocks", "num_used_blocks", "num_cached_blocks", "prefix_queries",
+    "prefix_hits", "evictions", "swaps_out", "swaps_in", "cow_copies",
+)  # fmt: skip
+
+
+def normalize_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    """The ``{"pools": {"gpu": {...}, "cpu": {...}}, "sessions": ...}`` shape, also from a flat
+    manager stats dict (pool keys at the top, ``num_cpu_blocks`` / ``num_free_cpu_blocks``)."""
+    if not isinstance(stats, dict) or "pools" in stats:
+        return stats
+    rest = dict(stats)
+    gpu = {k: rest.pop(k) for k in POOL_KEYS if k in rest}
+    pools: dict[str, dict[str, Any]] = {"gpu": gpu}
+    if "num_cpu_blocks" in rest:
+        total = int(rest.pop("num_cpu_blocks"))
+        free = int(rest.pop("num_free_cpu_blocks", total))
+        if total:
+            pools["cpu"] = {"num_blocks": total, "num_free_blocks": free, "num_used_blocks": total - free}
+    return {"pools": pools, "sessions": rest.pop("sessions", 0), **rest}
 
 
 def _json_default(obj: Any) -> Any:
