@@ -14,7 +14,6 @@ import time
 
 import pytest
 
-from kvd import systemd
 from kvd.systemd import format_status, notify, watchdog_interval
 
 
