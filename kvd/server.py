@@ -202,7 +202,7 @@ class Daemon:
                 raise ProtocolError(f"unknown op {op!r}")
             if op == P.HELLO:
                 return fn(None, h, frames[1:], ident, seq)
-            sid = P.get_int(h, "s", None, 1)
+            sid = P.get_int(h, "s", None, 1, (1 << 62) - 1)
             sess = self.sessions.get(sid)
             if sess is None:
                 if op == P.ATTACH:
@@ -330,10 +330,14 @@ class Daemon:
             ns = self.namespaces.get(tenant)
             if ns is None:
                 ns = self.namespaces[tenant] = len(self.namespaces)
-            sid = self.next_sid
+            # session ids are unguessable: they are the only credential of a session on the socket
+            sid = secrets.randbits(62) | 1
+            while sid in self.sessions:
+                sid = secrets.randbits(62) | 1
+            index = self.next_sid
             self.next_sid += 1
             shm = SessionBuffers.create(
-                segment_name(self.pid, self.epoch, sid), max_reqs=self.max_reqs,
+                segment_name(self.pid, self.epoch, index), max_reqs=self.max_reqs,
                 max_blocks=self.max_blocks, max_tokens=self.max_tokens,
                 block_sizes=self.block_sizes, epoch=self.epoch, sid=sid,
             )
@@ -341,7 +345,7 @@ class Daemon:
             self.sessions[sid] = sess
             if nonce:
                 self.by_nonce[nonce] = sid
-            log.info("session %d hello: name=%r pid=%d tenant namespace=%d", sid, name, pid, ns)
+            log.info("session %d hello: name=%r pid=%d tenant namespace=%d", index, name, pid, ns)
         sess.last_seq = seq
         sess.last_reply = None
         return [self._session_reply(sess, seq)]
@@ -640,8 +644,8 @@ class Daemon:
         self.owner_srow[mrows] = -1
         sess.mrow[:] = -1
         sess.shm.unlink()
+        log.info("session %s ended (%s): %d requests freed", sess.shm.name, why, freed)
         sess.shm.close()
-        log.info("session %d ended (%s): %d requests freed", sess.sid, why, freed)
 
     def reap(self, now: float) -> None:
         dead = []

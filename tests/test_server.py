@@ -1,0 +1,369 @@
+"""The daemon through real processes over ipc: sharing, reclamation, fuzzing, retries, restarts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import orjson
+import pytest
+import zmq
+
+from conftest_daemon import REPO, daemon, daemon_factory, shm_segments, short_tmp  # noqa: F401
+from kvd import protocol as P
+from kvd.api import AdmitRequest, StepBatch
+from kvd.errors import DaemonRestarted, SessionError, UnknownRequest
+from kvd_client import Client
+
+BS = 16
+
+
+def run_client_script(endpoint: str, body: str, *args: str, **kw) -> subprocess.Popen:
+    code = textwrap.dedent(
+        """
+        import sys, time, numpy as np
+        from kvd_client import Client
+        from kvd.api import StepBatch, AdmitRequest
+        EP = sys.argv[1]
+        ARGS = sys.argv[2:]
+        """
+    ) + textwrap.dedent(body)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, "-c", code, endpoint, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, **kw)
+
+
+def wait_until(fn, timeout: float, interval: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = fn()
+        if v or time.monotonic() > deadline:
+            return v
+        time.sleep(interval)
+
+
+# ---- several engines share one pool -------------------------------------------------------------
+
+SHARER = """
+tenant = ARGS[0]
+c = Client(EP, tenant=tenant, name="sharer")
+prompt = np.arange(100, dtype=np.int32) + 1000
+hs = c.hash_prompt(prompt)
+r = c.allocate("req", 100, hs)
+print(r.status, r.num_cached_tokens, flush=True)
+c.free("req")
+c.close()
+"""
+
+
+def test_prefix_shared_between_client_processes(daemon):
+    obs = Client(daemon.endpoint, tenant="observer")
+    try:
+        before = obs.stats()
+        first = run_client_script(daemon.endpoint, SHARER, "A")
+        out, err = first.communicate(timeout=30)
+        assert first.returncode == 0, err
+        assert out.split() == ["0", "0"]  # the first sharer misses
+        others = [run_client_script(daemon.endpoint, SHARER, "A") for _ in range(3)]
+        for p in others:
+            out, err = p.communicate(timeout=30)
+            assert p.returncode == 0, err
+            assert out.split() == ["0", "96"]  # 6 full blocks of 16 hit
+        stranger = run_client_script(daemon.endpoint, SHARER, "B")
+        out, err = stranger.communicate(timeout=30)
+        assert out.split() == ["0", "0"]  # another tenant's namespace: no hit
+        after = obs.stats()
+        assert after["prefix_hits"] - before["prefix_hits"] == 3 * 96
+        assert after["num_used_blocks"] == before["num_used_blocks"] == 0
+    finally:
+        obs.close()
+
+
+# ---- killed and silent engines ------------------------------------------------------------------
+
+DECODER = """
+c = Client(EP, tenant="t")
+batch = StepBatch(admit=[AdmitRequest(i, 200) for i in range(32)])
+res = c.step(batch)
+assert (res.admit_status == 0).all(), res.admit_status
+rows = c.rows_of(list(range(32)))
+print("ready", flush=True)
+while True:
+    c.step(StepBatch(append_rows=rows))
+"""
+
+
+def test_sigkill_mid_step_reclaims_within_2s(daemon):
+    obs = Client(daemon.endpoint, tenant="observer")
+    try:
+        p = run_client_script(daemon.endpoint, DECODER)
+        try:
+            assert p.stdout.readline().strip() == "ready"
+            time.sleep(0.3)  # decoding
+            assert obs.stats()["num_used_blocks"] > 0
+        finally:
+            p.kill()
+            p.wait()
+        t0 = time.monotonic()
+        ok = wait_until(lambda: (s := obs.stats())["num_used_blocks"] == 0 and s["num_requests"] == 0, 3.0)
+        elapsed = time.monotonic() - t0
+        assert ok and elapsed <= 2.0, elapsed
+        assert len(shm_segments(daemon.pid)) == 1  # only the observer's segment is left
+    finally:
+        obs.close()
+
+
+def test_silent_client_loses_lease_heartbeating_one_keeps_it(daemon):
+    silent = Client(daemon.endpoint, heartbeat=False)
+    alive = Client(daemon.endpoint)
+    try:
+        silent.allocate("x", 64)
+        alive.allocate("y", 64)
+        time.sleep(2.3)
+        st = alive.stats()
+        assert st["num_requests"] == 1 and st["num_used_blocks"] == 4
+        with pytest.raises(SessionError):
+            silent.stats()
+        assert alive.block_table("y").size == 4
+    finally:
+        silent.close(goodbye=False)
+        alive.close()
+
+
+# ---- retries --------------------------------------------------------------------------------------
+
+def test_retried_step_applied_once(daemon):
+    c = Client(daemon.endpoint)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(daemon.endpoint)
+    try:
+        op, fields, frames, post, undo = c._req_step(StepBatch(admit=[AdmitRequest("a", 40)]))
+        seq = c._next_seq()
+        msg = [P.request(op, c.sid, seq, **fields), *frames]
+        replies = []
+        for _ in range(3):  # the original and two retries (e.g. after a timeout)
+            raw.send_multipart(msg)
+            assert raw.poll(5000)
+            replies.append(raw.recv_multipart())
+        assert replies[0] == replies[1] == replies[2]
+        res = post(orjson.loads(replies[0][0]), replies[0][1:])
+        assert res.admit_status.tolist() == [0]
+        st = c.stats()
+        assert st["num_requests"] == 1 and st["num_used_blocks"] == 3
+        assert c.block_table("a").size == 3
+        # an older sequence number is refused
+        raw.send_multipart([P.request(P.STATS, c.sid, 1)])
+        assert raw.poll(5000)
+        h = orjson.loads(raw.recv_multipart()[0])
+        assert h["err"] == 20
+    finally:
+        raw.close(0)
+        ctx.term()
+        c.close()
+
+
+# ---- isolation ----------------------------------------------------------------------------------
+
+def test_sessions_cannot_touch_each_other(daemon):
+    a = Client(daemon.endpoint, tenant="x")
+    b = Client(daemon.endpoint, tenant="x")
+    try:
+        a.allocate("r", 64)
+        # b names row 0 (a's row) directly: its session holds no request there
+        with pytest.raises(UnknownRequest):
+            b._call(P.FREE, {}, [np.array([0], np.int32).tobytes()])
+        res = b.step(StepBatch(append_rows=np.array([0], np.int32)))
+        assert res.append_status.tolist() == [UnknownRequest.code]
+        assert a.block_table("r").size == 4
+        assert a.stats()["num_requests"] == 1
+    finally:
+        a.close()
+        b.close()
+
+
+# ---- malformed input ----------------------------------------------------------------------------
+
+def _valid_step_frames(rng, c: Client, next_ids) -> tuple[dict, list[bytes]]:
+    admits = [AdmitRequest(next(next_ids), int(rng.integers(1, 200))) for _ in range(int(rng.integers(0, 3)))]
+    live = list(c.request_ids)
+    app = live[: int(rng.integers(0, len(live) + 1))]
+    spec = c._req_step(StepBatch(admit=admits, append_ids=app))
+    spec[4]()  # we do not let the client track these rows: the daemon may or may not apply them
+    return spec[1], spec[2]
+
+
+def _mutate(rng, fields: dict, frames: list[bytes]) -> tuple[dict, list[bytes]]:
+    fields = dict(fields)
+    frames = list(frames)
+    for _ in range(int(rng.integers(1, 4))):
+        k = int(rng.integers(0, 9))
+        if k == 0 and frames:  # flip bytes
+            i = int(rng.integers(0, len(frames)))
+            b = bytearray(frames[i])
+            if b:
+                for _ in range(int(rng.integers(1, 8))):
+                    b[int(rng.integers(0, len(b)))] = int(rng.integers(0, 256))
+            frames[i] = bytes(b)
+        elif k == 1 and frames:  # truncate
+            i = int(rng.integers(0, len(frames)))
+            frames[i] = frames[i][: int(rng.integers(0, len(frames[i]) + 1))]
+        elif k == 2:  # change a count
+            key = ["nf", "nk", "na", "nd", "la", "an"][int(rng.integers(0, 6))]
+            fields[key] = [int(rng.integers(-5, 5)), 2**40, -(2**63), "x", None, 1.5, True, 100000][
+                int(rng.integers(0, 8))]
+        elif k == 3:  # drop or add a frame
+            if frames and rng.random() < 0.5:
+                frames.pop(int(rng.integers(0, len(frames))))
+            else:
+                frames.insert(int(rng.integers(0, len(frames) + 1)), rng.bytes(int(rng.integers(0, 64))))
+        elif k == 4 and frames:  # random int32 rows
+            i = int(rng.integers(0, len(frames)))
+            frames[i] = rng.integers(-(2**31), 2**31 - 1, size=int(rng.integers(0, 8)), dtype=np.int64).astype(
+                np.int32).tobytes()
+        elif k == 5:  # another op with these frames
+            fields["op"] = [P.ALLOCATE, P.APPEND, P.FREE, P.FORK, P.SWAP_IN, P.LOOKUP, "nope"][int(rng.integers(0, 7))]
+        elif k == 6:  # garbage header fields
+            fields[str(rng.integers(0, 5))] = "y" * int(rng.integers(0, 300))
+        elif k == 7 and frames:  # admissions of huge sizes
+            i = int(rng.integers(0, len(frames)))
+            frames[i] = rng.integers(-(2**62), 2**62, size=7 * int(rng.integers(0, 3))).astype(np.int64).tobytes()
+        else:
+            fields["row"] = int(rng.integers(-3, 100))
+    return fields, frames
+
+
+def test_fuzz_malformed_messages_pool_unchanged(daemon_factory):
+    d = daemon_factory(max_message_bytes=1 << 20)
+    rng = np.random.default_rng(1234)
+    good = Client(d.endpoint, tenant="good")
+    fuzz = Client(d.endpoint, tenant="fuzz", heartbeat=True)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(d.endpoint)
+    try:
+        good.step(StepBatch(admit=[AdmitRequest(i, 50 + i) for i in range(8)]))
+        tables_before = [good.block_table(i).copy() for i in range(8)]
+        fuzz.allocate("base", 100)
+        s0 = good.stats()
+
+        def exchange(frames: list[bytes]) -> dict | None:
+            raw.send_multipart(frames)
+            if not raw.poll(2000):
+                return None
+            rep = raw.recv_multipart()
+            return orjson.loads(rep[0])
+
+        # phase A: junk (random bytes, random JSON, unknown sessions)
+        ops = sorted(P.OPS - {P.HELLO})
+        n_err = 0
+        for i in range(1500):
+            kind = i % 4
+            if kind == 0:
+                msg = [rng.bytes(int(rng.integers(0, 200))) for _ in range(int(rng.integers(1, 5)))]
+            elif kind == 1:
+                h = {"v": int(rng.integers(0, 3)), "op": ops[int(rng.integers(0, len(ops)))],
+                     "s": int(rng.integers(0, 2**62)), "q": int(rng.integers(0, 100))}
+                msg = [orjson.dumps(h)] + [rng.bytes(int(rng.integers(0, 64))) for _ in range(int(rng.integers(0, 12)))]
+            elif kind == 2:
+                msg = [orjson.dumps([1, 2, {"op": "step"}])] if rng.random() < 0.5 else [b"{}" * int(rng.integers(0, 3000))]
+            else:
+                msg = [b"\x00"] * int(rng.integers(1, 80))
+            rep = exchange(msg)
+            assert rep is not None and "err" in rep, (i, msg[:2], rep)
+            n_err += 1
+        s1 = good.stats()
+        assert s1 == s0
+
+        # phase B: mutations of valid steps (and other ops) on a live session of the fuzz client
+        ids = iter(range(10**6, 10**7))
+        seq = fuzz._seq + 1000
+        for i in range(1500):
+            fields, frames = _valid_step_frames(rng, fuzz, ids)
+            fields, frames = _mutate(rng, fields, frames)
+            op = fields.pop("op", P.STEP)
+            seq += 1
+            try:
+                hdr = P.request(op, fuzz.sid, seq, **fields)
+            except TypeError:
+                continue
+            rep = exchange([hdr, *frames])
+            assert rep is not None
+        # oversized: the daemon drops the message (ZMQ_MAXMSGSIZE) and keeps serving
+        raw.send_multipart([P.request(P.LOOKUP, fuzz.sid, seq + 1), b"\x00" * (2 << 20)])
+        assert good.stats()["num_requests"] >= s0["num_requests"]  # still serving
+        fuzz._seq = seq + 10
+        fuzz.close()  # goodbye frees everything the fuzz session managed to create
+        s2 = good.stats()
+        assert s2["num_used_blocks"] == s0["num_used_blocks"] - 7  # "base" (100 tokens) is gone too
+        assert s2["num_requests"] == s0["num_requests"] - 1
+        for i in range(8):
+            assert (good.block_table(i) == tables_before[i]).all()
+        res = good.step(StepBatch(append_ids=list(range(8))))
+        assert (res.append_status == 0).all()
+        assert d.proc.poll() is None
+    finally:
+        raw.close(0)
+        ctx.term()
+        good.close()
+
+
+# ---- daemon lifecycle -----------------------------------------------------------------------------
+
+def test_second_daemon_refused_first_untouched(daemon, daemon_factory):
+    c = Client(daemon.endpoint)
+    try:
+        c.allocate("a", 32)
+        second = daemon_factory(runtime_dir=daemon.runtime_dir, wait=False)
+        rc = second.proc.wait(20)
+        _, err = second.proc.communicate()
+        assert rc != 0
+        assert "already serves" in err
+        assert c.stats()["num_requests"] == 1
+        assert daemon.proc.poll() is None
+    finally:
+        c.close()
+
+
+def test_sigterm_cleans_up_and_restart_is_detected(daemon_factory):
+    d = daemon_factory()
+    c = Client(d.endpoint, timeout_s=1.0, retries=1)
+    try:
+        c.allocate("a", 32)
+        assert len(shm_segments(d.pid)) == 1
+        assert d.stop() == 0
+        assert shm_segments(d.pid) == []
+        assert not (d.runtime_dir / "kvd.sock").exists()
+        d2 = daemon_factory(runtime_dir=d.runtime_dir)
+        with pytest.raises(DaemonRestarted):
+            c.stats()
+        assert c.reconnect() is False
+        assert c.request_ids == []
+        r = c.allocate("a", 32)
+        assert r.ok and c.block_table("a").size == 2
+        assert c.reconnect() is True  # same daemon: the session survives
+        assert c.block_table("a").size == 2
+        assert c.stats()["num_requests"] == 1
+    finally:
+        c.close()
+
+
+def test_stale_segments_swept_at_start(daemon_factory):
+    from kvd.shm import SessionBuffers, segment_name
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    stale = SessionBuffers.create(segment_name(p.pid, "dead", 1), max_reqs=2, max_blocks=[2], max_tokens=4)
+    try:
+        daemon_factory()
+        assert not os.path.exists("/dev/shm/" + stale.name)
+    finally:
+        stale.unlink()
+        stale.close()
