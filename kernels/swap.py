@@ -1,0 +1,88 @@
+"""Swap blocks between the GPU pool and a pinned CPU pool, in either direction, batched.
+
+Two ways to move the bytes:
+  * the copy kernel of :mod:`.copy` with one side in pinned host memory: the SMs read or write
+    host memory directly over the bus (zero-copy), one launch for every chunk of every block, so
+    it costs the same for 32 KiB chunks as for 2 MiB ones;
+  * plain DMA (``cudaMemcpyAsync`` through ``Tensor.copy_``), one call per contiguous region
+    (a chunk, or a run of consecutive blocks when the layout makes them adjacent on both sides):
+    no SM is used, but each call costs microseconds of host time.
+
+``method="auto"`` takes DMA when the average contiguous region is at least
+:data:`DMA_MIN_REGION_BYTES`, the crossover measured by scripts/bench_kernels.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._triton import require_triton, torch
+from .copy import PoolLayout, copy_blocks_between, copy_blocks_between_ref, pool_layout
+
+#: Contiguous bytes per DMA call from which DMA beats the zero-copy kernel (measured on an H100,
+#: see scripts/bench_kernels.py's swap crossover rows).
+DMA_MIN_REGION_BYTES = 1 << 20
+
+
+def swap_blocks_ref(src: np.ndarray, dst: np.ndarray, block_mapping: np.ndarray,
+                    block_dim: int = 2) -> None:
+    """dst[..., d, ...] = src[..., s, ...] for every (s, d): the CPU pool's view of a swap."""
+    copy_blocks_between_ref(src, dst, block_mapping, block_dim)
+
+
+def dma_regions(src: PoolLayout, dst: PoolLayout, mapping: np.ndarray):
+    """(src offset, dst offset, length) in units of every contiguous region of a swap.
+
+    Consecutive pairs (s, d), (s+1, d+1) merge into one region where both pools store consecutive
+    blocks back to back (block stride == chunk), which a block-major pool always does.
+    """
+    mapping = np.asarray(mapping, dtype=np.int64).reshape(-1, 2)
+    if len(mapping) == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    s, d = mapping[:, 0], mapping[:, 1]
+    if src.sb == src.chunk and dst.sb == dst.chunk:
+        new_run = np.ones(len(mapping), dtype=bool)
+        new_run[1:] = (np.diff(s) != 1) | (np.diff(d) != 1)
+        starts = np.flatnonzero(new_run)
+        lengths = np.diff(np.append(starts, len(mapping))) * src.chunk
+        s, d = s[starts], d[starts]
+    else:
+        lengths = np.full(len(mapping), src.chunk, dtype=np.int64)
+    regions = []
+    for p in range(src.num_planes):
+        regions.append(np.stack([src.offset(p, 0) + s * src.sb, dst.offset(p, 0) + d * dst.sb,
+                                 lengths], axis=1))
+    return np.concatenate(regions)
+
+
+def swap_blocks(src, dst, block_mapping, block_dim: int = 2, method: str = "auto") -> str:
+    """Copy blocks ``block_mapping[i] = (s, d)`` of pool ``src`` into pool ``dst`` (same layout
+    apart from the number of blocks), one of them on the GPU and the other in pinned host memory.
+
+    ``block_mapping`` is int64 [N, 2] on the host (pinned lets the kernel read it in place).
+    ``method`` is "kernel", "dma" or "auto"; the one used is returned. Asynchronous on the current
+    stream, like any copy: synchronize before reading a host destination.
+    """
+    require_triton()
+    s_layout, d_layout = pool_layout(src, block_dim), pool_layout(dst, block_dim)
+    mapping = block_mapping
+    n = mapping.shape[0]
+    if n == 0:
+        return "none"
+    if method == "auto":
+        regions = dma_regions(s_layout, d_layout, mapping.numpy())
+        avg = regions[:, 2].mean() * s_layout.unit_bytes
+        method = "dma" if avg >= DMA_MIN_REGION_BYTES else "kernel"
+    if method == "dma":
+        regions = dma_regions(s_layout, d_layout, mapping.numpy())
+        sf, df = s_layout.flat, d_layout.flat
+        for so, do, length in regions.tolist():
+            df[do:do + length].copy_(sf[so:so + length], non_blocking=True)
+        return "dma"
+    if method != "kernel":
+        raise ValueError(f"unknown method {method!r}")
+    device = src.device if src.is_cuda else dst.device
+    if device.type == "cuda" and not mapping.is_cuda and not mapping.is_pinned():
+        mapping = mapping.to(device, non_blocking=True)
+    copy_blocks_between(s_layout, d_layout, mapping)
+    return "kernel"
