@@ -118,6 +118,6 @@ def test_pool_layout_geometry():
     assert (default.n0, default.n1, default.s1, default.sb, default.chunk) == (1, 6, 12 * 16, 16, 16)
     assert default.unit_bytes == 8 and default.flat.dtype == torch.int64
     split = pool_layout(make_pool(rng, (3, 2, 12, 4, 2, 8), "float16", (1, 2, 0, 3, 4, 5), "cpu"))
-    assert (split.n0, split.n1, split.s0, split.s1, split.sb) == (2, 3, 12 * 3 * 16, 16, 3 * 16)
+    assert (split.n0, split.n1, split.s0, split.s1, split.sb) == (3, 2, 16, 12 * 3 * 16, 3 * 16)
     odd = pool_layout(make_pool(rng, (2, 2, 12, 3), "float16", None, "cpu"))
     assert (odd.unit_bytes, odd.chunk) == (2, 3)
