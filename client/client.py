@@ -417,10 +417,12 @@ class _Core:
                 self._drop_row(r)
             raise
 
+        while len(frames) > 4 and not frames[-1]:
+            frames.pop()  # trailing empty frames may be left out
+
         def post(h, f):
-            free_status = np.frombuffer(f[0], np.int16)
-            fork_status = np.frombuffer(f[1], np.int16)
-            admit_status = np.frombuffer(f[3], np.int16)
+            (free_status, fork_status, append_status, admit_status, cached, copies, changed,
+             freed) = P.split_step_reply(f[0], nf, nk, na, nd, h["nc"], h["nch"], h["nfr"])
             admit_rows = adm[:, 0].astype(np.int32) if nd else _EMPTY_I32
             if nf:
                 for r, st in zip(free_rows.tolist(), free_status.tolist()):
@@ -438,12 +440,11 @@ class _Core:
                     admit_rows = np.where(bad, -1, admit_rows).astype(np.int32)
             res = StepResult(
                 free_status=free_status, fork_status=fork_status,
-                append_status=np.frombuffer(f[2], np.int16), admit_status=admit_status,
-                admit_rows=admit_rows, admit_cached_tokens=np.frombuffer(f[4], np.int32),
-                copies=np.frombuffer(f[5], np.int32).reshape(-1, 2),
-                changed_rows=np.frombuffer(f[6], np.int32),
+                append_status=append_status, admit_status=admit_status,
+                admit_rows=admit_rows, admit_cached_tokens=cached, copies=copies,
+                changed_rows=changed,
                 sched_rows=_EMPTY_I32, sched_start=_EMPTY_I32, sched_len=_EMPTY_I32,
-                freed_rows=np.frombuffer(f[7], np.int32),
+                freed_rows=freed,
             )
             res.num_scheduled_tokens = h.get("nt", [])  # type: ignore[attr-defined]
             return res

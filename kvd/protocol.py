@@ -52,7 +52,8 @@ attach     hdr: s (existing sid), epoch. Re-binds a live session (e.g. after the
            its socket). Wrong epoch -> DaemonRestarted; unknown/expired sid -> SessionError.
 step       hdr: la (lookahead tokens, int), an (uniform append token count used when the
            append-counts frame is empty), nf, nk, na, nd (counts of frees, forks, appends, admits).
-           frames after the header (6 + 4G), in this order:
+           frames after the header (6 + 4G; trailing empty frames may be left out, at least 4 sent),
+           in this order:
              0  free rows            int32[nf]
              1  fork rows            int32[nk, 2]   (parent row, child row)
              2  fork tags            uint64[nk]
@@ -62,11 +63,13 @@ step       hdr: la (lookahead tokens, int), an (uniform append token count used 
              5+2G  admissions        int64[nd, ADMIT_COLS]  (row, num_tokens, lookahead, priority,
                                       num_encoder_tokens, max_new_tokens, tag as int64)
              6+2G .. 6+4G-1  per group g: admit hashes S16[*], admit hash counts int32[nd]
-           reply hdr: nt (real scheduled tokens per group, list). reply frames:
+           reply hdr: nt (slot-mapping tokens written per group, list), nc (copies), nch (changed
+           rows), nfr (freed rows). ONE reply frame, the concatenation of:
              free status int16[nf], fork status int16[nk], append status int16[na],
-             admit status int16[nd], admit cached tokens int32[nd], copies int32[k, 2],
-             changed rows int32[*] (session rows whose block-table rows / counts changed),
-             freed rows int32[*]
+             admit status int16[nd], admit cached tokens int32[nd], copies int32[nc, 2],
+             changed rows int32[nch] (session rows whose block-table rows / counts changed),
+             freed rows int32[nfr]
+           (one frame instead of eight: every ZeroMQ frame costs a few µs on each side).
            Block tables, counts and the step's slot mapping (padded with PAD_SLOT_ID) are written
            into shared memory before the reply is sent.
 lookup     frames: hashes S16[n] (group 0). reply hdr: n (leading cached blocks).
@@ -241,6 +244,21 @@ def frame_array(buf: bytes, dtype: np.dtype, n: int | None = None, name: str = "
 
 def frame_hashes(buf: bytes, name: str = "hashes", max_n: int | None = None) -> np.ndarray:
     return frame_array(buf, HASH_DTYPE, None, name, max_n)
+
+
+def split_step_reply(body: bytes, nf: int, nk: int, na: int, nd: int, nc: int, nch: int, nfr: int):
+    """The step reply's body frame -> (free_st, fork_st, append_st, admit_st, cached, copies,
+    changed, freed) arrays (read-only views, no copy)."""
+    sizes = (2 * nf, 2 * nk, 2 * na, 2 * nd, 4 * nd, 8 * nc, 4 * nch, 4 * nfr)
+    if sum(sizes) != len(body):
+        raise ProtocolError(f"step reply body of {len(body)} bytes, expected {sum(sizes)}")
+    out = []
+    off = 0
+    for dt, n, size in zip((I16, I16, I16, I16, I32, I32, I32, I32), (nf, nk, na, nd, nd, 2 * nc, nch, nfr), sizes):
+        out.append(np.frombuffer(body, dt, n, off))
+        off += size
+    out[5] = out[5].reshape(nc, 2)
+    return out
 
 
 def split_counts(hashes: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:

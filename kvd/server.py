@@ -59,6 +59,7 @@ SID_SHIFT = 32
 RECV_HWM = 1024
 SEND_HWM = 1024
 TICK_S = 0.1
+_EMPTY_I32 = np.empty(0, np.int32)
 
 
 # ---- slot mapping -------------------------------------------------------------------------------
@@ -71,8 +72,8 @@ def _slot_mapping_np(table: np.ndarray, bs: int, rows: np.ndarray, start: np.nda
     if n_req == 0:
         return 0
     total = int(lens.sum())
-    if total == n_req and (n_req == 0 or int(lens.min()) == 1):  # decode: one token each
-        pos = start.astype(np.int64, copy=False)
+    if total == n_req and int(lens.min()) == 1:  # decode: one token each
+        pos = start.astype(np.int64)
         r = rows
     else:
         r = np.repeat(rows, lens)
@@ -81,16 +82,20 @@ def _slot_mapping_np(table: np.ndarray, bs: int, rows: np.ndarray, start: np.nda
     n = min(total, out.shape[0])
     if n < total:
         r, pos = r[:n], pos[:n]
-    blk = table[r, pos // bs]
-    np.multiply(blk, bs, out=out[:n], casting="unsafe")
-    out[:n] += pos % bs
+    blk_idx, off = np.divmod(pos, bs)
+    blk_idx += r.astype(np.int64) * table.shape[1]
+    blk = table.ravel().take(blk_idx)
+    o = out[:n]
+    np.multiply(blk, bs, out=o, casting="unsafe")
+    o += off
     return n
 
 
-try:  # the kernels' numpy reference, when it exists, has the same contract
-    from kvd_kernels import slot_mapping_from_ranges_ref as _kernel_ref  # type: ignore
-except Exception:  # pragma: no cover - kernels not installed yet
-    _kernel_ref = None
+# kvd_kernels.slot_mapping_from_ranges_ref has the same contract, but importing kvd_kernels imports
+# torch + triton when they are installed (~3 s of daemon start): a CPU pool uses the function above,
+# a GPU pool (device cuda*) loads the kernels (see Daemon.__init__).
+_kernel_ref = None
+_PROF = [] if os.environ.get("KVDSRV_PROF") else None
 
 
 # ---- sessions -----------------------------------------------------------------------------------
@@ -142,10 +147,19 @@ class Daemon:
             watermark=float(_opt(config, "watermark", 0.0)),
         )
         self.manager = BlockManager(self.mcfg)
+        self.kernel_ref = None
+        if str(_opt(config, "device", "cpu")).startswith("cuda"):
+            try:
+                from kvd_kernels import slot_mapping_from_ranges_ref  # type: ignore
+
+                self.kernel_ref = slot_mapping_from_ranges_ref
+            except Exception as e:  # pragma: no cover
+                log.warning("kvd_kernels unavailable (%s); numpy slot mapping", e)
         m = self.manager
         self.G = len(self.groups)
         self.block_sizes = [int(b) for b in m.block_sizes]
         self.max_blocks = [int(t.shape[1]) for t in m.tables]
+        self.windowed = [bool(gs.sliding_window) for gs in self.groups]
         self.max_reqs = int(config.max_reqs_per_session)
         self.max_tokens = int(config.max_num_batched_tokens)
         self.max_model_len = int(config.max_model_len)
@@ -270,20 +284,44 @@ class Daemon:
         for g in range(self.G):
             shm.counts[g][srows] = 0
 
-    def _sync_rows(self, sess: Session, mrows: np.ndarray) -> np.ndarray:
-        """Copy the manager's rows (tables + counts) of this session into its shared memory."""
+    def _sync_rows(self, sess: Session, mrows: np.ndarray, full: bool = True) -> np.ndarray:
+        """Copy the manager's rows (tables + counts) of this session into its shared memory.
+
+        ``full=False`` (a step without copy-on-write): tables are append-only, so for groups without
+        a sliding window only the entries from the old count to the new one are copied, and rows whose
+        count did not change are skipped."""
         if mrows.size == 0:
-            return np.empty(0, np.int32)
-        mrows = mrows[self.owner_sid[mrows] == sess.sid]
+            return _EMPTY_I32
+        own = self.owner_sid[mrows] == sess.sid
+        if not own.all():
+            mrows = mrows[own]
         srows = self.owner_srow[mrows]
         m = self.manager
         shm = sess.shm
         for g in range(self.G):
             cnt = m.num_blocks[g][mrows]
+            if full or self.windowed[g]:
+                w = int(cnt.max()) if cnt.size else 0
+                if w:
+                    shm.tables[g][srows, :w] = m.tables[g][mrows, :w]
+            else:
+                old = shm.counts[g][srows]
+                grew = cnt > old
+                if grew.any():
+                    gm, gs, o, n = mrows[grew], srows[grew], old[grew], cnt[grew]
+                    k = n - o
+                    if int(k.max()) == 1:
+                        shm.tables[g][gs, o] = m.tables[g][gm, o]
+                    else:
+                        tot = int(k.sum())
+                        first = np.repeat(np.cumsum(k) - k, k)
+                        col = np.repeat(o, k) + (np.arange(tot) - first)
+                        shm.tables[g][np.repeat(gs, k), col] = m.tables[g][np.repeat(gm, k), col]
+                shrank = cnt < old
+                if shrank.any():  # not expected without CoW/windows; copy those rows whole
+                    w = int(cnt[shrank].max())
+                    shm.tables[g][srows[shrank], :w] = m.tables[g][mrows[shrank], :w]
             shm.counts[g][srows] = cnt
-            w = int(cnt.max()) if cnt.size else 0
-            if w:
-                shm.tables[g][srows, :w] = m.tables[g][mrows, :w]
         return srows
 
     def _sync_row(self, sess: Session, srow: int) -> None:
@@ -298,8 +336,8 @@ class Daemon:
     def _write_slots(self, sess: Session, rows: np.ndarray, start: np.ndarray, lens: np.ndarray) -> list[int]:
         m = self.manager
         shm = sess.shm
-        if _kernel_ref is not None and int(lens.sum()) <= self.max_tokens:
-            _kernel_ref(m.tables, self.block_sizes, rows, start, lens, shm.slot_array)
+        if self.kernel_ref is not None and int(lens.sum()) <= self.max_tokens:
+            self.kernel_ref(m.tables, self.block_sizes, rows, start, lens, shm.slot_array)
             n = int(lens.sum())
             sess.slots_written = [n] * self.G
             return sess.slots_written
@@ -486,10 +524,32 @@ class Daemon:
             self._sync_rows(sess, sess.mrow[srows].copy())
         return [P.ok_reply(seq, self.epoch, status=int(res.status)), P.arr(res.mapping, P.I32)]
 
+    def _decode_step(self, sess: Session, h: dict, rows_b: bytes, na: int, la: int, seq: int) -> list[bytes]:
+        """The decode fast path: appends only, one token count for all, no hashes."""
+        an = P.get_int(h, "an", 1, 0, self.max_model_len)
+        if na * an > self.max_tokens:
+            raise InvalidArgument(f"{na * an} append tokens > max_num_batched_tokens {self.max_tokens}")
+        app_rows = self._rows(rows_b, "append rows", na)
+        mrows = sess.mrow[app_rows]
+        res = self.manager.step(StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la),
+                                namespace=sess.namespace)
+        changed = self._sync_rows(sess, res.changed_rows, full=res.copies.size > 0)
+        nt = self._write_slots(sess, res.sched_rows, res.sched_start, res.sched_len)
+        self.was_step = True
+        copies = res.copies
+        return [
+            P.ok_reply(seq, self.epoch, nt=nt, nc=len(copies), nch=len(changed), nfr=0),
+            b"".join((res.append_status.astype(P.I16, copy=False).tobytes(),
+                      copies.astype(P.I32, copy=False).tobytes(), changed.tobytes())),
+        ]
+
     def op_step(self, sess, h, frames, ident, seq):
         G = self.G
-        if len(frames) != P.step_frame_count(G):
-            raise ProtocolError(f"step: expected {P.step_frame_count(G)} frames after the header")
+        nfr = P.step_frame_count(G)
+        if len(frames) != nfr:
+            if len(frames) > nfr or len(frames) < 4:
+                raise ProtocolError(f"step: expected 4 to {nfr} frames after the header")
+            frames = frames + [P.EMPTY] * (nfr - len(frames))  # trailing empty frames may be left out
         R = self.max_reqs
         mml = self.max_model_len
         nf = P.get_int(h, "nf", 0, 0, R)
@@ -497,6 +557,8 @@ class Daemon:
         na = P.get_int(h, "na", 0, 0, R)
         nd = P.get_int(h, "nd", 0, 0, R)
         la = P.get_int(h, "la", 0, 0, mml)
+        if not (nf or nk or nd or frames[4]) and not any(frames[5:]):
+            return self._decode_step(sess, h, frames[3], na, la, seq)
         free_rows = self._rows(frames[0], "free rows", nf)
         fork_rows = self._rows(frames[1], "fork rows", 2 * nk).reshape(nk, 2)
         fork_tags = P.frame_array(frames[2], P.U64, nk, "fork tags")
@@ -554,29 +616,9 @@ class Daemon:
             for i, (row, nt, l, pri, net, mnt) in enumerate(cols.tolist()):
                 hs = [adm_hashes[g][i] for g in range(G)]
                 admits.append(AdmitRequest(base | row, nt, hs[0] if G == 1 else hs, l, pri, net, mnt))
-        app_status = None
-        if na:
-            mrows = sess.mrow[app_rows]
-            bad = mrows < 0
-            if np.bincount(app_rows, minlength=R).max() > 1:
-                raise InvalidArgument("a row appears twice among the appends")
-            if bad.any():  # unknown rows get UnknownRequest, the others go on
-                keep = ~bad
-                app_status_full = np.where(bad, UnknownRequest.code, STATUS_OK).astype(np.int16)
-                mrows = mrows[keep]
-                if not isinstance(ntok, int):
-                    ntok = ntok[keep]
-                if app_counts:
-                    new_h, new_c = [], []
-                    for g in range(G):
-                        parts = P.split_counts(app_hashes[g], app_counts[g])
-                        kept = [p for p, k_ in zip(parts, keep.tolist()) if k_]
-                        new_h.append(np.concatenate(kept) if kept else np.empty(0, P.HASH_DTYPE))
-                        new_c.append(app_counts[g][keep])
-                    app_hashes, app_counts = new_h, new_c
-                app_status = (app_status_full, keep)
-        else:
-            mrows = np.empty(0, np.int32)
+        # unmapped session rows become -1: the manager reports UnknownRequest for them (and
+        # InvalidArgument for duplicates) without failing the other requests
+        mrows = sess.mrow[app_rows] if na else _EMPTY_I32
         batch = StepBatch(
             free=frees, forks=forks, append_rows=mrows, append_num_tokens=ntok,
             append_hashes=app_hashes, append_hash_counts=app_counts, num_lookahead_tokens=la,
@@ -607,22 +649,19 @@ class Daemon:
                 self.owner_sid[mr] = sess.sid
                 self.owner_srow[mr] = srows
                 sess.shm.row_tags[srows] = adm[okm, 6].view(np.uint64)
-        changed = self._sync_rows(sess, np.asarray(res.changed_rows))
+        changed = self._sync_rows(sess, res.changed_rows, full=res.copies.size > 0)
         nt = self._write_slots(sess, res.sched_rows, res.sched_start, res.sched_len)
         self.was_step = True
-        if app_status is not None:
-            full, keep = app_status
-            full[keep] = res.append_status
-            append_status = full
-        else:
-            append_status = res.append_status
+        append_status = res.append_status
         copies = res.copies
         return [
-            P.ok_reply(seq, self.epoch, nt=nt, tot=int(np.sum(res.sched_len))),
-            P.arr(res.free_status, P.I16), P.arr(res.fork_status, P.I16),
-            P.arr(append_status, P.I16), P.arr(res.admit_status, P.I16),
-            P.arr(res.admit_cached_tokens, P.I32), P.arr(copies, P.I32),
-            P.arr(changed, P.I32), freed_s.tobytes(),
+            P.ok_reply(seq, self.epoch, nt=nt, nc=len(copies), nch=len(changed), nfr=len(freed_s)),
+            b"".join((
+                P.arr(res.free_status, P.I16), P.arr(res.fork_status, P.I16),
+                P.arr(append_status, P.I16), P.arr(res.admit_status, P.I16),
+                P.arr(res.admit_cached_tokens, P.I32), P.arr(copies, P.I32),
+                P.arr(changed, P.I32), P.arr(freed_s, P.I32),
+            )),
         ]
 
     # ---- session lifecycle -----------------------------------------------------------------------
@@ -818,6 +857,7 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                 except zmq.Again:
                     break
                 t0 = time.perf_counter()
+                c0 = time.thread_time() if _PROF is not None else 0.0
                 reply = handle(msg)
                 if reply is not None:
                     try:
@@ -827,6 +867,8 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                     except zmq.ZMQError as e:
                         log.debug("send failed: %s", e)
                 if d.was_step:
+                    if _PROF is not None:
+                        _PROF.append((t0, time.perf_counter(), c0, time.thread_time()))
                     d.was_step = False
                     d.n_steps += 1
                     if d.metrics is not None:
@@ -879,6 +921,11 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
         _notify("READY=1", f"STATUS=serving {endpoint}: {d.status_line()}")
         await stop.wait()
         _notify("STOPPING=1")
+        if _PROF:
+            a = np.array([b - a for a, b, _, _ in _PROF[20:]]) * 1e6
+            c = np.array([d - c for _, _, c, d in _PROF[20:]]) * 1e6
+            log.warning("step handle+send us: p50 %.0f p99 %.0f (cpu p50 %.0f) n %d", np.percentile(a, 50),
+                        np.percentile(a, 99), np.percentile(c, 50), a.size)
         loop.remove_reader(fd)
         loop.remove_reader(mon_fd)
         drain()  # answer what already arrived
