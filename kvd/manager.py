@@ -73,6 +73,7 @@ class _Group:
         self.block_size = block_size
         self.window = window or 0
         self.table = np.zeros((max_reqs, max_blocks), np.int32)
+        self.table.fill(NULL_BLOCK)  # touch every page now, not on the first step that writes it
         self.num_blocks = np.zeros(max_reqs, np.int32)
         self.num_registered = np.zeros(max_reqs, np.int32)
         self.num_skipped = np.zeros(max_reqs, np.int32)
@@ -117,6 +118,12 @@ class BlockManager:
         self.namespace = np.zeros(R, np.int64)
         self.active = np.zeros(R, bool)
         self.swapped = np.zeros(R, bool)
+        self.appendable = np.zeros(R, bool)  # active and resident: what an append may name
+        self.forked = np.zeros(R, bool)  # took part in a fork: may share a partly filled block
+        self._num_forked = 0
+        self._arange = np.arange(R, dtype=np.int32)
+        self._mark = np.zeros(R, np.int32)
+        self._simple = len(self.groups) == 1 and not self.groups[0].window
         self.max_cross_blocks = _cdiv(config.max_encoder_len, config.encoder_block_size)
         self.cross_table = np.zeros((R, self.max_cross_blocks), np.int32)
         self.cross_num_blocks = np.zeros(R, np.int32)
@@ -374,6 +381,7 @@ class BlockManager:
         self._row_of[req.req_id] = row
         self._id_of[row] = req.req_id
         self.active[row] = True
+        self.appendable[row] = True
         self.swapped[row] = False
         self.num_tokens[row] = num_tokens
         self.priority[row] = req.priority
@@ -465,9 +473,12 @@ class BlockManager:
     def _append_rows(self, rows, n_new, hash_lists, hash_counts, lookahead) -> np.ndarray:
         """Grow many requests at once. Returns the int16 status per request."""
         n = rows.size
-        status = np.zeros(n, np.int16)
         if not n:
-            return status
+            return np.zeros(0, np.int16)
+        if self._simple and not self._num_forked and 0 <= lookahead <= self.max_lookahead:
+            if self._append_fast(rows, n_new, hash_lists[0], hash_counts[0], lookahead) is not None:
+                return np.zeros(n, np.int16)
+        status = np.zeros(n, np.int16)
         self._validate_appends(rows, n_new, lookahead, hash_counts, status)
         if status.any():
             self._last_append_error = f"append rejected for {int(np.count_nonzero(status))} request(s)"
@@ -513,6 +524,46 @@ class BlockManager:
                 self._release_out_of_window(g, orows, oold)
         return status
 
+    def _append_fast(self, rows, n_new, hashes, counts, lookahead):
+        """The common decode step (one full-attention group, no forks): a handful of whole-array
+        operations. Returns the tokens each request had before, or None, having changed nothing,
+        whenever anything is unusual (misuse, no space): the general path then decides."""
+        n = rows.size
+        if rows.dtype != np.int32 or rows.view(np.uint32).max() >= self.num_tokens.size:
+            return None
+        if not self.appendable[rows].all():
+            return None
+        idx = self._arange[:n]
+        self._mark[rows] = idx
+        if not (self._mark[rows] == idx).all():
+            return None  # a row named twice
+        old = self.num_tokens[rows]
+        new = old + n_new
+        if (n_new < 0 if np.isscalar(n_new) else n_new.min() < 0) or new.max() > self.config.max_model_len:
+            return None
+        g = self.groups[0]
+        bs = g.block_size
+        if hashes.size and (counts.min() < 0 or (counts > new // bs - g.num_registered[rows]).any()):
+            return None
+        nb = g.num_blocks[rows]
+        short = np.flatnonzero(new + lookahead > nb * bs)
+        if short.size:
+            grow = (new[short] + (lookahead + bs - 1)) // bs - nb[short]
+            total = int(grow.sum())
+            if total > self.pool.num_free:
+                return None
+            blocks = self.pool.take(total)
+            grown = rows[short]
+            if total == short.size:  # one block each: the usual decode boundary
+                g.table[grown, nb[short]] = blocks
+                g.num_blocks[grown] += 1
+            else:
+                self._grow_group(0, grown, old[short], grow, None, blocks)
+        self.num_tokens[rows] = new
+        if hashes.size:
+            self._register_appends(rows, np.zeros(n, np.int16), [hashes], [counts])
+        return old
+
     @staticmethod
     def _greedy(need: np.ndarray, avail: int) -> np.ndarray:
         """In batch order, each request fits if its need fits in what is left."""
@@ -551,13 +602,14 @@ class BlockManager:
                 pending[block] = pending.get(block, 0) + 1
         return ok, cow
 
-    def _grow_group(self, gi: int, rows, old, grow, cow) -> None:
+    def _grow_group(self, gi: int, rows, old, grow, cow, blocks=None) -> None:
         g = self.groups[gi]
         n_cow = int(cow.sum()) if cow is not None else 0
         total = int(grow.sum()) + n_cow
         if not total:
             return
-        blocks = self.pool.take(total)
+        if blocks is None:
+            blocks = self.pool.take(total)
         per_req = grow + (cow if cow is not None else 0)
         offsets = np.cumsum(per_req) - per_req
         if n_cow:
@@ -590,7 +642,8 @@ class BlockManager:
             if not sel.size:
                 continue
             starts = np.cumsum(counts) - counts
-            hash_idx = np.concatenate([np.arange(s, s + c) for s, c in zip(starts[sel].tolist(), counts[sel].tolist())])
+            c = counts[sel]
+            hash_idx = np.repeat(starts[sel], c) + (np.arange(int(c.sum())) - np.repeat(np.cumsum(c) - c, c))
             srows = rows[sel]
             blocks, rep = _row_blocks(g.table, srows, g.num_registered[srows], g.num_registered[srows] + counts[sel], False)
             ns = self.namespace[srows]
@@ -655,7 +708,10 @@ class BlockManager:
         self.cross_num_blocks[rows] = 0
         self.num_tokens[rows] = 0
         self.active[rows] = False
+        self.appendable[rows] = False
         self.swapped[rows] = False
+        self._num_forked -= int(np.count_nonzero(self.forked[rows]))
+        self.forked[rows] = False
         for row in rows.tolist():
             del self._row_of[self._id_of[row]]
             self._id_of[row] = None
@@ -677,6 +733,11 @@ class BlockManager:
         self._row_of[child_id] = child
         self._id_of[child] = child_id
         self.active[child] = True
+        self.appendable[child] = True
+        for row in (parent, child):
+            if not self.forked[row]:
+                self.forked[row] = True
+                self._num_forked += 1
         self.num_tokens[child] = self.num_tokens[parent]
         self.priority[child] = self.priority[parent]
         self.namespace[child] = self.namespace[parent]
@@ -757,6 +818,7 @@ class BlockManager:
             self._swapped[row] = _Swapped(per_group, [int(g.num_skipped[row]) for g in self.groups], cross)
         self._release_rows_gpu(rows)
         self.swapped[rows] = True
+        self.appendable[rows] = False
         self.counters["swaps_out"] += gpu.size
         self._debug_check()
         return SwapResult(STATUS_OK, np.stack([gpu, cpu], axis=1).astype(np.int32))
@@ -839,6 +901,7 @@ class BlockManager:
             self.cross_num_blocks[row] = cross.size
         self._release_cpu(np.repeat(cpu, counts))
         self.swapped[rows] = False
+        self.appendable[rows] = True
         self.counters["swaps_in"] += cpu.size
         self._debug_check()
         return SwapResult(STATUS_OK, np.stack([cpu, gpu], axis=1).astype(np.int32))
@@ -853,10 +916,20 @@ class BlockManager:
     def step(self, batch: StepBatch, namespace: int = 0) -> StepResult:
         """Apply one scheduler step: frees, forks, appends, admissions (in that order). Misuse of
         one request is reported in its status and does not stop the others."""
-        rows, n_new = self._step_append_inputs(batch)
-        hash_lists, hash_counts = self._step_hashes(batch, rows.size)
+        if (
+            self._simple
+            and not self._num_forked
+            and batch.append_rows is not None
+            and not (batch.free or batch.forks or batch.admit or len(batch.append_ids))
+        ):
+            result = self._decode_step(batch)
+            if result is not None:
+                return result
+        n_new = self._step_append_sizes(batch)
+        hash_lists, hash_counts = self._step_hashes(batch, n_new.size)
         free_status, freed_rows = self._step_frees(batch.free)
         fork_status, child_rows = self._step_forks(batch.forks)
+        rows = self._step_append_rows(batch)  # after frees and forks: ids may name new children
         copies_before = len(self._copies)
         append_status = self._append_rows(rows, n_new, hash_lists, hash_counts, batch.num_lookahead_tokens)
         admit_status, admit_rows, admit_cached = self._step_admits(batch.admit, namespace)
@@ -921,19 +994,55 @@ class BlockManager:
                 status[i] = errors.InvalidArgument.code
         return status, np.array(child_rows, np.int32)
 
-    def _step_append_inputs(self, batch: StepBatch):
-        if batch.append_rows is not None:
-            if len(batch.append_ids):
-                raise errors.InvalidArgument("give append_ids or append_rows, not both")
-            rows = np.asarray(batch.append_rows, np.int32).reshape(-1)
-        else:
-            get = self._row_of.get
-            rows = np.fromiter((_safe_get(get, r) for r in batch.append_ids), np.int32, count=len(batch.append_ids))
+    def _decode_step(self, batch: StepBatch) -> StepResult | None:
+        """A step of appends only, by row: the daemon's decode step."""
+        rows = batch.append_rows
+        if not isinstance(rows, np.ndarray) or rows.ndim != 1 or not 0 <= batch.num_lookahead_tokens <= self.max_lookahead:
+            return None
+        n = rows.size
         n_new = batch.append_num_tokens
-        n_new = np.full(rows.size, n_new, np.int64) if np.isscalar(n_new) else np.asarray(n_new, np.int64)
-        if n_new.shape != rows.shape:
+        if not (isinstance(n_new, (int, np.integer)) and not isinstance(n_new, bool)):
+            n_new = np.asarray(n_new, np.int64)
+            if n_new.shape != (n,):
+                return None
+        hashes, counts = _EMPTY_HASHES, None
+        if len(batch.append_hashes):
+            hash_lists, hash_counts = self._step_hashes(batch, n)
+            hashes, counts = hash_lists[0], hash_counts[0]
+        old = self._append_fast(rows, n_new, hashes, counts, batch.num_lookahead_tokens) if n else None
+        if old is None:
+            return None
+        self._debug_check()
+        empty = np.zeros(0, np.int16)
+        return StepResult(
+            free_status=empty,
+            fork_status=empty,
+            append_status=np.zeros(n, np.int16),
+            admit_status=empty,
+            admit_rows=_EMPTY_I32,
+            admit_cached_tokens=np.zeros(0, np.int64),
+            copies=_EMPTY_COPIES,
+            changed_rows=rows,
+            sched_rows=rows,
+            sched_start=old.astype(np.int32),
+            sched_len=np.full(n, n_new, np.int32) if np.isscalar(n_new) else n_new.astype(np.int32),
+        )
+
+    def _step_append_sizes(self, batch: StepBatch) -> np.ndarray:
+        if batch.append_rows is not None and len(batch.append_ids):
+            raise errors.InvalidArgument("give append_ids or append_rows, not both")
+        n = len(batch.append_ids) if batch.append_rows is None else np.asarray(batch.append_rows).size
+        n_new = batch.append_num_tokens
+        n_new = np.full(n, n_new, np.int64) if np.isscalar(n_new) else np.asarray(n_new, np.int64)
+        if n_new.shape != (n,):
             raise errors.InvalidArgument("append_num_tokens must be one per appended request")
-        return rows, n_new
+        return n_new
+
+    def _step_append_rows(self, batch: StepBatch) -> np.ndarray:
+        if batch.append_rows is not None:
+            return np.asarray(batch.append_rows, np.int32).reshape(-1)
+        get = self._row_of.get
+        return np.fromiter((_safe_get(get, r) for r in batch.append_ids), np.int32, count=len(batch.append_ids))
 
     def _step_hashes(self, batch: StepBatch, n: int):
         G = len(self.groups)
@@ -953,7 +1062,11 @@ class BlockManager:
         status = np.zeros(m, np.int16)
         rows = np.full(m, -1, np.int32)
         cached = np.zeros(m, np.int64)
-        for i, req in enumerate(admits):
+        first = 0
+        if m > 1 and self._simple and not self.config.admit_full_sequence and not self.config.reserve_decode_blocks:
+            first = _BatchAdmission(self, namespace).run(admits, status, rows, cached)
+        for i in range(first, m):
+            req = admits[i]
             try:
                 result = self._admit(req, namespace)
             except errors.KvdError as exc:
@@ -1052,6 +1165,214 @@ class BlockManager:
                 np.add.at(cpu_expected, blocks[blocks >= 0], 1)
         assert np.array_equal(cpu_expected, self.cpu_pool.ref_cnt), "CPU reference counts disagree with swap records"
         assert set(self._swapped) == set(np.flatnonzero(self.swapped & self.active).tolist())
+
+
+class _BatchAdmission:
+    """Admit many requests of the simple configuration (one full-attention group) together.
+
+    Each request is still decided in batch order, exactly as ``_admit`` would. The batch only goes
+    on while its blocks come off the fresh stack (no eviction: evicting could change what later
+    lookups find), so every request's block ids are known before they are taken; its new full
+    blocks go into the prefix-cache map at once, and later requests of the batch hit them like any
+    cached block. The rest of the batch, from the first request that would evict, goes one by one.
+    Tables, reference counts and per-block hashes are then written for the whole batch with a few
+    array operations. Any unexpected exception removes the new cache entries again.
+    """
+
+    def __init__(self, mgr: BlockManager, namespace: int) -> None:
+        self.mgr = mgr
+        self.namespace = namespace
+        self.key = mgr._cache_key(namespace, 0)
+        self.cache = mgr.pool.cache_map(self.key)
+        self.inserted: list[list[bytes]] = []
+
+    def run(self, admits, status, rows_out, cached_out) -> int:
+        try:
+            return self._run(admits, status, rows_out, cached_out)
+        except BaseException:
+            for keys in self.inserted:
+                for h in keys:
+                    self.cache.pop(h, None)
+            raise
+
+    @staticmethod
+    def _fast_valid(req, bs, max_len, max_la, known, seen) -> bool:
+        n, la, prio, hashes = req.num_tokens, req.num_lookahead_tokens, req.priority, req.block_hashes
+        return (
+            type(n) is int and 1 <= n <= max_len and type(la) is int and 0 <= la <= max_la
+            and type(prio) is int and MIN_PRIORITY <= prio <= MAX_PRIORITY
+            and not req.max_new_tokens and not req.num_encoder_tokens
+            and type(hashes) is np.ndarray and hashes.dtype == HASH_DTYPE and hashes.ndim == 1
+            and hashes.size <= n // bs and req.req_id not in known and req.req_id not in seen
+        )
+
+    def _slow_valid(self, req, seen):
+        """Full validation (typed errors) for requests the fast check did not accept."""
+        mgr = self.mgr
+        mgr._check_new_request(req.req_id, req.num_tokens, req.num_lookahead_tokens, req.priority,
+                               req.num_encoder_tokens, req.max_new_tokens)
+        if req.req_id in seen:
+            raise errors.DuplicateRequest(f"request {req.req_id!r} already exists")
+        return mgr._hash_lists(req.block_hashes, req.num_tokens)[0]
+
+    def _register(self, keys: list, hashes: np.ndarray, blocks: np.ndarray, reg_hashes, reg_blocks) -> None:
+        """Cache ``keys`` -> ``blocks`` unless a key is cached already (the first block keeps it)."""
+        cache = self.cache
+        before = len(cache)
+        if cache.keys().isdisjoint(keys):
+            cache.update(zip(keys, blocks.tolist()))
+            if len(cache) - before == len(keys):
+                self.inserted.append(keys)
+                reg_hashes.append(hashes)
+                reg_blocks.append(blocks)
+                return
+            for h in keys:  # a hash repeated within the request: redo it one by one
+                cache.pop(h, None)
+        mask = np.zeros(len(keys), bool)
+        mine = []
+        for j, (h, b) in enumerate(zip(keys, blocks.tolist())):
+            if h not in cache:
+                cache[h] = b
+                mine.append(h)
+                mask[j] = True
+        self.inserted.append(mine)
+        reg_hashes.append(hashes[mask])
+        reg_blocks.append(blocks[mask])
+
+    def _run(self, admits, status, rows_out, cached_out) -> int:
+        mgr = self.mgr
+        pool = mgr.pool
+        bs = mgr.groups[0].block_size
+        caching = mgr.config.enable_prefix_caching
+        max_len, max_la = mgr.config.max_model_len, mgr.max_lookahead
+        max_blocks = pool.num_blocks - 1 - mgr._watermark_blocks
+        cache_get = self.cache.get
+        ref = pool.ref_cnt
+        check_revived = pool.num_evictable > 0
+        revived: set[int] = set()
+        headroom = mgr._admission_headroom()
+        # The batch's blocks, in the order take() will hand them out.
+        stack_top = pool.num_fresh
+        upcoming = pool._stack[:stack_top][::-1]
+        free_rows = len(mgr._free_rows)
+        known = mgr._row_of
+        seen: set = set()
+        admitted, flat_hits, hit_counts, new_counts, reg_hashes, reg_blocks, reg_ends = [], [], [], [], [], [], []
+        offset = 0
+        done = 0
+        for i, req in enumerate(admits):
+            if not isinstance(req, AdmitRequest) or req.num_encoder_tokens:
+                break
+            try:
+                if self._fast_valid(req, bs, max_len, max_la, known, seen):
+                    hashes = req.block_hashes
+                else:
+                    hashes = self._slow_valid(req, seen)
+            except errors.KvdError as exc:
+                status[i] = exc.code
+                done = i + 1
+                continue
+            except (TypeError, ValueError, AttributeError):
+                status[i] = errors.InvalidArgument.code
+                done = i + 1
+                continue
+            n = req.num_tokens
+            total_blocks = -(-(n + req.num_lookahead_tokens) // bs)
+            if total_blocks > max_blocks:
+                status[i] = STATUS_NO_SPACE
+                done = i + 1
+                continue
+            keys = hashes.tolist() if (caching and hashes.size) else []
+            hits = []
+            for h in keys[: (n - 1) // bs]:
+                b = cache_get(h)
+                if b is None:
+                    break
+                hits.append(b)
+            nhit = len(hits)
+            new = total_blocks - nhit
+            extra = 0
+            if check_revived:
+                extra = sum(1 for b in hits if ref[b] == 0 and b not in revived)
+            if offset + new > stack_top:
+                break  # would evict: the rest go one by one
+            if not free_rows or new + extra > headroom:
+                status[i] = STATUS_NO_SPACE
+                done = i + 1
+                continue
+            if check_revived:
+                revived.update(b for b in hits if ref[b] == 0)
+            seen.add(req.req_id)
+            free_rows -= 1
+            headroom -= new + extra
+            reg_end = min(len(keys), n // bs)
+            if reg_end > nhit:
+                self._register(keys[nhit:reg_end], hashes[nhit:reg_end],
+                               upcoming[offset : offset + reg_end - nhit], reg_hashes, reg_blocks)
+            admitted.append(i)
+            flat_hits.extend(hits)
+            hit_counts.append(nhit)
+            new_counts.append(new)
+            reg_ends.append(max(reg_end, nhit))
+            offset += new
+            done = i + 1
+        if admitted:
+            self._apply(admits, admitted, flat_hits, hit_counts, new_counts, reg_hashes, reg_blocks, reg_ends, offset,
+                        status, rows_out, cached_out)
+        self.inserted.clear()
+        return done
+
+    def _apply(self, admits, admitted, flat_hits, hit_counts, new_counts, reg_hashes, reg_blocks, reg_ends, total_new,
+               status, rows_out, cached_out) -> None:
+        mgr = self.mgr
+        g = mgr.groups[0]
+        bs = g.block_size
+        pool = mgr.pool
+        k = len(admitted)
+        rows = np.array(mgr._free_rows[-k:][::-1], np.int32)
+        del mgr._free_rows[-k:]
+        blocks = pool.take(total_new)
+        nhit = np.array(hit_counts, np.int64)
+        nnew = np.array(new_counts, np.int64)
+        if flat_hits:
+            hits = np.array(flat_hits, np.int32)
+            revive = np.unique(hits[pool.ref_cnt[hits] == 0])
+            if revive.size:
+                pool.touch(revive)
+                pool.ref_cnt[revive] -= 1  # touch took one reference; the add below counts all
+            np.add.at(pool.ref_cnt, hits, 1)
+            hit_rows = np.repeat(rows, nhit)
+            hit_cols = np.arange(hits.size) - np.repeat(np.cumsum(nhit) - nhit, nhit)
+            g.table[hit_rows, hit_cols] = hits
+        starts = np.cumsum(nnew) - nnew
+        g.table[np.repeat(rows, nnew), np.repeat(nhit - starts, nnew) + np.arange(total_new)] = blocks
+        g.num_blocks[rows] = nhit + nnew
+        g.num_skipped[rows] = 0
+        if reg_blocks:
+            reg = np.concatenate(reg_blocks)
+            pool.block_hash[reg] = np.concatenate(reg_hashes)
+            pool.cache_key[reg] = self.key
+        tokens = np.fromiter((admits[i].num_tokens for i in admitted), np.int64, count=k)
+        g.num_registered[rows] = reg_ends
+        mgr.num_tokens[rows] = tokens
+        mgr.priority[rows] = np.fromiter((admits[i].priority for i in admitted), np.int64, count=k)
+        mgr.namespace[rows] = self.namespace
+        mgr.active[rows] = True
+        mgr.appendable[rows] = True
+        mgr.swapped[rows] = False
+        mgr.cross_num_blocks[rows] = 0
+        ids = [admits[i].req_id for i in admitted]
+        mgr._row_of.update(zip(ids, rows.tolist()))
+        for row, req_id in zip(rows.tolist(), ids):
+            mgr._id_of[row] = req_id
+        idx = np.array(admitted)
+        status[idx] = STATUS_OK
+        rows_out[idx] = rows
+        cached = nhit * bs
+        cached_out[idx] = cached
+        if mgr.config.enable_prefix_caching:
+            mgr.counters["prefix_queries"] += int(tokens.sum())
+            mgr.counters["prefix_hits"] += int(cached.sum())
 
 
 def _safe_get(get, req_id) -> int:

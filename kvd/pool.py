@@ -117,6 +117,8 @@ class BlockPool:
         self.num_evictions = 0
         # Conservation is checked against these counts on every call that changes them.
         self._num_evictable = 0
+        for arr in (self.ref_cnt, self.block_hash, self.cache_key, self.evict_prio):
+            arr.fill(0)  # touch every page now rather than on the first step that writes it
 
     # ---------------------------------------------------------------- counts
     @property
@@ -204,35 +206,51 @@ class BlockPool:
     # ---------------------------------------------------------------- returning blocks
     def release(self, blocks: np.ndarray, priority: int | np.ndarray = DEFAULT_PRIORITY) -> None:
         """Drop one reference per entry, in freeing order (ids may repeat). Blocks whose count
-        reaches zero join the free queue: uncached ones at the front, cached ones at the back of
-        their priority's eviction queue. ``priority`` is one value or one per entry."""
+        reaches zero join the free queue at their last entry's place in that order: uncached ones
+        at the front, cached ones at the back of their priority's eviction queue. ``priority`` is one
+        value or one per entry."""
         if not blocks.size:
             return
-        assert not np.any(blocks == NULL_BLOCK)
-        if _has_duplicates(blocks, self.num_blocks):
-            np.subtract.at(self.ref_cnt, blocks, 1)
-            last = np.full(self.num_blocks, -1, np.int64)
-            np.maximum.at(last, blocks, np.arange(blocks.size))
-            keep = last[blocks] == np.arange(blocks.size)
+        ref_before = self.ref_cnt[blocks]
+        assert ref_before.min() > 0, "release of a free block"
+        # A block held once appears once; only blocks held several times can repeat.
+        exclusive = ref_before == 1
+        if exclusive.all():
+            self.ref_cnt[blocks] = 0
+            freed, prio = blocks, priority
         else:
-            self.ref_cnt[blocks] -= 1
-            keep = slice(None)
-        assert self.ref_cnt.min(initial=0) >= 0
-        freed_mask = self.ref_cnt[blocks] == 0
-        if isinstance(keep, np.ndarray):
-            freed_mask &= keep
-        freed = blocks[freed_mask]
+            keep = exclusive
+            self.ref_cnt[blocks[exclusive]] = 0
+            shared_pos = np.flatnonzero(~exclusive)
+            shared = blocks[shared_pos]
+            ids, inverse, counts = np.unique(shared, return_inverse=True, return_counts=True)
+            remaining = self.ref_cnt[ids] - counts
+            assert remaining.min() >= 0, "more releases than references"
+            self.ref_cnt[ids] = remaining
+            gone = np.flatnonzero(remaining == 0)
+            if gone.size:
+                # The last entry of each id: stable sort by id, then the end of each run.
+                order = np.argsort(inverse, kind="stable")
+                last = order[np.cumsum(counts) - 1]
+                keep = keep.copy()
+                keep[shared_pos[last[gone]]] = True
+            freed = blocks[keep]
+            prio = priority if np.isscalar(priority) else np.asarray(priority)[keep]
         if not freed.size:
             return
-        prio = priority if np.isscalar(priority) else np.asarray(priority)[freed_mask]
         cached = self.cache_key[freed] != NO_CACHE_KEY
+        if not cached.any():
+            self._push_fresh(freed)
+            return
         fresh = freed[~cached]
         if fresh.size:
-            top = self._stack_top
-            self._stack[top : top + fresh.size] = fresh
-            self._stack_top = top + fresh.size
-        if fresh.size != freed.size:
-            self._enqueue(freed[cached], prio if np.isscalar(prio) else prio[cached])
+            self._push_fresh(fresh)
+        self._enqueue(freed[cached], prio if np.isscalar(prio) else prio[cached])
+
+    def _push_fresh(self, blocks: np.ndarray) -> None:
+        top = self._stack_top
+        self._stack[top : top + blocks.size] = blocks
+        self._stack_top = top + blocks.size
 
     def _enqueue(self, blocks: np.ndarray, priority) -> None:
         if np.isscalar(priority):
@@ -357,13 +375,3 @@ class BlockPool:
                 assert self.cache_key[b] == key and self.block_hash[b].tobytes().rstrip(b"\0") == h
             total += len(cache)
         assert total == np.count_nonzero(self.cache_key)
-
-
-def _has_duplicates(blocks: np.ndarray, num_blocks: int) -> bool:
-    if blocks.size < 2:
-        return False
-    if blocks.size > 64:
-        # Sorting is O(k log k) but cheaper than a pool-sized scratch array for small k.
-        s = np.sort(blocks)
-        return bool(np.any(s[1:] == s[:-1]))
-    return len(set(blocks.tolist())) != blocks.size

@@ -1,0 +1,75 @@
+import hashlib
+import struct
+
+import numpy as np
+import pytest
+
+from kvd.errors import BadHashes, InvalidArgument
+from kvd.hashing import HASH_DTYPE, ROOT_SEED, as_hash_array, hash_prompt, root_hash
+
+
+def sha16(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()[:16]
+
+
+def test_chain_matches_the_documented_byte_layout():
+    tokens = np.arange(10, dtype=np.int32)
+    hashes = hash_prompt(tokens, 4)
+    assert hashes.dtype == HASH_DTYPE and hashes.shape == (2,)  # the 2 leftover tokens are no block
+    root = sha16(ROOT_SEED)
+    first = sha16(root + np.arange(4, dtype="<i4").tobytes())
+    second = sha16(first + np.arange(4, 8, dtype="<i4").tobytes())
+    assert hashes.tobytes() == first + second
+    assert root_hash() == root
+
+
+def test_extra_keys_lora_salt_and_multimodal():
+    tokens = np.arange(8, dtype=np.int32)
+    root = sha16(ROOT_SEED)
+    lora = b"L" + struct.pack("<I", 2) + b"ab"
+    salt = b"S" + struct.pack("<I", 1) + b"s"
+    item = b"M" + struct.pack("<I", 11) + b"img" + struct.pack("<q", 5)
+    got = hash_prompt(tokens, 4, lora_name="ab", cache_salt="s", mm_items=[("img", 5, 2)])
+    b0 = sha16(root + tokens[:4].astype("<i4").tobytes() + lora + salt)
+    b1 = sha16(b0 + tokens[4:].astype("<i4").tobytes() + lora + item)
+    assert got.tobytes() == b0 + b1
+
+
+def test_salt_only_changes_the_chain_from_the_first_block():
+    tokens = np.arange(32, dtype=np.int32)
+    plain, salted = hash_prompt(tokens, 16), hash_prompt(tokens, 16, cache_salt="tenant")
+    assert not np.any(plain == salted)  # the salt reaches every block through the chain
+
+
+def test_continuing_a_chain_equals_hashing_the_whole_prompt():
+    tokens = np.random.default_rng(0).integers(0, 1000, 64).astype(np.int32)
+    whole = hash_prompt(tokens, 16)
+    head = hash_prompt(tokens[:32], 16)
+    tail = hash_prompt(tokens[32:], 16, parent=head[-1], first_block_index=2)
+    assert np.array_equal(np.concatenate([head, tail]), whole)
+
+
+def test_parent_with_trailing_zero_bytes_is_repadded():
+    tokens = np.arange(16, dtype=np.int32)
+    parent = b"\x07" + bytes(15)
+    a = hash_prompt(tokens, 16, parent=parent)
+    b = hash_prompt(tokens, 16, parent=np.array([parent], HASH_DTYPE)[0])  # numpy strips the zeros
+    assert np.array_equal(a, b)
+
+
+def test_xxh3_is_selectable_and_differs_from_sha256():
+    tokens = np.arange(32, dtype=np.int32)
+    x = hash_prompt(tokens, 16, algo="xxh3_128")
+    assert x.shape == (2,) and not np.any(x == hash_prompt(tokens, 16))
+    with pytest.raises(InvalidArgument):
+        hash_prompt(tokens, 16, algo="md5")
+
+
+def test_as_hash_array_accepts_s16_and_uint8_rows_and_rejects_the_rest():
+    raw = np.arange(32, dtype=np.uint8).reshape(2, 16)
+    assert as_hash_array(raw).tobytes() == raw.tobytes()
+    assert as_hash_array([bytes(16), b"\x01" * 16]).shape == (2,)
+    with pytest.raises(BadHashes):
+        as_hash_array(np.zeros((2, 8), np.uint8))
+    with pytest.raises(BadHashes):
+        as_hash_array([b"short"])

@@ -1,0 +1,138 @@
+"""Exact-state tests of the block pool: ids handed out, ref counts, free-queue order, eviction."""
+
+import numpy as np
+import pytest
+
+from kvd.hashing import HASH_DTYPE
+from kvd.pool import BlockPool
+
+KEY = 1
+
+
+def h(*values):
+    return np.array([bytes([v]) * 16 for v in values], HASH_DTYPE)
+
+
+def ids(*values):
+    return np.array(values, np.int32)
+
+
+def test_fresh_pool_hands_out_1_2_3_and_never_the_null_block():
+    pool = BlockPool(8)
+    assert pool.num_free == 7
+    assert pool.free_queue_order().tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert pool.take(7).tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert pool.num_free == 0 and pool.ref_cnt.tolist() == [0, 1, 1, 1, 1, 1, 1, 1]
+    pool.check_invariants(heavy=True)
+
+
+def test_uncached_blocks_go_to_the_front_in_freeing_order():
+    pool = BlockPool(8)
+    pool.take(5)  # 1..5
+    pool.release(ids(3, 1))  # freed 3 then 1: 1 is now the very front
+    assert pool.free_queue_order().tolist() == [1, 3, 6, 7]
+    assert pool.take(2).tolist() == [1, 3]
+    pool.check_invariants(heavy=True)
+
+
+def test_cached_blocks_go_to_the_back_and_are_evicted_least_recently_freed_first():
+    pool = BlockPool(8)
+    blocks = pool.take(4)  # 1..4
+    pool.register(KEY, h(10, 11, 12), blocks[:3])
+    # a request frees tail first: 4 (uncached), 3, 2, 1 (cached)
+    pool.release(ids(4, 3, 2, 1))
+    assert pool.free_queue_order().tolist() == [4, 5, 6, 7, 3, 2, 1]
+    assert pool.num_evictable == 3 and pool.num_fresh == 4
+    taken = pool.take(5)
+    assert taken.tolist() == [4, 5, 6, 7, 3]
+    assert pool.num_evictions == 1
+    assert bytes(h(12)[0]) not in pool.caches[KEY]  # block 3's hash is gone
+    assert pool.caches[KEY] == {bytes(h(10)[0]): 1, bytes(h(11)[0]): 2}
+    assert pool.cache_key[3] == 0
+    pool.check_invariants(heavy=True)
+
+
+def test_prefix_hit_takes_a_cached_block_out_of_the_middle():
+    pool = BlockPool(8)
+    blocks = pool.take(3)
+    pool.register(KEY, h(1, 2, 3), blocks)
+    pool.release(ids(3, 2, 1))
+    assert pool.lookup(KEY, h(1, 2, 9).tolist()).tolist() == [1, 2]
+    pool.touch(ids(2))
+    assert pool.ref_cnt[2] == 1
+    assert pool.free_queue_order().tolist() == [4, 5, 6, 7, 3, 1]
+    pool.check_invariants(heavy=True)
+    pool.release(ids(2))  # back to the tail
+    assert pool.free_queue_order().tolist() == [4, 5, 6, 7, 3, 1, 2]
+    pool.check_invariants(heavy=True)
+
+
+def test_register_keeps_the_first_block_of_a_hash():
+    pool = BlockPool(8)
+    a, b = pool.take(2)
+    pool.register(KEY, h(5), ids(a))
+    pool.register(KEY, h(5), ids(b))
+    assert pool.caches[KEY] == {bytes(h(5)[0]): a}
+    assert pool.cache_key[b] == 0
+    pool.release(ids(b, a))
+    assert pool.free_queue_order().tolist() == [b, 3, 4, 5, 6, 7, a]
+
+
+def test_release_with_repeats_frees_each_block_once_at_its_last_entry():
+    pool = BlockPool(8)
+    pool.take(3)  # 1, 2, 3
+    pool.incref(ids(1, 2))  # 1 and 2 held twice
+    pool.release(ids(3, 1, 2, 1, 2))
+    assert pool.ref_cnt[1:4].tolist() == [0, 0, 0]
+    assert pool.free_queue_order().tolist() == [2, 1, 3, 4, 5, 6, 7]
+    pool.check_invariants(heavy=True)
+
+
+def test_eviction_priorities_lowest_first_lru_within_one():
+    pool = BlockPool(6)
+    blocks = pool.take(5)
+    pool.register(KEY, h(1, 2, 3, 4, 5), blocks)
+    pool.release(ids(1), priority=50)
+    pool.release(ids(2), priority=10)
+    pool.release(ids(3), priority=50)
+    pool.release(ids(4, 5), priority=np.array([90, 10]))
+    assert pool.free_queue_order().tolist() == [2, 5, 1, 3, 4]
+    assert pool.take(3).tolist() == [2, 5, 1]
+    pool.check_invariants(heavy=True)
+
+
+def test_eviction_queue_survives_compaction_and_growth():
+    pool = BlockPool(3000)
+    blocks = pool.take(2999)
+    pool.register(KEY, np.array([i.to_bytes(16, "little") for i in range(1, 3000)], HASH_DTYPE), blocks)
+    pool.release(blocks)
+    for _ in range(5):  # revive and free again: tombstones pile up and get squeezed out
+        pool.touch(blocks[::2])
+        pool.release(blocks[::2])
+        pool.check_invariants(heavy=True)
+    order = pool.free_queue_order()
+    assert order.tolist() == blocks[1::2].tolist() + blocks[::2].tolist()
+
+
+def test_reset_cache_refuses_while_a_cached_block_is_held_then_frees_everything():
+    pool = BlockPool(8)
+    blocks = pool.take(3)
+    pool.register(KEY, h(1, 2, 3), blocks)
+    pool.release(ids(3, 2))
+    assert not pool.reset_cache()
+    pool.release(ids(1))
+    assert pool.reset_cache()
+    assert pool.caches == {} and pool.num_evictable == 0 and pool.num_free == 7
+    pool.check_invariants(heavy=True)
+
+
+def test_pool_of_a_million_blocks_stays_under_40_bytes_per_block():
+    pool = BlockPool(1_000_000)
+    assert pool.nbytes_per_block() <= 40
+    assert pool.num_free == 999_999
+
+
+def test_releasing_a_free_block_is_a_bug():
+    pool = BlockPool(4)
+    with pytest.raises(AssertionError):
+        pool.release(ids(1))
