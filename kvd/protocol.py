@@ -132,6 +132,7 @@ MAX_HEADER_BYTES = 4096
 MAX_FRAMES = 64
 MAX_STR = 256
 MAX_INT = (1 << 62) - 1
+MAX_COUNT = (1 << 31) - 1  # token counts: values beyond this are malformed; the manager judges the rest
 HASH_WIDTH = 16
 HASH_DTYPE = np.dtype("S16")
 ADMIT_COLS = 7  # row, num_tokens, lookahead, priority, num_encoder_tokens, max_new_tokens, tag

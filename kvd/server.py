@@ -434,10 +434,10 @@ class Daemon:
             raise ProtocolError(f"can_alloc: expected {self.G} frames")
         hs = self._group_hashes(frames, 0)
         st = self.manager.can_allocate(
-            P.get_int(h, "nt", None, 0, self.max_model_len), self._hash_arg(hs),
-            P.get_int(h, "la", 0, 0, self.max_model_len), namespace=sess.namespace,
-            max_new_tokens=P.get_int(h, "mnt", 0, 0, self.max_model_len),
-            num_encoder_tokens=P.get_int(h, "net", 0, 0, self.max_model_len),
+            P.get_int(h, "nt", None, 0, P.MAX_COUNT), self._hash_arg(hs),
+            P.get_int(h, "la", 0, 0, P.MAX_COUNT), namespace=sess.namespace,
+            max_new_tokens=P.get_int(h, "mnt", 0, 0, P.MAX_COUNT),
+            num_encoder_tokens=P.get_int(h, "net", 0, 0, P.MAX_COUNT),
         )
         return [P.ok_reply(seq, self.epoch, status=int(st))]
 
@@ -448,11 +448,11 @@ class Daemon:
         tag = P.get_int(h, "tag", 0, 0, (1 << 64) - 1)
         hs = self._group_hashes(frames, 0)
         res = self.manager.allocate(
-            sess.base | srow, P.get_int(h, "nt", None, 0, self.max_model_len), self._hash_arg(hs),
-            P.get_int(h, "la", 0, 0, self.max_model_len), namespace=sess.namespace,
+            sess.base | srow, P.get_int(h, "nt", None, 0, P.MAX_COUNT), self._hash_arg(hs),
+            P.get_int(h, "la", 0, 0, P.MAX_COUNT), namespace=sess.namespace,
             priority=P.get_int(h, "pri", 50, 0, 100),
-            num_encoder_tokens=P.get_int(h, "net", 0, 0, self.max_model_len),
-            max_new_tokens=P.get_int(h, "mnt", 0, 0, self.max_model_len),
+            num_encoder_tokens=P.get_int(h, "net", 0, 0, P.MAX_COUNT),
+            max_new_tokens=P.get_int(h, "mnt", 0, 0, P.MAX_COUNT),
         )
         if res.status != STATUS_OK:
             return [P.ok_reply(seq, self.epoch, status=int(res.status), cached=0)]
@@ -468,8 +468,8 @@ class Daemon:
             raise UnknownRequest(f"row {srow} holds no request of this session")
         hs = self._group_hashes(frames, 0)
         res = self.manager.append_slots(
-            sess.base | srow, P.get_int(h, "n", None, 0, self.max_model_len), self._hash_arg(hs),
-            P.get_int(h, "la", 0, 0, self.max_model_len),
+            sess.base | srow, P.get_int(h, "n", None, 0, P.MAX_COUNT), self._hash_arg(hs),
+            P.get_int(h, "la", 0, 0, P.MAX_COUNT),
         )
         if res.status != STATUS_OK:
             return [P.ok_reply(seq, self.epoch, status=int(res.status))]
@@ -526,7 +526,7 @@ class Daemon:
 
     def _decode_step(self, sess: Session, h: dict, rows_b: bytes, na: int, la: int, seq: int) -> list[bytes]:
         """The decode fast path: appends only, one token count for all, no hashes."""
-        an = P.get_int(h, "an", 1, 0, self.max_model_len)
+        an = P.get_int(h, "an", 1, 0, P.MAX_COUNT)
         if na * an > self.max_tokens:
             raise InvalidArgument(f"{na * an} append tokens > max_num_batched_tokens {self.max_tokens}")
         app_rows = self._rows(rows_b, "append rows", na)
@@ -556,7 +556,7 @@ class Daemon:
         nk = P.get_int(h, "nk", 0, 0, R)
         na = P.get_int(h, "na", 0, 0, R)
         nd = P.get_int(h, "nd", 0, 0, R)
-        la = P.get_int(h, "la", 0, 0, mml)
+        la = P.get_int(h, "la", 0, 0, P.MAX_COUNT)
         if not (nf or nk or nd or frames[4]) and not any(frames[5:]):
             return self._decode_step(sess, h, frames[3], na, la, seq)
         free_rows = self._rows(frames[0], "free rows", nf)
@@ -565,11 +565,11 @@ class Daemon:
         app_rows = self._rows(frames[3], "append rows", na)
         if frames[4]:
             ntok = P.frame_array(frames[4], P.I32, na, "append counts")
-            if na and (int(ntok.min()) < 0 or int(ntok.max()) > mml):
+            if na and (int(ntok.min()) < 0 or int(ntok.max()) > P.MAX_COUNT):
                 raise InvalidArgument("append token count out of range")
             app_tokens = int(ntok.sum(dtype=np.int64))
         else:
-            ntok = P.get_int(h, "an", 1, 0, mml)
+            ntok = P.get_int(h, "an", 1, 0, P.MAX_COUNT)
             app_tokens = ntok * na
         if app_tokens > self.max_tokens:
             raise InvalidArgument(f"{app_tokens} append tokens > max_num_batched_tokens {self.max_tokens}")
@@ -608,8 +608,8 @@ class Daemon:
             cols = adm[:, :6]
             if (cols[:, 0] < 0).any() or (cols[:, 0] >= R).any():
                 raise InvalidArgument("admission row out of range")
-            if (cols[:, 1:3] < 0).any() or (cols[:, 1:3] > mml).any() or (cols[:, 4:6] < 0).any() \
-                    or (cols[:, 4:6] > mml).any() or (cols[:, 3] < 0).any() or (cols[:, 3] > 100).any():
+            if (cols[:, 1:3] < 0).any() or (cols[:, 1:3] > P.MAX_COUNT).any() or (cols[:, 4:6] < 0).any() \
+                    or (cols[:, 4:6] > P.MAX_COUNT).any() or (cols[:, 3] < 0).any() or (cols[:, 3] > 100).any():
                 raise InvalidArgument("admission field out of range")
             if np.unique(cols[:, 0]).size != nd:
                 raise InvalidArgument("two admissions in one row")

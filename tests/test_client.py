@@ -1,0 +1,181 @@
+"""The client library against a real daemon: same answers as the in-process BlockManager."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from conftest_daemon import SMALL, daemon, daemon_factory, shm_segments, short_tmp  # noqa: F401
+from kvd.api import PAD_SLOT_ID, AdmitRequest, AllocStatus, GroupSpec, ManagerConfig, StepBatch
+from kvd.errors import DuplicateRequest, InvalidArgument, UnknownRequest
+from kvd.hashing import hash_prompt
+from kvd.manager import BlockManager
+from kvd_client import AsyncClient, Client
+
+BS = 16
+
+
+def local_manager(**over) -> BlockManager:
+    o = {**SMALL, **over}
+    return BlockManager(ManagerConfig(num_gpu_blocks=o["num_gpu_blocks"], groups=(GroupSpec(BS),),
+                                      num_cpu_blocks=o.get("num_cpu_blocks", 0), max_model_len=o["max_model_len"],
+                                      max_num_reqs=o["max_num_reqs"]))
+
+
+def expected_slots(m: BlockManager, ids, starts, lens) -> np.ndarray:
+    out = []
+    for rid, s, n in zip(ids, starts, lens):
+        t = m.block_table(rid)
+        for pos in range(s, s + n):
+            out.append(int(t[pos // BS]) * BS + pos % BS)
+    return np.array(out, np.int64)
+
+
+def test_parity_with_in_process_manager(daemon):
+    m = local_manager()
+    c = Client(daemon.endpoint, tenant="p")
+    try:
+        rng = np.random.default_rng(0)
+        prompts = {i: rng.integers(0, 1000, int(rng.integers(20, 120))).astype(np.int32) for i in range(6)}
+        prompts[6] = prompts[0].copy()  # a full prefix hit
+        for i in range(7):
+            hs = hash_prompt(prompts[i], BS)
+            a = c.allocate(f"r{i}", len(prompts[i]), hs)
+            b = m.allocate(f"r{i}", len(prompts[i]), hs)
+            assert a.status == b.status and a.num_cached_tokens == b.num_cached_tokens
+            assert (a.block_ids == b.block_ids).all()
+            assert (c.block_table(f"r{i}") == m.block_table(f"r{i}")).all()
+        assert c.lookup(hash_prompt(prompts[0], BS)) == m.lookup(hash_prompt(prompts[0], BS))
+        assert c.can_allocate(100) == m.can_allocate(100) == AllocStatus.OK
+        assert c.can_allocate(10**6) == m.can_allocate(10**6)
+
+        # decode steps through `step`, with frees, forks and admissions mixed in
+        ids = [f"r{i}" for i in range(7)]
+        for k in range(40):
+            batch = StepBatch(append_ids=list(ids))
+            if k == 5:
+                batch = StepBatch(append_ids=list(ids[1:]), free=[ids[0]], forks=[("r1", "f1")],
+                                  admit=[AdmitRequest("n1", 70, hash_prompt(prompts[2][:70], BS))])
+            ra = c.step(batch)
+            rb = m.step(batch)
+            for name in ("free_status", "fork_status", "append_status", "admit_status", "admit_cached_tokens"):
+                assert (getattr(ra, name) == getattr(rb, name)).all(), name
+            assert (np.sort(ra.copies.reshape(-1)) == np.sort(rb.copies.reshape(-1))).all()
+            if k == 5:
+                ids = ids[1:] + ["f1", "n1"]
+                assert ra.freed_rows.tolist() == [0]
+            for rid in ids:
+                assert (c.block_table(rid) == m.block_table(rid)).all(), (k, rid)
+            # the slot mapping in shared memory is the step's schedule, padded
+            exp = expected_slots(m, [m.req_id_of_row(r) for r in rb.sched_rows], rb.sched_start, rb.sched_len)
+            sm = c.slot_mappings[0]
+            assert (sm[: exp.size] == exp).all()
+            assert (sm[exp.size:] == PAD_SLOT_ID).all()
+            assert ra.num_scheduled_tokens == [exp.size]
+        st_c, st_m = c.stats(), m.stats()
+        for key in ("num_used_blocks", "num_requests", "cow_copies"):
+            assert st_c[key] == st_m[key], key
+
+        # append_slots / free / fork through the single-request API
+        ar, br = c.append_slots("r3", 17), m.append_slots("r3", 17)
+        assert ar.status == br.status and (ar.new_block_ids == br.new_block_ids).all()
+        c.fork("r3", "f3")
+        m.fork("r3", "f3")
+        assert (c.block_table("f3") == m.block_table("f3")).all()
+        for rid in list(c.request_ids):
+            c.free(rid)
+            m.free(rid)
+        assert c.stats()["num_used_blocks"] == m.stats()["num_used_blocks"] == 0
+        assert c.request_ids == []
+    finally:
+        c.close()
+
+
+def test_typed_errors_and_row_bookkeeping(daemon):
+    c = Client(daemon.endpoint)
+    try:
+        c.allocate("a", 10)
+        with pytest.raises(DuplicateRequest):
+            c.allocate("a", 10)
+        with pytest.raises(UnknownRequest):
+            c.free("nope")
+        with pytest.raises(InvalidArgument):
+            c.allocate("big", 10**7)  # longer than max_model_len: typed error from the daemon
+        assert c.request_ids == ["a"]  # the failed allocate gave its row back
+        res = c.step(StepBatch(admit=[AdmitRequest("b", 10), AdmitRequest("c", 10**7)]))
+        assert res.admit_status[0] == 0 and res.admit_status[1] == InvalidArgument.code
+        assert res.admit_rows[1] == -1
+        assert sorted(c.request_ids) == ["a", "b"]
+        assert c.row_of("b") == res.admit_rows[0]
+        assert c.id_of(int(res.admit_rows[0])) == "b"
+        assert c.shm.row_tags[c.row_of("b")] != 0
+        # an unknown id in a step fails before anything is sent
+        with pytest.raises(UnknownRequest):
+            c.step(StepBatch(append_ids=["zzz"]))
+        # the session's views are read-only
+        with pytest.raises(ValueError):
+            c.tables[0][0, 0] = 5
+    finally:
+        c.close()
+    assert shm_segments(daemon.pid) == []
+
+
+def test_tenants_are_isolated(daemon):
+    a = Client(daemon.endpoint, tenant="alice")
+    b = Client(daemon.endpoint, tenant="bob")
+    a2 = Client(daemon.endpoint, tenant="alice")
+    try:
+        toks = np.arange(64, dtype=np.int32)
+        hs = hash_prompt(toks, BS)
+        a.allocate("x", 64, hs)
+        assert b.lookup(hs) == 0
+        assert a2.lookup(hs) == 4
+        assert b.allocate("y", 64, hs).num_cached_tokens == 0
+        assert a2.allocate("z", 64, hs).num_cached_tokens == 48
+        b.reset_prefix_cache()  # only bob's namespace
+        assert a2.lookup(hs) == 4
+    finally:
+        for x in (a, b, a2):
+            x.close()
+
+
+def test_swap_out_and_in(daemon_factory):
+    d = daemon_factory(num_cpu_blocks=64)
+    c = Client(d.endpoint)
+    try:
+        c.allocate("s", 40)
+        before = c.block_table("s").copy()
+        assert c.can_swap_out("s")
+        r = c.swap_out(["s"])
+        assert r.ok and r.mapping.shape == (3, 2)
+        assert (r.mapping[:, 0] == before).all()
+        assert c.can_swap_in("s")
+        r2 = c.swap_in("s")
+        assert r2.ok and r2.mapping.shape == (3, 2)
+        assert c.block_table("s").size == 3
+    finally:
+        c.close()
+
+
+def test_async_client(daemon):
+    async def main():
+        c = await AsyncClient.connect(daemon.endpoint, tenant="async")
+        try:
+            res = await c.step(StepBatch(admit=[AdmitRequest(i, 33) for i in range(4)]))
+            assert (res.admit_status == 0).all()
+            for _ in range(3):
+                res = await c.step(StepBatch(append_ids=[0, 1, 2, 3]))
+                assert (res.append_status == 0).all()
+            assert c.block_table(0).size == 3
+            assert c.slot_mappings[0][3] == c.block_table(3)[35 // BS] * BS + 35 % BS
+            st = await c.stats()
+            assert st["num_requests"] == 4
+            r = await c.allocate("z", 5)
+            assert r.ok
+            await c.free("z")
+        finally:
+            await c.close()
+
+    asyncio.run(main())
