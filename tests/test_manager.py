@@ -1,0 +1,279 @@
+"""Exact-state tests of BlockManager (foundation API): ids, ref counts, free-queue order, prefix hits,
+no-space leaving state unchanged, misuse raising typed errors with nothing changed."""
+
+import copy
+
+import numpy as np
+import pytest
+
+from kvd import errors
+from kvd.api import STATUS_NO_SPACE, STATUS_OK, AdmitRequest, AllocStatus, ManagerConfig, StepBatch
+from kvd.hashing import hash_prompt
+from kvd.manager import BlockManager
+
+
+def make(num_blocks=16, **kw):
+    kw.setdefault("max_model_len", 256)
+    kw.setdefault("max_num_reqs", 8)
+    return BlockManager(ManagerConfig(num_gpu_blocks=num_blocks, debug_checks=True, **kw))
+
+
+def prompt(n, start=0):
+    return np.arange(start, start + n, dtype=np.int32)
+
+
+def snapshot(m: BlockManager):
+    """Everything observable about the manager's state, for byte-for-byte comparisons."""
+    p = m.pool
+    return (
+        p.ref_cnt.tobytes(), p.cache_key.tobytes(), p.block_hash.tobytes(), p.free_queue_order().tobytes(),
+        copy.deepcopy(p.caches), m.tables[0].tobytes(), m.num_blocks[0].tobytes(), m.num_tokens.tobytes(),
+        dict(m._row_of), list(m._free_rows), dict(m.counters),
+    )
+
+
+def test_allocate_hands_out_blocks_in_order_and_registers_full_blocks():
+    m = make()
+    r = m.allocate("a", 40, hash_prompt(prompt(40), 16))
+    assert r.ok and r.block_ids.tolist() == [1, 2, 3] and r.num_cached_tokens == 0
+    assert m.pool.ref_cnt[1:4].tolist() == [1, 1, 1]
+    assert m.pool.cache_key[1:4].tolist() == [1, 1, 0]  # the partial third block is not cached
+    assert m.num_free_blocks == 12 and m.block_table("a").tolist() == [1, 2, 3]
+
+
+def test_prefix_hit_shares_blocks_and_counts_tokens():
+    m = make()
+    hashes = hash_prompt(prompt(40), 16)
+    m.allocate("a", 40, hashes)
+    assert m.lookup(hashes) == 2
+    r = m.allocate("b", 40, hashes)
+    assert r.num_cached_tokens == 32 and r.block_ids.tolist() == [1, 2, 4]
+    assert m.pool.ref_cnt[1:5].tolist() == [2, 2, 1, 1]
+    s = m.stats()
+    assert (s["prefix_queries"], s["prefix_hits"]) == (80, 32) and s["hit_rate"] == pytest.approx(0.4)
+
+
+def test_a_fully_cached_prompt_recomputes_its_last_block():
+    m = make()
+    hashes = hash_prompt(prompt(32), 16)
+    m.allocate("a", 32, hashes)
+    r = m.allocate("b", 32, hashes)
+    assert r.num_cached_tokens == 16 and r.block_ids.tolist() == [1, 3]
+    assert m.pool.cache_key[3] == 0  # the recomputed copy is not registered twice
+
+
+def test_free_order_uncached_front_cached_back_tail_first():
+    m = make()
+    m.allocate("a", 40, hash_prompt(prompt(40), 16))  # 1, 2 cached; 3 partial
+    m.allocate("b", 20)  # 4, 5 uncached
+    m.free("a")
+    assert m.pool.free_queue_order().tolist() == [3, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 2, 1]
+    m.free("b")
+    assert m.pool.free_queue_order().tolist() == [4, 5, 3, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 2, 1]
+    assert m.num_free_blocks == 15 and m.usage == 0.0
+
+
+def test_cached_free_blocks_are_revived_by_a_hit_and_evicted_when_needed():
+    m = make(num_blocks=6)
+    hashes = hash_prompt(prompt(48), 16)
+    m.allocate("a", 48, hashes)  # 1, 2, 3 all cached (full)
+    m.free("a")
+    assert m.pool.free_queue_order().tolist() == [4, 5, 3, 2, 1]
+    r = m.allocate("b", 40, hashes[:2])  # hits 1, 2 (revived); needs one more block
+    assert r.block_ids.tolist() == [1, 2, 4] and r.num_cached_tokens == 32
+    m.free("b")
+    r = m.allocate("c", 80)  # 5 blocks: everything, evicting all three cached blocks
+    assert r.block_ids.tolist() == [4, 5, 3, 2, 1]
+    assert m.stats()["evictions"] == 3 and m.pool.caches[1] == {}
+
+
+def test_no_space_leaves_everything_unchanged():
+    m = make(num_blocks=6)
+    m.allocate("a", 48, hash_prompt(prompt(48), 16))
+    before = snapshot(m)
+    assert m.can_allocate(40) == AllocStatus.LATER
+    r = m.allocate("b", 40)
+    assert r.status == STATUS_NO_SPACE and not r.ok
+    assert snapshot(m) == before
+    assert m.append_slots("a", 40).status == STATUS_NO_SPACE
+    assert snapshot(m) == before
+
+
+def test_never_when_bigger_than_the_pool_or_the_model():
+    m = make(num_blocks=6)
+    assert m.can_allocate(80) == AllocStatus.OK
+    assert m.can_allocate(81) == AllocStatus.NEVER
+    assert m.can_allocate(257) == AllocStatus.NEVER
+    assert m.allocate("a", 81).status == STATUS_NO_SPACE
+
+
+def test_watermark_makes_admission_wait_but_not_appends():
+    m = make(num_blocks=11, watermark=0.2)  # 10 usable blocks, 2 of them watermark
+    assert m.can_allocate(16 * 9) == AllocStatus.NEVER
+    m.allocate("x", 16)
+    assert m.can_allocate(16 * 7) == AllocStatus.OK
+    assert m.can_allocate(16 * 8) == AllocStatus.LATER
+    assert m.allocate("a", 16 * 8).status == STATUS_NO_SPACE
+    m.allocate("a", 16 * 7)
+    assert m.append_slots("a", 32).ok and m.num_free_blocks == 0  # appends may use the watermark
+
+
+def test_append_registers_filled_blocks_with_the_given_hashes():
+    m = make()
+    tokens = prompt(64)
+    hashes = hash_prompt(tokens, 16)
+    m.allocate("a", 20, hashes[:1])
+    r = m.append_slots("a", 12, hashes[1:2])  # 32 tokens: block 2 becomes full
+    assert r.ok and r.new_block_ids.tolist() == []
+    assert m.pool.cache_key[2] == 1
+    r = m.append_slots("a", 1)
+    assert r.new_block_ids.tolist() == [3]
+    m.append_slots("a", 31, hashes[2:4])
+    assert m.block_table("a").tolist() == [1, 2, 3, 4] and m.pool.cache_key[1:5].tolist() == [1, 1, 1, 1]
+    assert m.lookup(hashes) == 4
+
+
+def test_registration_may_lag_but_not_run_ahead():
+    m = make()
+    hashes = hash_prompt(prompt(64), 16)
+    m.allocate("a", 33)
+    assert m.pool.cache_key[1] == 0
+    m.append_slots("a", 0, hashes[:2])  # catch up on blocks 1 and 2
+    assert m.pool.cache_key[1:3].tolist() == [1, 1]
+    before = snapshot(m)
+    with pytest.raises(errors.BadHashes):
+        m.append_slots("a", 0, hashes[2:3])  # block 3 is not full
+    assert snapshot(m) == before
+
+
+def test_lookahead_slots_are_reserved_never_cached_and_reused():
+    m = make()
+    r = m.allocate("a", 16, hash_prompt(prompt(16), 16), num_lookahead_tokens=20)
+    assert r.block_ids.tolist() == [1, 2, 3]  # 36 slots
+    r = m.append_slots("a", 20, num_lookahead_tokens=0)  # the reserved slots are used
+    assert r.new_block_ids.tolist() == []
+    assert m.pool.cache_key[2:4].tolist() == [0, 0]
+
+
+def test_misuse_raises_typed_errors_and_changes_nothing():
+    m = make()
+    m.allocate("a", 20)
+    before = snapshot(m)
+    cases = [
+        (errors.UnknownRequest, lambda: m.free("zzz")),
+        (errors.UnknownRequest, lambda: m.append_slots("zzz", 1)),
+        (errors.DuplicateRequest, lambda: m.allocate("a", 10)),
+        (errors.InvalidArgument, lambda: m.allocate("b", 0)),
+        (errors.InvalidArgument, lambda: m.allocate("b", -5)),
+        (errors.InvalidArgument, lambda: m.allocate("b", 10**9)),
+        (errors.InvalidArgument, lambda: m.allocate("b", 10, num_lookahead_tokens=-1)),
+        (errors.InvalidArgument, lambda: m.allocate("b", 10, priority=101)),
+        (errors.InvalidArgument, lambda: m.allocate(["unhashable"], 10)),
+        (errors.InvalidArgument, lambda: m.append_slots("a", -1)),
+        (errors.InvalidArgument, lambda: m.append_slots("a", 10**6)),
+        (errors.BadHashes, lambda: m.allocate("b", 20, hash_prompt(prompt(48), 16))),
+        (errors.BadHashes, lambda: m.allocate("b", 20, [b"short"])),
+        (errors.BadHashes, lambda: m.allocate("b", 20, np.zeros((1, 8), np.uint8))),
+        (errors.InvalidArgument, lambda: m.block_table("a", group=3)),
+    ]
+    for error, call in cases:
+        with pytest.raises(error):
+            call()
+        assert snapshot(m) == before, error
+
+
+def test_step_applies_frees_forks_appends_admissions_in_order_with_per_request_status():
+    m = make()
+    m.allocate("old", 16)
+    m.allocate("run", 15)
+    batch = StepBatch(
+        free=["old", "ghost"],
+        append_ids=["run", "nobody"],
+        append_num_tokens=np.array([2, 1]),
+        admit=[AdmitRequest("new", 20), AdmitRequest("run", 5), AdmitRequest("big", 10**6)],
+    )
+    res = m.step(batch)
+    assert res.free_status.tolist() == [STATUS_OK, errors.UnknownRequest.code]
+    assert res.append_status.tolist() == [STATUS_OK, errors.UnknownRequest.code]
+    assert res.admit_status.tolist() == [STATUS_OK, errors.DuplicateRequest.code, errors.InvalidArgument.code]
+    # "old" freed block 1 first, so the append and the admission reuse it.
+    assert m.block_table("run").tolist() == [2, 1]
+    assert m.block_table("new").tolist() == [3, 4]
+    run_row, new_row = m.row_of("run"), m.row_of("new")
+    assert res.sched_rows.tolist() == [run_row, new_row]
+    assert res.sched_start.tolist() == [15, 0] and res.sched_len.tolist() == [2, 20]
+    assert res.freed_rows.tolist() == [0]
+
+
+def test_step_no_space_for_one_request_does_not_fail_the_others():
+    m = make(num_blocks=5)
+    m.allocate("a", 16)
+    m.allocate("b", 16)
+    res = m.step(StepBatch(append_ids=["a", "b"], append_num_tokens=np.array([40, 1])))
+    assert res.append_status.tolist() == [STATUS_NO_SPACE, STATUS_OK]
+    assert m.block_table("a").tolist() == [1] and m.num_tokens[m.row_of("a")] == 16
+    assert m.block_table("b").tolist() == [2, 3]
+
+
+def test_batched_admission_equals_one_by_one():
+    tokens = [prompt(40), np.concatenate([prompt(32), prompt(9, 500)]), prompt(40), prompt(70, 900), prompt(33)]
+    admits = [AdmitRequest(i, len(t), hash_prompt(t, 16)) for i, t in enumerate(tokens)]
+    batched, single = make(num_blocks=32), make(num_blocks=32)
+    res = batched.step(StepBatch(admit=admits))
+    for a in admits:
+        single.allocate(a.req_id, a.num_tokens, a.block_hashes)
+    assert snapshot(batched) == snapshot(single)
+    assert res.admit_cached_tokens.tolist() == [0, 32, 32, 0, 32]
+
+
+def test_batched_admission_stops_before_eviction_and_finishes_one_by_one():
+    def setup():
+        m = make(num_blocks=9)
+        m.allocate("x", 48, hash_prompt(prompt(48, 100), 16))
+        m.free("x")  # 3 cached free blocks at the back
+        return m
+    admits = [AdmitRequest(i, 32, hash_prompt(prompt(32, 200 + 40 * i), 16)) for i in range(4)]
+    batched, single = setup(), setup()
+    res = batched.step(StepBatch(admit=admits))
+    for a in admits:
+        single.allocate(a.req_id, a.num_tokens, a.block_hashes)
+    assert res.admit_status.tolist() == [STATUS_OK, STATUS_OK, STATUS_OK, STATUS_OK]
+    assert snapshot(batched) == snapshot(single)
+    assert batched.stats()["evictions"] == 3
+
+
+def test_reset_prefix_cache_only_when_nothing_is_held():
+    m = make()
+    hashes = hash_prompt(prompt(32), 16)
+    m.allocate("a", 33, hashes)
+    assert not m.reset_prefix_cache()
+    m.free("a")
+    assert m.reset_prefix_cache()
+    assert m.lookup(hashes) == 0 and m.pool.num_evictable == 0
+
+
+def test_namespaces_do_not_see_each_others_prefixes():
+    m = make()
+    hashes = hash_prompt(prompt(40), 16)
+    m.allocate("a", 40, hashes, namespace=1)
+    assert m.lookup(hashes, namespace=1) == 2
+    assert m.lookup(hashes, namespace=2) == 0
+    assert m.allocate("b", 40, hashes, namespace=2).num_cached_tokens == 0
+
+
+def test_block_ids_never_include_the_null_block_under_churn():
+    m = make(num_blocks=10)
+    rng = np.random.default_rng(1)
+    live = []
+    for i in range(300):
+        if live and rng.random() < 0.4:
+            m.free(live.pop(rng.integers(len(live))))
+            continue
+        n = int(rng.integers(1, 60))
+        r = m.allocate(i, n, hash_prompt(prompt(n, 7), 16)[:1])
+        if r.ok:
+            assert 0 not in r.block_ids
+            live.append(i)
+    for req in live:
+        m.free(req)
+    assert m.num_free_blocks == 9
