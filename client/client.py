@@ -59,6 +59,7 @@ from kvd.shm import SessionBuffers
 DEFAULT_ENDPOINT_ENV = "KVD_ENDPOINT"
 _EMPTY_I32 = np.empty(0, np.int32)
 _EMPTY_I16 = np.empty(0, np.int16)
+_POLLIN = int(zmq.POLLIN)
 
 
 def default_endpoint() -> str:
@@ -531,19 +532,21 @@ class Client(_Core):
         sock = self._sock
         if sock is None:
             raise SessionError("client is closed")
-        timeout_ms = int(self.timeout_s * 1000)
         for _attempt in range(self.retries + 1):
             try:
-                sock.send_multipart(msg, zmq.NOBLOCK)
+                P.send_frames(sock, msg, P.NOBLOCK)
             except zmq.Again:
                 time.sleep(min(self.timeout_s, 0.05))
                 continue
             deadline = time.monotonic() + self.timeout_s
             while True:
-                left = int((deadline - time.monotonic()) * 1000)
-                if left <= 0 or not sock.poll(max(left, 0) if left < timeout_ms else timeout_ms):
-                    break
-                rep = sock.recv_multipart()
+                try:  # the reply is often there already: skip poll()
+                    rep = P.recv_frames(sock, P.NOBLOCK)
+                except zmq.Again:
+                    left = int((deadline - time.monotonic()) * 1000)
+                    if left <= 0 or not zmq.zmq_poll([(sock, _POLLIN)], left):
+                        break
+                    continue
                 try:
                     h = orjson.loads(rep[0])
                 except orjson.JSONDecodeError:
