@@ -705,6 +705,13 @@ class Daemon:
                 "sessions": len(self.sessions)}
 
     def status_line(self) -> str:
+        sd = _systemd()
+        fmt = getattr(sd, "format_status", None) if sd is not None else None
+        if fmt is not None:
+            try:
+                return f"{fmt(self.source())} steps={self.n_steps}"
+            except Exception:
+                pass
         st = self.manager.stats()
         return (f"sessions={len(self.sessions)} used={st.get('num_used_blocks')}/{st.get('num_blocks')} "
                 f"requests={st.get('num_requests')} hit_rate={st.get('hit_rate', 0):.3f} steps={self.n_steps}")
@@ -961,6 +968,11 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
         if d is not None:
             for s in list(d.sessions.values()):
                 d.end_session(s, "daemon shutdown")
+            if d.metrics is not None:
+                try:
+                    d.metrics.stop()
+                except Exception:
+                    pass
         if d is not None and d.monitor is not None:
             try:
                 sock.disable_monitor()

@@ -34,7 +34,8 @@ def shm_segments(pid: int | None = None) -> list[str]:
 class DaemonProc:
     """One ``python -m kvd serve`` process on ipc://<runtime_dir>/kvd.sock."""
 
-    def __init__(self, runtime_dir: Path, **opts):
+    def __init__(self, runtime_dir: Path, env: dict | None = None, **opts):
+        self.extra_env = dict(env or {})
         self.runtime_dir = Path(runtime_dir)
         self.opts = {**SMALL, **opts}
         self.endpoint = "ipc://" + str(self.runtime_dir / "kvd.sock")
@@ -57,6 +58,9 @@ class DaemonProc:
         for k in list(env):
             if k.startswith("KVD_") and k != "KVD_CONFIG":
                 env.pop(k)
+        for k in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "RUNTIME_DIRECTORY"):
+            env.pop(k, None)
+        env.update(self.extra_env)
         self.proc = subprocess.Popen(self.argv(), cwd=str(REPO), env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
         self.pids.append(self.proc.pid)
@@ -125,9 +129,9 @@ def daemon_factory(short_tmp):
     """``start(**opts) -> DaemonProc`` (started and ready); stops and cleans every one at the end."""
     made: list[DaemonProc] = []
 
-    def start(runtime_dir: Path | None = None, wait: bool = True, **opts) -> DaemonProc:
+    def start(runtime_dir: Path | None = None, wait: bool = True, env: dict | None = None, **opts) -> DaemonProc:
         rd = runtime_dir or (short_tmp / f"rt{len(made)}")
-        d = DaemonProc(rd, **opts)
+        d = DaemonProc(rd, env=env, **opts)
         made.append(d)
         return d.start(wait=wait)
 

@@ -367,3 +367,30 @@ def test_stale_segments_swept_at_start(daemon_factory):
     finally:
         stale.unlink()
         stale.close()
+
+
+def test_systemd_notifications(daemon_factory, short_tmp):
+    import socket
+
+    path = str(short_tmp / "notify")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(path)
+    s.settimeout(10)
+    try:
+        d = daemon_factory(env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000"}, status_interval_s=0.2)
+        got: list[str] = []
+
+        def read_until(pred):
+            while not any(pred(x) for x in got):
+                got.extend(s.recv(4096).decode().splitlines())
+
+        read_until(lambda x: x == "READY=1")
+        assert any(x.startswith("STATUS=") for x in got)
+        read_until(lambda x: x == "WATCHDOG=1")
+        n_status = sum(x.startswith("STATUS=") for x in got)
+        read_until(lambda x: x.startswith("STATUS=") and got.count(x) >= 0 and
+                   sum(y.startswith("STATUS=") for y in got) > n_status)
+        assert d.stop() == 0
+        read_until(lambda x: x == "STOPPING=1")
+    finally:
+        s.close()
