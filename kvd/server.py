@@ -68,14 +68,15 @@ _EMPTY_I32 = np.empty(0, np.int32)
 # ---- slot mapping -------------------------------------------------------------------------------
 
 def _slot_mapping_np(table: np.ndarray, bs: int, rows: np.ndarray, start: np.ndarray,
-                     lens: np.ndarray, out: np.ndarray) -> int:
+                     lens: np.ndarray, out: np.ndarray, uniform: int = 0) -> int:
     """slot = table[row, pos // bs] * bs + pos % bs for every scheduled token, in batch order.
-    Writes ``out[:n]`` and returns n (tokens beyond ``out.size`` are not written)."""
+    Writes ``out[:n]`` and returns n (tokens beyond ``out.size`` are not written). ``uniform=1``
+    promises that every ``lens`` is 1 (a decode step)."""
     n_req = rows.shape[0]
     if n_req == 0:
         return 0
-    total = int(lens.sum())
-    if total == n_req and int(lens.min()) == 1:  # decode: one token each
+    total = n_req if uniform == 1 else int(lens.sum())
+    if uniform == 1 or (total == n_req and int(lens.min()) == 1):  # decode: one token each
         pos = start.astype(np.int64)
         r = rows
     else:
@@ -336,7 +337,8 @@ class Daemon:
             shm.counts[g][srow] = c
             shm.tables[g][srow, :c] = m.tables[g][mrow, :c]
 
-    def _write_slots(self, sess: Session, rows: np.ndarray, start: np.ndarray, lens: np.ndarray) -> list[int]:
+    def _write_slots(self, sess: Session, rows: np.ndarray, start: np.ndarray, lens: np.ndarray,
+                     uniform: int = 0) -> list[int]:
         m = self.manager
         shm = sess.shm
         if self.kernel_ref is not None and int(lens.sum()) <= self.max_tokens:
@@ -347,7 +349,7 @@ class Daemon:
         out_n = []
         for g in range(self.G):
             out = shm.slots[g]
-            n = _slot_mapping_np(m.tables[g], self.block_sizes[g], rows, start, lens, out)
+            n = _slot_mapping_np(m.tables[g], self.block_sizes[g], rows, start, lens, out, uniform)
             prev = sess.slots_written[g]
             if prev > n:
                 out[n:prev] = PAD_SLOT_ID
@@ -532,12 +534,15 @@ class Daemon:
         an = P.get_int(h, "an", 1, 0, P.MAX_COUNT)
         if na * an > self.max_tokens:
             raise InvalidArgument(f"{na * an} append tokens > max_num_batched_tokens {self.max_tokens}")
-        app_rows = self._rows(rows_b, "append rows", na)
-        mrows = sess.mrow[app_rows]
+        app_rows = P.frame_array(rows_b, P.I32, na, "append rows")
+        try:  # one gather checks the range too (negative rows become huge as uint32)
+            mrows = sess.mrow.take(app_rows.view(np.uint32))
+        except IndexError:
+            raise InvalidArgument(f"append rows: row out of range [0, {self.max_reqs})") from None
         res = self.manager.step(StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la),
                                 namespace=sess.namespace)
         changed = self._sync_rows(sess, res.changed_rows, full=res.copies.size > 0)
-        nt = self._write_slots(sess, res.sched_rows, res.sched_start, res.sched_len)
+        nt = self._write_slots(sess, res.sched_rows, res.sched_start, res.sched_len, uniform=an)
         self.was_step = True
         copies = res.copies
         return [
