@@ -43,3 +43,30 @@ def group_args(tables, extra=()):
         else:
             args += [None, 0]
     return args
+
+
+class Relauncher:
+    """Launch one compiled specialization of a kernel again, skipping Triton's per-call binder,
+    specialization and cache lookup: for kernels with ~25 arguments that is most of a launch's host
+    time (about 50 us against 13 us for an empty kernel, measured on an H100 host).
+
+    Valid while every argument keeps its specialization: the same tensors (persistent buffers) and
+    constexprs; a scalar that changes between calls must be ``do_not_specialize`` in the kernel.
+    Under the interpreter, where a launch returns no compiled kernel, every call takes the normal
+    path.
+    """
+
+    def __init__(self, kernel, grid, args: dict, options: dict | None = None):
+        import inspect
+        self.kernel, self.grid, self.args = kernel, grid, dict(args)
+        self.options = options or {}
+        self.names = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
+        compiled = kernel[grid](**self.args, **self.options)  # compiles, and is the first launch
+        self.runner = compiled[grid] if hasattr(compiled, "packed_metadata") else None
+
+    def __call__(self, **changes) -> None:
+        self.args.update(changes)
+        if self.runner is None:
+            self.kernel[self.grid](**self.args, **self.options)
+        else:
+            self.runner(*[self.args[n] for n in self.names])

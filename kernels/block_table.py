@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from ._triton import HAS_TRITON, MAX_GROUPS_PER_LAUNCH, group_args, require_triton, tl, torch, triton
-from .slot_mapping import slot_mapping_ref
+from .slot_mapping import LaunchPlan, _group_kwargs, slot_launch_meta, slot_mapping_ref
 
 #: The null block: target of padded rows.
 NULL_BLOCK = 0
@@ -57,7 +57,7 @@ def gather_slot_mapping_ref(block_tables: Sequence[np.ndarray], block_sizes: Seq
 
 
 if HAS_TRITON:
-    from .slot_mapping import _slot_chunk, block_size_args, slot_launch_meta
+    from .slot_mapping import _slot_chunk
 
     @triton.jit
     def _update_group(table, row_stride, num_cols, row, col, vals, mask):
@@ -65,11 +65,12 @@ if HAS_TRITON:
         tl.store(table + row * row_stride + col, vals, mask=mask & (col < num_cols))
 
     @triton.jit
-    def _apply_updates_kernel(groups_ptr, rows_ptr, starts_ptr, offsets_ptr, ids_ptr,
+    def _apply_updates_kernel(groups_ptr, rows_ptr, starts_ptr, offsets_ptr, ids_ptr, group_base,
                               t0, s0, t1, s1, t2, s2, t3, s3, n0, n1, n2, n3,
                               NUM_GROUPS: tl.constexpr, BLOCK: tl.constexpr):
         i = tl.program_id(0)
-        grp = tl.load(groups_ptr + i)
+        # a launch serves groups group_base .. group_base + 3; other changes match no branch
+        grp = tl.load(groups_ptr + i) - group_base
         row = tl.load(rows_ptr + i).to(tl.int64)
         start = tl.load(starts_ptr + i)
         begin = tl.load(offsets_ptr + i)
@@ -116,7 +117,7 @@ if HAS_TRITON:
         if NUM_GROUPS > 3:
             _gather_group(t3, s3, o3, os3, n3, src_row, i, valid, BLOCK_COLS)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_reqs"])
     def _gather_kernel(req_rows_ptr, num_reqs, t0, s0, t1, s1, t2, s2, t3, s3,
                        o0, os0, o1, os1, o2, os2, o3, os3, n0, n1, n2, n3,
                        NUM_GROUPS: tl.constexpr, BLOCK_COLS: tl.constexpr):
@@ -124,7 +125,7 @@ if HAS_TRITON:
                     t3, s3, o0, os0, o1, os1, o2, os2, o3, os3, n0, n1, n2, n3, NUM_GROUPS,
                     BLOCK_COLS)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_reqs"])
     def _gather_slot_kernel(req_rows_ptr, qsl_ptr, positions_ptr, out_ptr, out_stride, num_reqs,
                             num_out, num_slot_programs, t0, s0, t1, s1, t2, s2, t3, s3,
                             o0, os0, o1, os1, o2, os2, o3, os3, n0, n1, n2, n3,
@@ -178,9 +179,7 @@ def apply_block_table_updates(block_tables, groups, rows, starts, offsets, ids,
         return
     for g0 in range(0, len(block_tables), MAX_GROUPS_PER_LAUNCH):
         tables = block_tables[g0:g0 + MAX_GROUPS_PER_LAUNCH]
-        # group ids are rebased per launch: a launch only matches changes of its own groups
-        grp = groups if g0 == 0 else groups - g0
-        _apply_updates_kernel[(n,)](grp, rows, starts, offsets, ids, *group_args(tables),
+        _apply_updates_kernel[(n,)](groups, rows, starts, offsets, ids, g0, *group_args(tables),
                                     *_num_cols(tables), NUM_GROUPS=len(tables),
                                     BLOCK=UPDATE_BLOCK)
 
@@ -202,27 +201,55 @@ def gather_block_tables(block_tables, req_rows, out_tables, *, num_reqs: int | N
     return out_tables
 
 
-def gather_slot_mapping(block_tables, block_sizes: Sequence[int], req_rows, query_start_loc,
-                        positions, out_tables, out_slots, *, num_reqs: int | None = None):
-    """Torch wrapper of :func:`gather_slot_mapping_ref`: both outputs in one launch per 4 groups."""
-    require_triton()
-    _check_tables(block_tables, "block_tables")
-    _check_tables(out_tables, "out_tables")
-    num_groups = len(block_tables)
-    if out_slots.dtype != torch.int64 or out_slots.dim() != 2 or \
-            out_slots.shape[0] != num_groups or out_slots.stride(1) != 1:
-        raise ValueError("out_slots must be int64 [G, max_num_batched_tokens]")
-    num_reqs = req_rows.shape[0] if num_reqs is None else num_reqs
+def gather_slot_launches(block_tables, block_sizes, req_rows, query_start_loc, positions,
+                         out_tables, out_slots, num_reqs: int):
+    """(grid, keyword arguments) of each launch of :func:`gather_slot_mapping`."""
     num_out = out_slots.shape[1]
     meta = slot_launch_meta(num_reqs)
     num_slot_programs = triton.cdiv(num_out, meta["BLOCK"])
-    for g0 in range(0, num_groups, MAX_GROUPS_PER_LAUNCH):
-        g1 = min(g0 + MAX_GROUPS_PER_LAUNCH, num_groups)
-        src, dst = block_tables[g0:g1], out_tables[g0:g1]
+    names = ("o0", "os0", "o1", "os1", "o2", "os2", "o3", "os3", "n0", "n1", "n2", "n3")
+    for g0 in range(0, len(block_tables), MAX_GROUPS_PER_LAUNCH):
+        g1 = min(g0 + MAX_GROUPS_PER_LAUNCH, len(block_tables))
+        dst = out_tables[g0:g1]
         grid = (num_slot_programs + dst[0].shape[0],)
-        _gather_slot_kernel[grid](req_rows, query_start_loc, positions, out_slots[g0],
-                                  out_slots.stride(0), num_reqs, num_out, num_slot_programs,
-                                  *group_args(src), *group_args(dst), *_num_cols(dst),
-                                  **block_size_args(block_sizes[g0:g1]), **meta,
-                                  BLOCK_COLS=GATHER_BLOCK_COLS)
+        yield grid, dict(req_rows_ptr=req_rows, qsl_ptr=query_start_loc, positions_ptr=positions,
+                         out_ptr=out_slots[g0], out_stride=out_slots.stride(0),
+                         num_reqs=num_reqs, num_out=num_out, num_slot_programs=num_slot_programs,
+                         **_group_kwargs(block_tables[g0:g1], block_sizes[g0:g1]),
+                         **dict(zip(names, group_args(dst) + _num_cols(dst))), **meta,
+                         BLOCK_COLS=GATHER_BLOCK_COLS)
+
+
+def _check_fused(block_tables, out_tables, out_slots) -> None:
+    _check_tables(block_tables, "block_tables")
+    _check_tables(out_tables, "out_tables")
+    if out_slots.dtype != torch.int64 or out_slots.dim() != 2 or \
+            out_slots.shape[0] != len(block_tables) or out_slots.stride(1) != 1:
+        raise ValueError("out_slots must be int64 [G, max_num_batched_tokens]")
+
+
+def gather_slot_mapping(block_tables, block_sizes: Sequence[int], req_rows, query_start_loc,
+                        positions, out_tables, out_slots, *, num_reqs: int | None = None):
+    """Torch wrapper of :func:`gather_slot_mapping_ref`: both outputs in one launch per 4 groups.
+    :class:`GatherSlotMappingPlan` is the same over persistent buffers with less host time."""
+    require_triton()
+    _check_fused(block_tables, out_tables, out_slots)
+    num_reqs = req_rows.shape[0] if num_reqs is None else num_reqs
+    for grid, kwargs in gather_slot_launches(block_tables, block_sizes, req_rows,
+                                             query_start_loc, positions, out_tables, out_slots,
+                                             num_reqs):
+        _gather_slot_kernel[grid](**kwargs)
     return out_tables, out_slots
+
+
+class GatherSlotMappingPlan(LaunchPlan):
+    """:func:`gather_slot_mapping` bound to persistent buffers: ``plan(num_reqs)`` per step."""
+
+    def __init__(self, block_tables, block_sizes: Sequence[int], req_rows, query_start_loc,
+                 positions, out_tables, out_slots):
+        require_triton()
+        _check_fused(block_tables, out_tables, out_slots)
+        tables, sizes, outs = list(block_tables), list(block_sizes), list(out_tables)
+        super().__init__(_gather_slot_kernel, lambda n: gather_slot_launches(
+            tables, sizes, req_rows, query_start_loc, positions, outs, out_slots, n))
+        self.out_tables, self.out_slots = outs, out_slots

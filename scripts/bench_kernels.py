@@ -161,7 +161,18 @@ def slot_mapping(dev):
         results["checks"][f"{name} exact"] = bool(np.array_equal(out.cpu().numpy(), c["want"]))
         h = host_us(fn)
         results["figures"][f"{name} host_us"] = round(h, 2)
-        record(name, bench_us(fn), graph_us(fn), f"target <= 1.3x empty; host {h:.1f} us/call")
+        record(name, bench_us(fn), graph_us(fn), f"wrapper; host {h:.1f} us/call")
+        plan = K.SlotMappingPlan(c["tables"], c["block_sizes"], c["rows"], c["qsl"], c["pos"], out)
+        pfn = lambda: plan(b)  # noqa: E731
+        pfn()
+        out.fill_(0x5A5A5A5A)
+        pfn()
+        torch.cuda.synchronize()
+        results["checks"][f"{name} plan exact"] = bool(np.array_equal(out.cpu().numpy(), c["want"]))
+        h = host_us(pfn)
+        results["figures"][f"{name} plan host_us"] = round(h, 2)
+        record(f"{name} plan", bench_us(pfn), graph_us(pfn),
+               f"target <= 1.3x empty; host {h:.1f} us/call")
     # the daemon's CPU path, measured on this host's CPU
     c = slot_case(rng, "cpu", 256, 1)
     out = np.empty((1, 8192), np.int64)
@@ -193,7 +204,21 @@ def block_tables(dev):
         np.array_equal(out_slots.cpu().numpy(), c["want"]) and
         all(np.array_equal(o.cpu().numpy(), w) for o, w in zip(out_tables, want_tables)))
     record("fused gather+slot decode 256 x 512 cols", bench_us(fused), graph_us(fused),
-           "target <= 1.6x empty")
+           f"wrapper; host {host_us(fused):.1f} us/call")
+    plan = K.GatherSlotMappingPlan(c["tables"], c["block_sizes"], c["rows"], c["qsl"], c["pos"],
+                                   out_tables, out_slots)
+    pfn = lambda: plan(256)  # noqa: E731
+    pfn()
+    out_slots.fill_(0x5A5A5A5A)
+    for o in out_tables:
+        o.fill_(-7)
+    pfn()
+    torch.cuda.synchronize()
+    results["checks"]["fused gather+slot plan exact"] = bool(
+        np.array_equal(out_slots.cpu().numpy(), c["want"]) and
+        all(np.array_equal(o.cpu().numpy(), w) for o, w in zip(out_tables, want_tables)))
+    record("fused gather+slot decode 256 x 512 cols plan", bench_us(pfn), graph_us(pfn),
+           f"target <= 1.6x empty; host {host_us(pfn):.1f} us/call")
     gather = lambda: K.gather_block_tables(c["tables"], c["rows"], out_tables)  # noqa
     record("gather 256 rows x 512 cols", bench_us(gather), graph_us(gather))
 
@@ -290,14 +315,17 @@ def swap(dev):
             results["figures"][f"swap_{direction}_{method}_GBps"] = round(rate, 1)
             rows.append((f"swap {direction} 256x2MiB {method} (32 KiB regions)", f"{us:9.2f}",
                          "", f"{rate:.1f} GB/s"))
-    # correctness of the round trip: GPU blocks -> host -> other GPU blocks
-    K.swap_blocks(gpu, host, out_map, 2, method="kernel")
-    K.swap_blocks(host, gpu, in_map, 2, method="kernel")
-    torch.cuda.synchronize()
+    # correctness of the round trip: GPU blocks -> host -> other GPU blocks, for both methods
     o, i = out_map.numpy(), in_map.numpy()
-    results["checks"]["swap round trip exact"] = bool(torch.equal(
-        gpu[:, :, torch.from_numpy(o[:, 0]).to(dev)].view(torch.int16),
-        gpu[:, :, torch.from_numpy(i[:, 1]).to(dev)].view(torch.int16)))
+    for method in ("kernel", "dma"):
+        gpu.view(torch.int16).random_(-30000, 30000)
+        before = gpu[:, :, torch.from_numpy(o[:, 0]).to(dev)].clone()
+        K.swap_blocks(gpu, host, out_map, 2, method=method)
+        K.swap_blocks(host, gpu, in_map, 2, method=method)
+        torch.cuda.synchronize()
+        results["checks"][f"swap round trip exact ({method})"] = bool(torch.equal(
+            before.view(torch.int16), gpu[:, :, torch.from_numpy(i[:, 1]).to(dev)].view(torch.int16)))
+        del before
     del gpu, host
 
     # the baseline of the issue: one copy per block, block-major pools (2 MiB contiguous blocks)
@@ -359,7 +387,10 @@ def main():
             return round(f[name][key] / empty[key], 2)
         return None
     t = results["targets"]
-    for name, limit in (("slot_mapping decode 256", 1.3), ("slot_mapping prefill 8x1024", 1.3),
+    for name, limit in (("slot_mapping decode 256 plan", 1.3),
+                        ("slot_mapping prefill 8x1024 plan", 1.3),
+                        ("fused gather+slot decode 256 x 512 cols plan", 1.6),
+                        ("slot_mapping decode 256", 1.3), ("slot_mapping prefill 8x1024", 1.3),
                         ("fused gather+slot decode 256 x 512 cols", 1.6)):
         for key in ("do_bench_us", "graph_us"):
             r = ratio(name, key)

@@ -37,7 +37,9 @@ def make_pool(rng, shape, dtype, perm, device):
 def as_bits(t):
     import torch
     t = t.cpu()
-    return t.view(torch.int16).numpy() if t.dtype in (torch.bfloat16, torch.float16) else t.numpy()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.int16).numpy()
+    return t.view(torch.int32).numpy() if t.dtype == torch.float32 else t.numpy()
 
 
 def disjoint_mapping(rng, num_src_blocks, num_dst_blocks, n, same_pool):
@@ -46,6 +48,17 @@ def disjoint_mapping(rng, num_src_blocks, num_dst_blocks, n, same_pool):
         return np.stack([ids[:n], ids[n:]], axis=1).astype(np.int64)
     return np.stack([rng.permutation(num_src_blocks)[:n], rng.permutation(num_dst_blocks)[:n]],
                     axis=1).astype(np.int64)
+
+
+def mapping_with_run(rng, num_src_blocks, num_dst_blocks, n):
+    """n distinct sources to n distinct destinations, rows 1..3 a run (s, d), (s+1, d+1), ...
+    that DMA merges into one region. Duplicates would make the launch order observable."""
+    s0, d0 = int(rng.integers(0, num_src_blocks - 2)), int(rng.integers(0, num_dst_blocks - 2))
+    srcs = [x for x in rng.permutation(num_src_blocks) if not s0 <= x < s0 + 3][:n - 3]
+    dsts = [x for x in rng.permutation(num_dst_blocks) if not d0 <= x < d0 + 3][:n - 3]
+    srcs = srcs[:1] + [s0, s0 + 1, s0 + 2] + srcs[1:]
+    dsts = dsts[:1] + [d0, d0 + 1, d0 + 2] + dsts[1:]
+    return np.stack([srcs, dsts], axis=1).astype(np.int64)
 
 
 def test_copy_ref_hand_computed():
@@ -86,10 +99,7 @@ def test_swap_both_directions(device, name, shape, block_dim, dtype, perm, metho
     if device == "cuda":
         host = host.pin_memory()
     for src, dst in ((gpu, host), (host, gpu)):
-        mapping = disjoint_mapping(rng, src.shape[block_dim], dst.shape[block_dim], 6, False)
-        mapping[2:4] = mapping[1, 0] + [1, 2], mapping[1, 1] + [1, 2]  # a run: merged DMA region
-        mapping = mapping[(mapping[:, 0] < src.shape[block_dim]) &
-                          (mapping[:, 1] < dst.shape[block_dim])]
+        mapping = mapping_with_run(rng, src.shape[block_dim], dst.shape[block_dim], 6)
         want = as_bits(dst).copy()
         swap_blocks_ref(as_bits(src), want, mapping, block_dim)
         m = torch.from_numpy(mapping)

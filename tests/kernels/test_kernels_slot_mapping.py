@@ -148,3 +148,46 @@ def test_kernel_persistent_buffers(device):
     got = slot_mapping([t(x) for x in c["tables"]], [16], rows, qsl, pos, num_reqs=3,
                        max_num_batched_tokens=c["width"])
     np.testing.assert_array_equal(got.cpu().numpy(), want)
+
+
+def test_plan_over_persistent_buffers(device):
+    """A SlotMappingPlan re-launched step after step, batch sizes crossing REQ_CHUNK buckets,
+    equals the reference each time (the fast relaunch path on a GPU, the normal one otherwise)."""
+    import torch
+
+    from kvd_kernels import GatherSlotMappingPlan, SlotMappingPlan, gather_block_tables_ref
+    rng = np.random.default_rng(11)
+    bss, max_reqs, width, max_model_len = [16, 32], 300, 400, 512
+    tables = make_tables(rng, bss, max_reqs, max_model_len)
+    t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    dev_tables = [t(x) for x in tables]
+    rows_buf = torch.zeros(max_reqs, dtype=torch.int32, device=device)
+    qsl_buf = torch.zeros(max_reqs + 1, dtype=torch.int32, device=device)
+    pos_buf = torch.zeros(width, dtype=torch.int64, device=device)
+    out = torch.full((2, width), POISON, dtype=torch.int64, device=device)
+    out_tables = [torch.full((max_reqs, x.shape[1]), -7, dtype=torch.int32, device=device)
+                  for x in tables]
+    out_slots = torch.full((2, width), POISON, dtype=torch.int64, device=device)
+    plan = SlotMappingPlan(dev_tables, bss, rows_buf, qsl_buf, pos_buf, out)
+    fused = GatherSlotMappingPlan(dev_tables, bss, rows_buf, qsl_buf, pos_buf, out_tables,
+                                  out_slots)
+    for lens in ([1] * 5, [1] * 300, [30, 1, 1], [], [0, 400]):
+        c = case(rng, bss, lens, max_model_len=max_model_len, max_reqs=max_reqs, width=width)
+        c["tables"] = tables
+        want = run_refs(c)
+        n = len(lens)
+        rows_buf[:n] = t(c["rows"])
+        qsl_buf[:n + 1] = t(c["qsl"])
+        pos_buf[:len(c["positions"])] = t(c["positions"])
+        out.fill_(POISON)
+        out_slots.fill_(POISON)
+        for x in out_tables:
+            x.fill_(-7)
+        plan(n)
+        fused(n)
+        np.testing.assert_array_equal(out.cpu().numpy(), want)
+        np.testing.assert_array_equal(out_slots.cpu().numpy(), want)
+        want_tables = [np.empty((max_reqs, x.shape[1]), np.int32) for x in tables]
+        gather_block_tables_ref(tables, c["rows"], want_tables)
+        for got, w in zip(out_tables, want_tables):
+            np.testing.assert_array_equal(got.cpu().numpy(), w)
