@@ -176,9 +176,8 @@ class _Core:
             raise UnknownRequest(f"unknown request {req_id!r}") from None
 
     def rows_of(self, req_ids: Sequence[Hashable]) -> np.ndarray:
-        m = self._row_of
         try:
-            return np.fromiter((m[i] for i in req_ids), np.int32, len(req_ids))
+            return np.array(list(map(self._row_of.__getitem__, req_ids)), np.int32)
         except KeyError as e:
             raise UnknownRequest(f"unknown request {e.args[0]!r}") from None
 
