@@ -36,11 +36,18 @@ _MIN_QUEUE_CAPACITY = 1024
 
 
 class _EvictionQueue:
-    """FIFO of cached free blocks of one priority, with tombstones for O(1) removal."""
+    """FIFO of cached free blocks of one priority, with tombstones for O(1) removal.
 
-    __slots__ = ("buf", "head", "tail", "live")
+    An entry is live when the block's ``queue_pos`` points back at it *and* the block's
+    ``evict_prio`` is this queue's: positions are shared by all queues, so a tombstone here could
+    otherwise match the block's live entry at the same index of another priority's queue.
+    """
 
-    def __init__(self, capacity: int) -> None:
+    __slots__ = ("buf", "head", "tail", "live", "prio", "evict_prio")
+
+    def __init__(self, capacity: int, prio: int, evict_prio: np.ndarray) -> None:
+        self.prio = prio
+        self.evict_prio = evict_prio
         self.buf = np.empty(capacity, np.int32)
         self.head = 0
         self.tail = 0
@@ -52,6 +59,7 @@ class _EvictionQueue:
             self._compact(queue_pos, k)
         self.buf[self.tail : self.tail + k] = blocks
         queue_pos[blocks] = np.arange(self.tail, self.tail + k, dtype=np.int32)
+        self.evict_prio[blocks] = self.prio
         self.tail += k
         self.live += k
 
@@ -69,7 +77,12 @@ class _EvictionQueue:
     def members(self, queue_pos: np.ndarray) -> np.ndarray:
         """Live blocks, oldest first."""
         span = self.buf[self.head : self.tail]
-        return span[queue_pos[span] == np.arange(self.head, self.tail, dtype=np.int32)]
+        return span[self._valid(span, self.head, self.tail, queue_pos)]
+
+    def _valid(self, span, start, end, queue_pos) -> np.ndarray:
+        valid = queue_pos[span] == np.arange(start, end, dtype=np.int32)
+        valid &= self.evict_prio[span] == self.prio
+        return valid
 
     def pop(self, k: int, queue_pos: np.ndarray) -> np.ndarray:
         """Take the k oldest live blocks (k <= live)."""
@@ -80,8 +93,7 @@ class _EvictionQueue:
         while need:
             end = min(self.head + chunk, self.tail)
             span = self.buf[self.head : end]
-            valid = queue_pos[span] == np.arange(self.head, end, dtype=np.int32)
-            idx = np.flatnonzero(valid)
+            idx = np.flatnonzero(self._valid(span, self.head, end, queue_pos))
             if idx.size >= need:
                 idx = idx[:need]
                 self.head += int(idx[-1]) + 1
@@ -255,9 +267,7 @@ class BlockPool:
     def _enqueue(self, blocks: np.ndarray, priority) -> None:
         if np.isscalar(priority):
             self._queue(int(priority)).push(blocks, self.queue_pos)
-            self.evict_prio[blocks] = priority
         else:
-            self.evict_prio[blocks] = priority
             for prio in np.unique(priority).tolist():
                 self._queue(prio).push(blocks[priority == prio], self.queue_pos)
         self._num_evictable += blocks.size
@@ -266,7 +276,7 @@ class BlockPool:
         queue = self._queues.get(prio)
         if queue is None:
             assert 0 <= prio <= MAX_PRIORITY
-            queue = _EvictionQueue(min(_MIN_QUEUE_CAPACITY, 2 * self.num_blocks))
+            queue = _EvictionQueue(min(_MIN_QUEUE_CAPACITY, 2 * self.num_blocks), prio, self.evict_prio)
             self._queues[prio] = queue
             self._queue_order = sorted(self._queues)
         return queue
@@ -323,6 +333,9 @@ class BlockPool:
             cached = cached[np.isin(self.cache_key[cached], list(keys))]
         if np.any(self.ref_cnt[cached] > 0):
             return False
+        # In eviction order, so that pushing them makes the most recently freed the front.
+        evictable = self.free_queue_order()[self._stack_top :]
+        cached = evictable[np.isin(evictable, cached)]
         for key in keys if keys is not None else list(self.caches):
             self.caches.pop(key, None)
         self.cache_key[cached] = NO_CACHE_KEY
@@ -330,10 +343,7 @@ class BlockPool:
         for queue in self._queues.values():
             queue.live = len(queue.members(self.queue_pos))
         self._num_evictable -= cached.size
-        # Newly fresh blocks go on top of the stack in their old eviction order.
-        top = self._stack_top
-        self._stack[top : top + cached.size] = cached[::-1]
-        self._stack_top = top + cached.size
+        self._push_fresh(cached)
         return True
 
     # ---------------------------------------------------------------- introspection
