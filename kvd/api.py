@@ -114,7 +114,9 @@ class StepResult:
 
     The schedule (``sched_*``) lists, in batch order (appends then admissions, successful ones only),
     each request's row, the position of its first token to compute this step and how many tokens:
-    exactly what the slot-mapping kernels need.
+    exactly what the slot-mapping kernels need. ``changed_rows`` are rows whose block tables or
+    block counts may have changed: exact on the decode fast path (rows that got a new block), a
+    superset (every scheduled row and new child) otherwise.
     """
 
     free_status: np.ndarray

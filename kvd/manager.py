@@ -476,7 +476,7 @@ class BlockManager:
         if not n:
             return np.zeros(0, np.int16)
         if self._simple and not self._num_forked and 0 <= lookahead <= self.max_lookahead:
-            if self._append_fast(rows, n_new, hash_lists[0], hash_counts[0], lookahead) is not None:
+            if self._append_fast(rows, n_new, hash_lists[0], hash_counts[0], lookahead):
                 return np.zeros(n, np.int16)
         status = np.zeros(n, np.int16)
         self._validate_appends(rows, n_new, lookahead, hash_counts, status)
@@ -526,8 +526,9 @@ class BlockManager:
 
     def _append_fast(self, rows, n_new, hashes, counts, lookahead):
         """The common decode step (one full-attention group, no forks): a handful of whole-array
-        operations. Returns the tokens each request had before, or None, having changed nothing,
-        whenever anything is unusual (misuse, no space): the general path then decides."""
+        operations. Returns (the tokens each request had before, the rows that got new blocks), or
+        None, having changed nothing, whenever anything is unusual (misuse, no space): the general
+        path then decides."""
         n = rows.size
         if rows.dtype != np.int32 or rows.view(np.uint32).max() >= self.num_tokens.size:
             return None
@@ -547,6 +548,7 @@ class BlockManager:
             return None
         nb = g.num_blocks[rows]
         short = np.flatnonzero(new + lookahead > nb * bs)
+        grown = _EMPTY_I32
         if short.size:
             grow = (new[short] + (lookahead + bs - 1)) // bs - nb[short]
             total = int(grow.sum())
@@ -562,7 +564,7 @@ class BlockManager:
         self.num_tokens[rows] = new
         if hashes.size:
             self._register_appends(rows, np.zeros(n, np.int16), [hashes], [counts])
-        return old
+        return old, grown
 
     @staticmethod
     def _greedy(need: np.ndarray, avail: int) -> np.ndarray:
@@ -1009,9 +1011,10 @@ class BlockManager:
         if len(batch.append_hashes):
             hash_lists, hash_counts = self._step_hashes(batch, n)
             hashes, counts = hash_lists[0], hash_counts[0]
-        old = self._append_fast(rows, n_new, hashes, counts, batch.num_lookahead_tokens) if n else None
-        if old is None:
+        fast = self._append_fast(rows, n_new, hashes, counts, batch.num_lookahead_tokens) if n else None
+        if fast is None:
             return None
+        old, grown = fast
         self._debug_check()
         empty = np.zeros(0, np.int16)
         return StepResult(
@@ -1022,7 +1025,7 @@ class BlockManager:
             admit_rows=_EMPTY_I32,
             admit_cached_tokens=np.zeros(0, np.int64),
             copies=_EMPTY_COPIES,
-            changed_rows=rows,
+            changed_rows=grown,
             sched_rows=rows,
             sched_start=old.astype(np.int32),
             sched_len=np.full(n, n_new, np.int32) if np.isscalar(n_new) else n_new.astype(np.int32),
