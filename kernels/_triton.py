@@ -62,7 +62,9 @@ class Relauncher:
         self.options = options or {}
         self.names = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
         compiled = kernel[grid](**self.args, **self.options)  # compiles, and is the first launch
-        self.runner = compiled[grid] if hasattr(compiled, "packed_metadata") else None
+        # some Triton versions index grid[0..2] in the compiled kernel's runner
+        grid3 = tuple(grid) + (1,) * (3 - len(grid))
+        self.runner = compiled[grid3] if hasattr(compiled, "packed_metadata") else None
 
     def __call__(self, **changes) -> None:
         self.args.update(changes)

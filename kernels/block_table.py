@@ -126,8 +126,8 @@ if HAS_TRITON:
                     BLOCK_COLS)
 
     @triton.jit(do_not_specialize=["num_reqs"])
-    def _gather_slot_kernel(req_rows_ptr, qsl_ptr, positions_ptr, out_ptr, out_stride, num_reqs,
-                            num_out, num_slot_programs, t0, s0, t1, s1, t2, s2, t3, s3,
+    def _gather_slot_kernel(req_rows_ptr, qsl_ptr, positions_ptr, num_pos, out_ptr, out_stride,
+                            num_reqs, num_out, num_slot_programs, t0, s0, t1, s1, t2, s2, t3, s3,
                             o0, os0, o1, os1, o2, os2, o3, os3, n0, n1, n2, n3,
                             BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr,
                             BS3: tl.constexpr, NUM_GROUPS: tl.constexpr, BLOCK: tl.constexpr,
@@ -137,8 +137,8 @@ if HAS_TRITON:
         # costs one launch latency.
         pid = tl.program_id(0)
         if pid < num_slot_programs:
-            _slot_chunk(pid, req_rows_ptr, qsl_ptr, positions_ptr, out_ptr, out_stride, num_reqs,
-                        num_out, t0, s0, t1, s1, t2, s2, t3, s3, BS0, BS1, BS2, BS3, NUM_GROUPS,
+            _slot_chunk(pid, req_rows_ptr, qsl_ptr, positions_ptr, num_pos, out_ptr, out_stride,
+                        num_reqs, num_out, t0, s0, t1, s1, t2, s2, t3, s3, BS0, BS1, BS2, BS3, NUM_GROUPS,
                         BLOCK, REQ_CHUNK)
         else:
             _gather_row((pid - num_slot_programs).to(tl.int64), req_rows_ptr, num_reqs,
@@ -213,7 +213,8 @@ def gather_slot_launches(block_tables, block_sizes, req_rows, query_start_loc, p
         dst = out_tables[g0:g1]
         grid = (num_slot_programs + dst[0].shape[0],)
         yield grid, dict(req_rows_ptr=req_rows, qsl_ptr=query_start_loc, positions_ptr=positions,
-                         out_ptr=out_slots[g0], out_stride=out_slots.stride(0),
+                         num_pos=positions.shape[0], out_ptr=out_slots[g0],
+                         out_stride=out_slots.stride(0),
                          num_reqs=num_reqs, num_out=num_out, num_slot_programs=num_slot_programs,
                          **_group_kwargs(block_tables[g0:g1], block_sizes[g0:g1]),
                          **dict(zip(names, group_args(dst) + _num_cols(dst))), **meta,

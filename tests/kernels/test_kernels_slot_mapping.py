@@ -171,7 +171,8 @@ def test_plan_over_persistent_buffers(device):
     plan = SlotMappingPlan(dev_tables, bss, rows_buf, qsl_buf, pos_buf, out)
     fused = GatherSlotMappingPlan(dev_tables, bss, rows_buf, qsl_buf, pos_buf, out_tables,
                                   out_slots)
-    for lens in ([1] * 5, [1] * 300, [30, 1, 1], [], [0, 400]):
+    # repeated REQ_CHUNK buckets take the relaunch path: 8 (5, 7 requests), 256/300 requests
+    for lens in ([1] * 5, [1] * 300, [30, 1, 1], [1] * 7, [], [1] * 290, [0, 400]):
         c = case(rng, bss, lens, max_model_len=max_model_len, max_reqs=max_reqs, width=width)
         c["tables"] = tables
         want = run_refs(c)
