@@ -448,8 +448,29 @@ class BlockManager:
         self._debug_check()
         return AppendResult(STATUS_OK, new_ids, copies)
 
+    def _appends_look_valid(self, rows, n_new, lookahead, hash_counts) -> bool:
+        """Whole-batch checks: the usual case passes them with a few array operations."""
+        R = self.num_tokens.size
+        if not 0 <= lookahead <= self.max_lookahead or rows.view(np.uint32).max() >= R:
+            return False
+        if not self.appendable[rows].all():
+            return False
+        idx = self._arange[: rows.size]
+        self._mark[rows] = idx
+        if not (self._mark[rows] == idx).all() or n_new.min() < 0:
+            return False
+        total = self.num_tokens[rows] + n_new
+        if total.max() > self.config.max_model_len:
+            return False
+        for g, counts in zip(self.groups, hash_counts):
+            if counts.any() and (counts.min() < 0 or (counts > total // g.block_size - g.num_registered[rows]).any()):
+                return False
+        return True
+
     def _validate_appends(self, rows, n_new, lookahead, hash_counts, status):
         """Mark per-request misuse in ``status`` (vectorized)."""
+        if rows.dtype == np.int32 and self._appends_look_valid(rows, n_new, lookahead, hash_counts):
+            return
         R = self.num_tokens.size
         in_range = (rows >= 0) & (rows < R)
         safe = np.where(in_range, rows, 0)
@@ -501,7 +522,11 @@ class BlockManager:
         any_cow = any(c.any() for c in cow_cand)
         avail = self.pool.num_free
         if any_cow:
-            ok, cow = self._decide_with_cow(vrows, need, cow_cand, avail, old)
+            cow = [self._cow_plan(g, vrows, c, old) for g, c in zip(self.groups, cow_cand)]
+            if int(need.sum()) + sum(int(c.sum()) for c in cow) <= avail:
+                ok = np.ones(vrows.size, bool)
+            else:  # short of blocks: decide one by one, as the greedy order needs
+                ok, cow = self._decide_with_cow(vrows, need, cow_cand, avail, old)
         else:
             cow = None
             ok = np.ones(vrows.size, bool)
@@ -577,6 +602,22 @@ class BlockManager:
                 ok[i] = False
         return ok
 
+    def _cow_plan(self, g: _Group, vrows, cand, old) -> np.ndarray:
+        """Which writers copy their shared partial block when every request fits: in batch order,
+        the first ``ref - 1`` writers of a block copy it; a later one finds itself the only holder
+        left and writes in place."""
+        cow = np.zeros(vrows.size, bool)
+        idx = np.flatnonzero(cand)
+        if not idx.size:
+            return cow
+        blocks = g.table[vrows[idx], old[idx] // g.block_size]
+        order = np.argsort(blocks, kind="stable")
+        sorted_blocks = blocks[order]
+        run_start = np.flatnonzero(np.r_[True, sorted_blocks[1:] != sorted_blocks[:-1]])
+        rank = np.arange(idx.size) - np.repeat(run_start, np.diff(np.r_[run_start, idx.size]))
+        cow[idx[order]] = rank < self.pool.ref_cnt[sorted_blocks] - 1
+        return cow
+
     def _decide_with_cow(self, vrows, need, cow_cand, avail, old):
         """Sequential decision when some writers share their partial last block: a later sharer
         may find itself the only holder left and write in place."""
@@ -621,7 +662,8 @@ class BlockManager:
             src = g.table[cow_rows, cols].copy()
             dst = blocks[offsets[cow_idx]]
             g.table[cow_rows, cols] = dst
-            self.pool.release(src)
+            # The last writer of each shared block keeps it, so no count reaches zero here.
+            np.subtract.at(self.pool.ref_cnt, src, 1)
             self._copies.append(np.stack([src, dst], axis=1).astype(np.int32))
             self.counters["cow_copies"] += n_cow
             offsets = offsets + cow
@@ -758,6 +800,57 @@ class BlockManager:
         shared.append(self.cross_table[child, :nc])
         blocks = np.concatenate(shared)
         self.pool.incref(blocks[blocks != NULL_BLOCK])
+
+    def _fork_batch(self, forks) -> np.ndarray | None:
+        """Many forks at once when every one is valid (else None, nothing changed: the caller
+        forks one by one and reports each error). Returns the children's rows."""
+        try:
+            parents = [p for p, _ in forks]
+            children = [c for _, c in forks]
+            prows = self.rows_of(parents)
+            if (
+                len(set(children)) != len(children)
+                or any(c in self._row_of for c in children)
+                or len(children) > len(self._free_rows)
+                or not self.appendable[prows].all()
+            ):
+                return None
+        except (errors.KvdError, TypeError, ValueError):
+            return None
+        k = len(children)
+        crows = np.array(self._free_rows[-k:][::-1], np.int32)
+        del self._free_rows[-k:]
+        self._row_of.update(zip(children, crows.tolist()))
+        for row, child in zip(crows.tolist(), children):
+            self._id_of[row] = child
+        self.active[crows] = True
+        self.appendable[crows] = True
+        self.swapped[crows] = False
+        self.num_tokens[crows] = self.num_tokens[prows]
+        self.priority[crows] = self.priority[prows]
+        self.namespace[crows] = self.namespace[prows]
+        shared = []
+        for g in self.groups:
+            nb = np.minimum(g.num_blocks[prows], _cdiv(self.num_tokens[prows], g.block_size)).astype(np.int32)
+            width = int(nb.max())
+            g.table[crows, :width] = g.table[prows, :width]
+            g.num_blocks[crows] = nb
+            g.num_skipped[crows] = g.num_skipped[prows]
+            g.num_registered[crows] = np.minimum(g.num_registered[prows], nb)
+            shared.append(_row_blocks(g.table, crows, g.num_skipped[crows], nb, False)[0])
+        nc = self.cross_num_blocks[prows]
+        if nc.any():
+            width = int(nc.max())
+            self.cross_table[crows, :width] = self.cross_table[prows, :width]
+            shared.append(_row_blocks(self.cross_table, crows, np.zeros_like(crows), nc, False)[0])
+        self.cross_num_blocks[crows] = nc
+        newly = np.concatenate([prows, crows])
+        newly = newly[~self.forked[newly]]
+        self.forked[newly] = True
+        self._num_forked += int(np.unique(newly).size)
+        blocks = np.concatenate(shared) if len(shared) > 1 else shared[0]
+        self.pool.incref(blocks[blocks != NULL_BLOCK])
+        return crows
 
     def take_copies(self) -> np.ndarray:
         """Copy-on-write ``(src, dst)`` pairs since the last call; the KV owner performs them
@@ -983,6 +1076,10 @@ class BlockManager:
         return status, rows
 
     def _step_forks(self, forks):
+        if len(forks) > 1:
+            batched = self._fork_batch(forks)
+            if batched is not None:
+                return np.zeros(len(forks), np.int16), batched
         status = np.zeros(len(forks), np.int16)
         child_rows = []
         for i, pair in enumerate(forks):
