@@ -324,6 +324,29 @@ class ManagerMachine(RuleBasedStateMachine):
         self.model.copies = []
         self.mgr.take_copies()
 
+    @rule(rid=reqs, n=st.integers(2, 3), k=st.integers(0, 2))
+    def fork_step(self, rid, n, k):
+        """Forks of one parent and an append to every member, in one step."""
+        if rid not in self.model.reqs or self.model.reqs[rid]["swapped"] or len(self.model.reqs) + n > MAX_REQS:
+            return
+        if self.model.reqs[rid]["tokens"] + k > MAX_LEN:
+            return
+        kids = list(range(self.next_id, self.next_id + n))
+        self.next_id += n
+        res = self.mgr.step(StepBatch(forks=[(rid, c) for c in kids], append_ids=[rid] + kids, append_num_tokens=k))
+        assert res.fork_status.tolist() == [0] * n
+        for c in kids:
+            self.model.fork(rid, c)
+            self.tokens[c] = list(self.tokens[rid])
+        expected = [self.model.append(r, k, 0, []) for r in [rid] + kids]
+        assert res.append_status.tolist() == expected
+        assert res.copies.tolist() == self.model.copies
+        self.model.copies = []
+        self.mgr.take_copies()
+        for c in kids:  # keep the population bounded: the children leave again
+            self.mgr.free(c)
+            self.model.free(c)
+
     @rule(data=st.data())
     def mixed_step(self, data):
         """Frees then admissions in one step, against the model one by one."""
