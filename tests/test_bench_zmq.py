@@ -1,0 +1,88 @@
+"""Smoke test of scripts/bench_zmq.py: a tiny workload through a real daemon it starts and stops.
+
+Checks the final JSON line (honesty checks pass, figures present, baselines and micro mode run) and
+that nothing is left behind: no daemon or client process, no /dev/shm kvd_* segment of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "bench_zmq.py"
+TINY = ["-R", "8", "-P", "64", "-S", "32", "-D", "20", "--blocks", "512", "--repeat", "1", "--warmup", "2",
+        "--no-progress"]
+
+
+def _segments() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("kvd_")}
+    except FileNotFoundError:
+        return set()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            out.append(int(d))
+    return out
+
+
+def _run(args: list[str], timeout: float = 60) -> tuple[subprocess.CompletedProcess, dict]:
+    before = _segments()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=str(REPO), env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"no JSON line (rc {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    report = json.loads(lines[-1])
+    assert p.stdout.rstrip().splitlines()[-1] == lines[-1], "the JSON line must be the last line"
+    assert _segments() - before == set(), "shared-memory segments left behind"
+    assert _children(os.getpid()) == [], "processes left behind"
+    return p, report
+
+
+@pytest.mark.timeout(60)
+def test_standard_workload_two_clients_with_baselines():
+    p, report = _run([*TINY, "--clients", "1,2", "--floor", "--floor-iters", "200", "--inproc"])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert report["ok"] is True and all(report["honest"].values()), report["honest"]
+    for n in ("1", "2"):
+        r = report["results"][n]
+        assert r["errors"] == 0 and r["slot_mapping_ok"] and r["pool_free_after"]
+        assert r["prefix_hit_tokens"] == r["expected_prefix_hit_tokens"] > 0
+        assert r["peak_blocks_used"] == r["expected_blocks_after_decode"]
+        assert r["decode_step_p50_us"] > 0 and r["decode_steps_per_s"] > 0
+        assert len(r["per_client"]) == int(n)
+        assert r["daemon_cpu_per_step_us"] > 0
+    # 2 clients: 4 sharers each, only the very first misses; 32-token system prompt = 2 blocks
+    assert report["results"]["2"]["expected_prefix_hit_tokens"] == (2 * 4 - 1) * 32
+    assert report["floor"]["echo_p50_us"] > 0 and report["inproc"]["inproc_step_p50_us"] > 0
+    assert set(report["ratios"]) == {"c1_step_p50_over_inproc", "c1_step_p50_over_echo",
+                                     "c2_step_p50_over_inproc", "c2_step_p50_over_echo"}
+    assert report["daemon_exit"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_micro_mode_forces_no_space():
+    p, report = _run(["--micro", "--micro-ops", "300", "--blocks", "128", "-R", "16", "-S", "64", "-P", "256",
+                      "--repeat", "1", "--no-progress"])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = report["results"]["1"]
+    assert r["ops"] == 300 and r["ops_per_s"] > 0 and r["pool_free_after"] and r["errors"] == 0
+    assert r["allocate_later"] + r["allocate_never"] + r["append_no_space"] > 0, r
