@@ -75,6 +75,15 @@ def _slot_mapping_np(table: np.ndarray, bs: int, rows: np.ndarray, start: np.nda
     n_req = rows.shape[0]
     if n_req == 0:
         return 0
+    if uniform == 1 and n_req <= out.shape[0] and not bs & (bs - 1) and table.size < (1 << 31):
+        # decode, power-of-two block size: 7 cheap numpy calls, int32 indices (no divmod)
+        shift = bs.bit_length() - 1
+        idx = rows * table.shape[1]
+        idx += start >> shift
+        o = out[:n_req]
+        np.left_shift(table.reshape(-1).take(idx), shift, out=o)
+        o += start & (bs - 1)
+        return n_req
     total = n_req if uniform == 1 else int(lens.sum())
     if uniform == 1 or (total == n_req and int(lens.min()) == 1):  # decode: one token each
         pos = start.astype(np.int64)
@@ -207,9 +216,7 @@ class Daemon:
                 raise ProtocolError("empty message")
             if len(frames) > P.MAX_FRAMES:
                 raise ProtocolError(f"{len(frames)} frames > {P.MAX_FRAMES}")
-            total = 0
-            for f in frames:
-                total += len(f)
+            total = sum(map(len, frames))
             if total > self.max_message_bytes:
                 raise ProtocolError(f"message of {total} bytes > {self.max_message_bytes}")
             h = P.parse_header(frames[0])
@@ -865,14 +872,16 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
 
         send_frames, recv_frames, NB = P.send_frames, P.recv_frames, P.NOBLOCK
 
+        has_input = P.has_input
+
         def drain() -> None:
             s = sock
             handle = d.handle
-            while True:
+            while has_input(s):  # ZMQ_EVENTS re-arms the edge-triggered FD without an EAGAIN
                 try:
                     msg = recv_frames(s, NB)
                 except zmq.Again:
-                    break  # EAGAIN re-arms the edge-triggered FD
+                    break
                 t0 = time.perf_counter()
                 c0 = time.thread_time() if _PROF is not None else 0.0
                 reply = handle(msg)
