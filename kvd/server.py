@@ -536,8 +536,10 @@ class Daemon:
             self._sync_rows(sess, sess.mrow[srows].copy())
         return [P.ok_reply(seq, self.epoch, status=int(res.status)), P.arr(res.mapping, P.I32)]
 
-    def _decode_step(self, sess: Session, h: dict, rows_b: bytes, na: int, la: int, seq: int) -> list[bytes]:
-        """The decode fast path: appends only, one token count for all, no hashes."""
+    def _decode_step(self, sess: Session, h: dict, rows_b: bytes, na: int, la: int, seq: int,
+                     hashes_b: bytes = P.EMPTY, counts_b: bytes = P.EMPTY) -> list[bytes]:
+        """The decode fast path: appends only, one token count for all, one group; the hashes of
+        blocks that filled (if any) are registered on the way."""
         an = P.get_int(h, "an", 1, 0, P.MAX_COUNT)
         if na * an > self.max_tokens:
             raise InvalidArgument(f"{na * an} append tokens > max_num_batched_tokens {self.max_tokens}")
@@ -546,8 +548,20 @@ class Daemon:
             mrows = sess.mrow.take(app_rows.view(np.uint32))
         except IndexError:
             raise InvalidArgument(f"append rows: row out of range [0, {self.max_reqs})") from None
-        res = self.manager.step(StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la),
-                                namespace=sess.namespace)
+        if hashes_b or counts_b:
+            hs = P.frame_hashes(hashes_b, "append hashes", na * (self.max_model_len // self.block_sizes[0] + 1))
+            if not counts_b:
+                raise ProtocolError("append hashes without counts")
+            cnt = P.frame_array(counts_b, P.I32, na, "append hash counts")
+            if cnt.size and int(cnt.min()) < 0:
+                raise ProtocolError("negative hash count")
+            if int(cnt.sum(dtype=np.int64)) != hs.shape[0]:
+                raise ProtocolError("append hash counts do not add up")
+            batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la,
+                              append_hashes=(hs,), append_hash_counts=(cnt,))
+        else:
+            batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la)
+        res = self.manager.step(batch, namespace=sess.namespace)
         changed = self._sync_rows(sess, res.changed_rows, full=res.copies.size > 0)
         nt = self._write_slots(sess, res.sched_rows, res.sched_start, res.sched_len, uniform=an)
         self.was_step = True
@@ -572,8 +586,11 @@ class Daemon:
         na = P.get_int(h, "na", 0, 0, R)
         nd = P.get_int(h, "nd", 0, 0, R)
         la = P.get_int(h, "la", 0, 0, P.MAX_COUNT)
-        if not (nf or nk or nd or frames[4]) and not any(frames[5:]):
-            return self._decode_step(sess, h, frames[3], na, la, seq)
+        if not (nf or nk or nd or frames[4]):
+            if not any(frames[5:]):
+                return self._decode_step(sess, h, frames[3], na, la, seq)
+            if G == 1 and not any(frames[7:]):  # a decode step that registers filled blocks
+                return self._decode_step(sess, h, frames[3], na, la, seq, frames[5], frames[6])
         free_rows = self._rows(frames[0], "free rows", nf)
         fork_rows = self._rows(frames[1], "fork rows", 2 * nk).reshape(nk, 2)
         fork_tags = P.frame_array(frames[2], P.U64, nk, "fork tags")
