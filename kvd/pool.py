@@ -302,23 +302,34 @@ class BlockPool:
         return np.array(hits, np.int32)
 
     def register(self, key: int, hashes: np.ndarray, blocks: np.ndarray) -> None:
-        """Put full blocks in cache ``key`` under their hashes; a hash already cached keeps its
-        block (the new block then stays uncached, as block tables never dedup)."""
+        """Put full blocks in cache ``key`` under their hashes. A hash already cached keeps its
+        block, and a block already cached keeps its hash (forks share blocks, and each sharer may
+        register them), so the new entry is dropped in both cases."""
         if not blocks.size:
             return
+        uncached = self.cache_key[blocks] == NO_CACHE_KEY
+        if not uncached.all():
+            blocks, hashes = blocks[uncached], hashes[uncached]
+            if not blocks.size:
+                return
         cache = self.cache_map(key)
         keys = hashes.tolist()
-        if cache.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+        before = len(cache)
+        if cache.keys().isdisjoint(keys):
             cache.update(zip(keys, blocks.tolist()))
-            mask = slice(None)
-        else:
-            mask = np.zeros(blocks.size, bool)
-            for i, (h, b) in enumerate(zip(keys, blocks.tolist())):
-                if h not in cache:
-                    cache[h] = b
-                    mask[i] = True
+            if len(cache) - before == len(keys):
+                self.block_hash[blocks] = hashes
+                self.cache_key[blocks] = key
+                return
+            for h in keys:  # a hash repeated within the batch: redo it one by one
+                cache.pop(h, None)
+        mask = np.zeros(blocks.size, bool)
+        for i, (h, b) in enumerate(zip(keys, blocks.tolist())):
+            if h not in cache and self.cache_key[b] == NO_CACHE_KEY:
+                cache[h] = b
+                self.cache_key[b] = key
+                mask[i] = True
         self.block_hash[blocks[mask]] = hashes[mask]
-        self.cache_key[blocks[mask]] = key
 
     def cached_in(self, key: int, hashes: np.ndarray) -> np.ndarray:
         """Block per hash (or -1) in cache ``key`` — used to revive swapped-in content."""

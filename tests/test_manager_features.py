@@ -263,3 +263,14 @@ def test_cross_attention_table_allocated_once_and_freed_with_the_request():
     assert m.num_free_blocks == 15
     with pytest.raises(errors.InvalidArgument):
         m.allocate("b", 20, num_encoder_tokens=65)
+
+
+def test_a_shared_block_registered_twice_keeps_its_first_hash():
+    m = make()
+    m.allocate("p", 16)
+    m.fork("p", "c")
+    first, second = hash_prompt(prompt(16), 16), hash_prompt(prompt(16, 50), 16)
+    m.append_slots("c", 0, first)
+    m.append_slots("p", 0, second)  # a client bug: other hashes for the same block
+    assert m.pool.caches[1] == {bytes(first[0]): 1}
+    m.check_invariants(heavy=True)

@@ -71,7 +71,7 @@ class ModelPool:
                 self.fresh.insert(0, b)
 
     def register(self, h, b):
-        if h not in self.cache:
+        if h not in self.cache and self.hash[b] is None:
             self.cache[h] = b
             self.hash[b] = h
 
@@ -80,7 +80,8 @@ class ModelPool:
 
 
 class Model:
-    def __init__(self):
+    def __init__(self, window=0):
+        self.window = window
         self.pool = ModelPool(NUM_BLOCKS)
         self.cpu = ModelPool(NUM_CPU)
         self.reqs = {}  # id -> dict(tokens, blocks, reg, prio, hashes, swapped, cpu, carried)
@@ -95,14 +96,28 @@ class Model:
             hits.append(b)
         return hits
 
+    def skip_for(self, computed):
+        return max(computed - self.window + 1, 0) // BS if self.window else 0
+
+    def window_hits(self, hashes, n):
+        """Longest cached length whose blocks inside the window are all cached."""
+        limit = min(len(hashes), (n - 1) // BS)
+        cached = [h in self.pool.cache for h in hashes[:limit]]
+        end = limit
+        while end > 0 and not all(cached[self.skip_for(end * BS) : end]):
+            end -= 1
+        skip = self.skip_for(end * BS)
+        return [0] * skip + [self.pool.cache[h] for h in hashes[skip:end]]
+
     def allocate(self, rid, n, la, prio, hashes):
-        hits = self.lookup(hashes, n)
+        hits = self.window_hits(hashes, n) if self.window else self.lookup(hashes, n)
         new = cdiv(n + la, BS) - len(hits)
-        revived = len({b for b in hits if self.pool.ref[b] == 0})
+        revived = len({b for b in hits if b and self.pool.ref[b] == 0})
         if cdiv(n + la, BS) > NUM_BLOCKS - 1 or len(self.reqs) >= MAX_REQS or new + revived > self.pool.num_free():
             return STATUS_NO_SPACE, 0
         for b in hits:
-            self.pool.touch(b)
+            if b:
+                self.pool.touch(b)
         blocks = hits + self.pool.take(new)
         reg = len(hits)
         for i in range(reg, min(len(hashes), n // BS)):
@@ -127,48 +142,56 @@ class Model:
         r["blocks"] += self.pool.take(grow)
         r["tokens"] = new
         for i, h in enumerate(hashes):
-            self.pool.register(h, r["blocks"][r["reg"] + i])
+            if r["blocks"][r["reg"] + i]:
+                self.pool.register(h, r["blocks"][r["reg"] + i])
         r["reg"] += len(hashes)
+        skip = min(self.skip_for(old), len(r["blocks"]))
+        for i in reversed(range(skip)):  # out of the window, returned after the growth
+            if r["blocks"][i]:
+                self.pool.release(r["blocks"][i], r["prio"])
+                r["blocks"][i] = 0
         return STATUS_OK
 
     def free(self, rid):
         r = self.reqs.pop(rid)
         if r["swapped"]:
-            for c in sorted(set(r["cpu"]))[::1]:
-                pass
             for c in r["cpu"]:
-                self.cpu.release(c)
+                if c is not None:
+                    self.cpu.release(c)
             return
         for b in reversed(r["blocks"]):
-            self.pool.release(b, r["prio"])
+            if b:
+                self.pool.release(b, r["prio"])
 
     def fork(self, p, c):
         r = self.reqs[p]
         n = cdiv(r["tokens"], BS)
         blocks = r["blocks"][:n]
         for b in blocks:
-            self.pool.ref[b] += 1
+            if b:
+                self.pool.ref[b] += 1
         self.reqs[c] = dict(tokens=r["tokens"], blocks=list(blocks), reg=min(r["reg"], n), prio=r["prio"],
                             swapped=False)
 
     def swap_out(self, rid):
         r = self.reqs[rid]
-        gpu = sorted(r["blocks"])
+        gpu = sorted(b for b in r["blocks"] if b)
         if len(gpu) > self.cpu.num_free():
             return STATUS_NO_SPACE
         cpu = self.cpu.take(len(gpu))
         to_cpu = dict(zip(gpu, cpu))
         r["carried"] = {to_cpu[b]: self.pool.hash[b] for b in gpu}
-        r["cpu"] = [to_cpu[b] for b in r["blocks"]]
+        r["cpu"] = [to_cpu[b] if b else None for b in r["blocks"]]
         for b in reversed(r["blocks"]):
-            self.pool.release(b, r["prio"])
+            if b:
+                self.pool.release(b, r["prio"])
         r["blocks"] = []
         r["swapped"] = True
         return STATUS_OK
 
     def swap_in(self, rid):
         r = self.reqs[rid]
-        cpu = sorted(r["cpu"])
+        cpu = sorted(c for c in r["cpu"] if c is not None)
         found = {c: self.pool.cache.get(r["carried"][c]) if r["carried"][c] is not None else None for c in cpu}
         misses = [c for c in cpu if found[c] is None]
         revived = len({found[c] for c in cpu if found[c] is not None and self.pool.ref[found[c]] == 0})
@@ -181,7 +204,7 @@ class Model:
             found[c] = b
             if r["carried"][c] is not None:
                 self.pool.register(r["carried"][c], b)
-        r["blocks"] = [found[c] for c in r["cpu"]]
+        r["blocks"] = [found[c] if c is not None else 0 for c in r["cpu"]]
         for c in cpu:
             self.cpu.release(c)
         r["swapped"] = False
@@ -193,12 +216,15 @@ tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=40)
 
 class ManagerMachine(RuleBasedStateMachine):
     reqs = Bundle("reqs")
+    WINDOW = 0
 
     def __init__(self):
         super().__init__()
-        self.mgr = BlockManager(ManagerConfig(num_gpu_blocks=NUM_BLOCKS, num_cpu_blocks=NUM_CPU, max_model_len=MAX_LEN, groups=(GroupSpec(BS),),
-                                              max_num_reqs=MAX_REQS, max_lookahead_tokens=8, debug_checks=True))
-        self.model = Model()
+        group = GroupSpec(BS, sliding_window=self.WINDOW or None)
+        self.mgr = BlockManager(ManagerConfig(num_gpu_blocks=NUM_BLOCKS, num_cpu_blocks=NUM_CPU, max_model_len=MAX_LEN,
+                                              groups=(group,), max_num_reqs=MAX_REQS, max_lookahead_tokens=8,
+                                              debug_checks=True))
+        self.model = Model(self.WINDOW)
         self.tokens = {}
         self.next_id = 0
 
@@ -276,6 +302,7 @@ class ManagerMachine(RuleBasedStateMachine):
             res, status = self.mgr.swap_out(rid), self.model.swap_out(rid)
         assert res.status == status
 
+    @precondition(lambda self: not self.WINDOW)
     @rule(toks=tokens_st)
     def lookup(self, toks):
         hashes = hash_prompt(np.array(toks, np.int32), BS)
@@ -333,6 +360,7 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         kids = list(range(self.next_id, self.next_id + n))
         self.next_id += n
+        self.tokens[rid] = self.tokens[rid][: self.model.reqs[rid]["tokens"]] + [5] * k
         res = self.mgr.step(StepBatch(forks=[(rid, c) for c in kids], append_ids=[rid] + kids, append_num_tokens=k))
         assert res.fork_status.tolist() == [0] * n
         for c in kids:
@@ -381,10 +409,18 @@ class ManagerMachine(RuleBasedStateMachine):
             row = mgr.row_of(rid)
             assert int(mgr.num_tokens[row]) == r["tokens"]
             if not r["swapped"]:
-                assert mgr.block_table(rid).tolist() == r["blocks"]
+                assert mgr.block_table(rid).tolist() == r["blocks"], (rid, r)
         assert mgr.stats()["evictions"] == model.pool.evictions
         mgr.check_invariants(heavy=True)
 
 
-ManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+class WindowMachine(ManagerMachine):
+    """The same rules on a sliding-window group (window of two blocks)."""
+
+    WINDOW = 2 * BS
+
+
+ManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None, database=None)
+WindowMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None, database=None)
 TestManagerMachine = ManagerMachine.TestCase
+TestWindowMachine = WindowMachine.TestCase
