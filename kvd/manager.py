@@ -675,11 +675,30 @@ class BlockManager:
         g.table[rows[rep], cols] = blocks[offsets[rep] + within]
         g.num_blocks[rows] += grow.astype(np.int32)
 
+    def _register_one_each(self, gi: int, rows, hashes, counts) -> bool:
+        """Registration when each request filled at most one block (a decode step): a few array
+        operations. False when the requests span several namespaces (the general path then)."""
+        g = self.groups[gi]
+        sel = rows[counts.astype(bool)]
+        ns = self.namespace[sel]
+        if ns.min() != ns.max():
+            return False
+        reg = g.num_registered[sel]
+        blocks = g.table[sel, reg]
+        present = blocks != NULL_BLOCK
+        if not present.all():
+            blocks, hashes = blocks[present], hashes[present]
+        self.pool.register(self._cache_key(int(ns[0]), gi), hashes, blocks)
+        g.num_registered[sel] = reg + 1
+        return True
+
     def _register_appends(self, rows, status, hash_lists, hash_counts) -> None:
         if not self.config.enable_prefix_caching:
             return
         for gi, (g, hashes, counts) in enumerate(zip(self.groups, hash_lists, hash_counts)):
             if not hashes.size:
+                continue
+            if counts.max() == 1 and not status.any() and self._register_one_each(gi, rows, hashes, counts):
                 continue
             take = counts * (status == STATUS_OK)
             sel = np.flatnonzero(take)
