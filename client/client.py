@@ -81,6 +81,58 @@ def _tag(req_id: Hashable) -> int:
     return int.from_bytes(d, "little") or 1
 
 
+class GpuBuffers:
+    """The session's GPU buffers mapped over CUDA IPC (see kvd.gpu_session): torch CUDA tensors that
+    never move while the session lives. ``tables[g]`` int32 [max_reqs, max_blocks_g],
+    ``num_blocks[g]`` int32 [max_reqs], ``slot_array`` int64 [G, max_tokens] (``slot_mappings[g]`` its
+    rows). The daemon synchronizes its stream before every reply, so they are complete when a call
+    returns. torch is imported here, only when the daemon has a GPU pool."""
+
+    def __init__(self, info: dict, num_groups: int):
+        import torch
+
+        dev = int(info["dev"])
+        uuid = info.get("uuid")
+        if uuid:  # the daemon's device index may differ under another CUDA_VISIBLE_DEVICES
+            for i in range(torch.cuda.device_count()):
+                if str(torch.cuda.get_device_properties(i).uuid) == uuid:
+                    dev = i
+                    break
+            else:
+                raise RuntimeError(f"the daemon's GPU {uuid} is not visible to this process")
+        torch.cuda.init()
+        self.key = info["h"]
+        self.device = torch.device("cuda", dev)
+        ev = info.get("ev")
+        with torch.cuda.device(dev):
+            self.storage = torch.UntypedStorage._new_shared_cuda(
+                dev, bytes.fromhex(info["h"]), int(info["sz"]), int(info["off"]),
+                bytes.fromhex(info["rc"]), int(info["rco"]),
+                None if ev is None else bytes.fromhex(ev), bool(info["evs"]))
+        dtypes = {"<i4": torch.int32, "<i8": torch.int64}
+
+        def view(name: str):
+            off, dt, shape = info["arrays"][name]
+            tdt = dtypes[dt]
+            item = torch.empty(0, dtype=tdt).element_size()
+            stride, acc = [], 1
+            for d in reversed(shape):
+                stride.append(acc)
+                acc *= d
+            return torch.empty(0, dtype=tdt, device=self.device).set_(
+                self.storage, off // item, list(shape), stride[::-1])
+
+        self.slot_array = view("slots")
+        counts = view("counts")
+        self.num_blocks = [counts[g] for g in range(num_groups)]
+        self.tables = [view(f"table_{g}") for g in range(num_groups)]
+        self.slot_mappings = [self.slot_array[g] for g in range(num_groups)]
+
+    def close(self) -> None:
+        self.tables = self.num_blocks = self.slot_mappings = self.slot_array = None
+        self.storage = None  # the mapping goes (and the daemon's ref count drops) with the last view
+
+
 def _raise(h: dict) -> None:
     cls = ERROR_BY_CODE.get(int(h.get("err", 1)), KvdError)
     raise cls(h.get("msg", ""))
@@ -130,8 +182,13 @@ class _Core:
     """State and message building shared by Client and AsyncClient (no I/O here)."""
 
     def __init__(self, endpoint: str | None = None, *, tenant: str = "", name: str = "",
-                 timeout_s: float = 2.0, retries: int = 2, heartbeat: bool = True):
+                 timeout_s: float = 2.0, retries: int = 2, heartbeat: bool = True,
+                 gpu: bool | None = None):
         self.endpoint = endpoint or default_endpoint()
+        # map the daemon's GPU buffers: None = when it has a GPU pool and torch can map them,
+        # True = required (raise if it cannot), False = never (CPU shared memory only)
+        self._want_gpu = gpu
+        self.gpu: GpuBuffers | None = None
         self.tenant = tenant
         self.name = name
         self.timeout_s = float(timeout_s)
@@ -202,6 +259,19 @@ class _Core:
         return self.shm.slots
 
     @property
+    def gpu_tables(self):
+        """Torch CUDA tensors of the block tables (None without a GPU pool), see GpuBuffers."""
+        return self.gpu.tables if self.gpu is not None else None
+
+    @property
+    def gpu_num_blocks(self):
+        return self.gpu.num_blocks if self.gpu is not None else None
+
+    @property
+    def gpu_slot_mappings(self):
+        return self.gpu.slot_mappings if self.gpu is not None else None
+
+    @property
     def block_sizes(self) -> tuple[int, ...]:
         return tuple(self.info.get("block_sizes", ()))
 
@@ -236,6 +306,25 @@ class _Core:
             self._reset_rows(int(h["max_reqs"]))
             if old is not None:
                 old.close()
+        self._on_gpu(h.get("gpu"))
+
+    def _on_gpu(self, info: dict | None) -> None:
+        if self.gpu is not None and (info is None or info.get("h") != self.gpu.key):
+            self.gpu.close()
+            self.gpu = None
+        if info is None or self._want_gpu is False or self.gpu is not None:
+            if info is None and self._want_gpu:
+                raise InvalidArgument("gpu=True but the daemon has no GPU pool")
+            return
+        try:
+            self.gpu = GpuBuffers(info, int(self.info.get("num_groups", 1)))
+        except Exception as e:
+            if self._want_gpu:
+                raise
+            import warnings
+
+            warnings.warn(f"kvd: the daemon's GPU buffers are not mapped ({type(e).__name__}: {e}); "
+                          "CPU shared memory only", RuntimeWarning, stacklevel=2)
 
     def _check(self, h: dict, seq: int) -> bool:
         """True when ``h`` answers ``seq``; raises for errors and for another daemon boot."""
@@ -655,6 +744,9 @@ class Client(_Core):
         if self.shm is not None:
             self.shm.close()
             self.shm = None
+        if self.gpu is not None:
+            self.gpu.close()
+            self.gpu = None
         self.sid = 0
         self._ctx.term()
 
@@ -808,6 +900,9 @@ class AsyncClient(_Core):
         if self.shm is not None:
             self.shm.close()
             self.shm = None
+        if self.gpu is not None:
+            self.gpu.close()
+            self.gpu = None
         self.sid = 0
         self._ctx.term()
         self._sync_ctx.term()

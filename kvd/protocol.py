@@ -48,6 +48,23 @@ hello      hdr: tenant (str, <= 256 chars), name (str), pid (int), nonce (str, <
            frames: none. reply hdr: sid, epoch, shm (segment name), layout (dict, see kvd.shm),
            block_sizes, max_reqs, max_blocks, max_tokens, lease_s, hb_s (heartbeat interval).
            A retried hello (same nonce) returns the same session.
+           With a GPU pool (daemon ``--device cuda:N``, kvd.gpu_session) the reply also carries
+           ``gpu``: the CUDA IPC export of the session's device arena, made once per session with
+           torch's ``UntypedStorage._share_cuda_()`` (bytes as lowercase hex strings):
+             dev   int    the daemon's CUDA device index      uuid  str  that device's UUID (the
+                                                                         client maps it to its own
+                                                                         index)
+             h     hex    cudaIpcMemHandle (storage handle)    sz    int  storage size in bytes
+             off   int    storage offset in its allocation     rc    hex  torch ref-counter file
+             rco   int    ref-counter offset                   ev    hex|null  IPC event handle
+             evs   bool   event sync required
+             arrays {name: [byte offset in the storage, dtype ("<i4"/"<i8"), shape]} for
+                   ``slots`` [G, max_tokens] int64, ``counts`` [G, max_reqs] int32 and
+                   ``table_g`` [max_reqs, max_blocks_g] int32: the same contents as the shared
+                   memory's slots, counts_g and table_g after every reply.
+           The client rebuilds the storage with ``torch.UntypedStorage._new_shared_cuda(dev, h, sz,
+           off, rc, rco, ev, evs)`` (torch/multiprocessing/reductions.py) once per session and takes
+           views with ``Tensor.set_``; dropping them releases torch's cross-process ref count.
 attach     hdr: s (existing sid), epoch. Re-binds a live session (e.g. after the client rebuilt
            its socket). Wrong epoch -> DaemonRestarted; unknown/expired sid -> SessionError.
 step       hdr: la (lookahead tokens, int), an (uniform append token count used when the
@@ -71,7 +88,9 @@ step       hdr: la (lookahead tokens, int), an (uniform append token count used 
              freed rows int32[nfr]
            (one frame instead of eight: every ZeroMQ frame costs a few µs on each side).
            Block tables, counts and the step's slot mapping (padded with PAD_SLOT_ID) are written
-           into shared memory before the reply is sent.
+           into shared memory before the reply is sent, and with a GPU pool into the session's GPU
+           arena too (the daemon synchronizes its stream before replying). This holds for every op
+           that changes tables or counts (allocate, append, free, fork, swap, step).
 lookup     frames: hashes S16[n] (group 0). reply hdr: n (leading cached blocks).
 can_alloc  hdr: nt, la, mnt, net. frames: per group hashes S16. reply hdr: status (AllocStatus).
 allocate   hdr: row, tag, nt, la, pri, net, mnt. frames: per group hashes S16.

@@ -116,7 +116,7 @@ _PROF = [] if os.environ.get("KVDSRV_PROF") else None
 class Session:
     __slots__ = (
         "sid", "tenant", "namespace", "name", "pid", "nonce", "shm", "mrow", "last_seen",
-        "last_seq", "last_reply", "ident", "slots_written", "base",
+        "last_seq", "last_reply", "ident", "slots_written", "base", "gpu",
     )
 
     def __init__(self, sid: int, tenant: str, namespace: int, name: str, pid: int, nonce: str,
@@ -135,6 +135,7 @@ class Session:
         self.ident = ident
         self.slots_written = [0] * num_groups
         self.base = sid << SID_SHIFT
+        self.gpu = None  # kvd.gpu_session.GpuSession with a GPU pool
 
 
 def _opt(config: Any, name: str, default: Any) -> Any:
@@ -161,7 +162,9 @@ class Daemon:
         )
         self.manager = BlockManager(self.mcfg)
         self.kernel_ref = None
-        if str(_opt(config, "device", "cpu")).startswith("cuda"):
+        self.gpu_pool = None
+        device = str(_opt(config, "device", "cpu"))
+        if device.startswith("cuda"):
             try:
                 from kvd_kernels import slot_mapping_from_ranges_ref  # type: ignore
 
@@ -181,6 +184,13 @@ class Daemon:
         self.hb_s = self.lease_s / 4
         self.max_message_bytes = int(_opt(config, "max_message_bytes", 64 << 20))
         self.hash_algo = str(_opt(config, "hash_algo", "sha256"))
+        if device.startswith("cuda"):
+            # session buffers on the GPU too (kvd.gpu_session); fatal when unavailable: a daemon
+            # asked for a GPU pool must not silently serve without one
+            from kvd.gpu_session import GpuPool
+
+            self.gpu_pool = GpuPool(device, self.block_sizes, self.max_blocks, self.max_reqs,
+                                    self.max_tokens)
         n = int(config.max_num_reqs)
         self.owner_sid = np.zeros(n, np.int64)  # manager row -> session id (0: none)
         self.owner_srow = np.full(n, -1, np.int32)  # manager row -> session row
@@ -241,7 +251,12 @@ class Daemon:
             if seq < sess.last_seq:
                 raise ProtocolError(f"sequence number {seq} < last {sess.last_seq}")
             sess.ident = ident
-            reply = fn(sess, h, frames[1:], ident, seq)
+            try:
+                reply = fn(sess, h, frames[1:], ident, seq)
+            finally:
+                gs = sess.gpu
+                if gs is not None and gs.pending and sess.sid in self.sessions:
+                    gs.flush(sess.shm.tables, sess.shm.counts)
             if sess.sid in self.sessions:
                 sess.last_seq = seq
                 sess.last_reply = reply
@@ -294,6 +309,8 @@ class Daemon:
         shm.row_tags[srows] = 0
         for g in range(self.G):
             shm.counts[g][srows] = 0
+        if sess.gpu is not None:
+            sess.gpu.tracker.mark_counts(srows)
 
     def _sync_rows(self, sess: Session, mrows: np.ndarray, full: bool = True) -> np.ndarray:
         """Copy the manager's rows (tables + counts) of this session into its shared memory.
@@ -309,18 +326,23 @@ class Daemon:
         srows = self.owner_srow[mrows]
         m = self.manager
         shm = sess.shm
+        tr = sess.gpu.tracker if sess.gpu is not None else None
         for g in range(self.G):
             cnt = m.num_blocks[g][mrows]
             if full or self.windowed[g]:
                 w = int(cnt.max()) if cnt.size else 0
                 if w:
                     shm.tables[g][srows, :w] = m.tables[g][mrows, :w]
+                    if tr is not None:
+                        tr.mark(g, srows, 0, w)
             else:
                 old = shm.counts[g][srows]
                 grew = cnt > old
                 if grew.any():
                     gm, gs, o, n = mrows[grew], srows[grew], old[grew], cnt[grew]
                     k = n - o
+                    if tr is not None:
+                        tr.mark(g, gs, o, n)
                     if int(k.max()) == 1:
                         shm.tables[g][gs, o] = m.tables[g][gm, o]
                     else:
@@ -332,7 +354,11 @@ class Daemon:
                 if shrank.any():  # not expected without CoW/windows; copy those rows whole
                     w = int(cnt[shrank].max())
                     shm.tables[g][srows[shrank], :w] = m.tables[g][mrows[shrank], :w]
+                    if tr is not None:
+                        tr.mark(g, srows[shrank], 0, w)
             shm.counts[g][srows] = cnt
+        if tr is not None:
+            tr.mark_counts(srows)
         return srows
 
     def _sync_row(self, sess: Session, srow: int) -> None:
@@ -343,11 +369,18 @@ class Daemon:
             c = int(m.num_blocks[g][mrow])
             shm.counts[g][srow] = c
             shm.tables[g][srow, :c] = m.tables[g][mrow, :c]
+        if sess.gpu is not None:
+            r = np.array([srow], np.int32)
+            for g in range(self.G):
+                sess.gpu.tracker.mark(g, r, 0, int(shm.counts[g][srow]))
+            sess.gpu.tracker.mark_counts(r)
 
     def _write_slots(self, sess: Session, rows: np.ndarray, start: np.ndarray, lens: np.ndarray,
                      uniform: int = 0) -> list[int]:
         m = self.manager
         shm = sess.shm
+        if sess.gpu is not None:
+            sess.gpu.stage_slots(self.owner_srow[rows], start, lens)
         if self.kernel_ref is not None and int(lens.sum()) <= self.max_tokens:
             self.kernel_ref(m.tables, self.block_sizes, rows, start, lens, shm.slot_array)
             n = int(lens.sum())
@@ -392,6 +425,14 @@ class Daemon:
                 block_sizes=self.block_sizes, epoch=self.epoch, sid=sid,
             )
             sess = Session(sid, tenant, ns, name, pid, nonce, shm, self.max_reqs, self.G, ident)
+            if self.gpu_pool is not None:
+                try:
+                    sess.gpu = self.gpu_pool.new_session()
+                except Exception as e:
+                    shm.unlink()
+                    shm.close()
+                    log.error("session %d: GPU buffers failed: %s", index, e)
+                    raise CapacityExceeded(f"cannot allocate the session's GPU buffers: {e}") from None
             self.sessions[sid] = sess
             if nonce:
                 self.by_nonce[nonce] = sid
@@ -406,6 +447,7 @@ class Daemon:
             max_reqs=self.max_reqs, max_blocks=self.max_blocks, max_tokens=self.max_tokens,
             lease_s=self.lease_s, hb_s=self.hb_s, hash_algo=self.hash_algo,
             num_groups=self.G, max_model_len=self.max_model_len,
+            **({"gpu": sess.gpu.handle} if sess.gpu is not None and sess.gpu.handle else {}),
         )
 
     def op_attach(self, sess, h, frames, ident, seq):
@@ -428,6 +470,8 @@ class Daemon:
         st = dict(self.manager.stats())
         st["sessions"] = len(self.sessions)
         st["session_requests"] = int((sess.mrow >= 0).sum())
+        if self.gpu_pool is not None:
+            st["gpu_flush"] = self.gpu_pool.stats()
         return [P.ok_reply(seq, self.epoch, stats=st)]
 
     def op_reset(self, sess, h, frames, ident, seq):
@@ -714,6 +758,9 @@ class Daemon:
         self.owner_sid[mrows] = 0
         self.owner_srow[mrows] = -1
         sess.mrow[:] = -1
+        if sess.gpu is not None:
+            sess.gpu.close()  # torch keeps the arena in its IPC limbo while the client maps it
+            sess.gpu = None
         sess.shm.unlink()
         log.info("session %s ended (%s): %d requests freed", sess.shm.name, why, freed)
         sess.shm.close()
@@ -845,7 +892,11 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
         removed = sweep_stale(own_pid=os.getpid())
         if removed:
             log.info("removed %d stale shared-memory segments of dead daemons", len(removed))
-        d = Daemon(config)
+        try:
+            d = Daemon(config)
+        except (ImportError, RuntimeError) as e:
+            print(f"kvd: cannot start on device {getattr(config, 'device', 'cpu')}: {e}", file=sys.stderr)
+            return 1
         try:
             from kvd.metrics import Metrics  # type: ignore
 
@@ -882,6 +933,9 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
         tbl = np.zeros((2, 4), np.int32)
         _slot_mapping_np(tbl, d.block_sizes[0], np.zeros(2, np.int32), np.zeros(2, np.int64),
                          np.ones(2, np.int32), np.empty(4, np.int64))
+        if d.gpu_pool is not None:
+            # READY=1 only after every Triton kernel a session uses is compiled and has run once
+            d.gpu_pool.warm()
 
         stop = asyncio.Event()
         fd = sock.getsockopt(zmq.FD)
@@ -965,6 +1019,8 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                 drain()
                 on_monitor()
                 d.reap(now)
+                if d.gpu_pool is not None:
+                    d.gpu_pool.collect(now)
                 if wd and now >= next_wd:
                     _notify("WATCHDOG=1")
                     next_wd = now + wd
