@@ -9,10 +9,13 @@ Decode steps, frees and forks work on arrays of rows at once; only admissions (e
 prefix lookup) and copy-on-write candidates are handled one request at a time.
 
 Semantics worth knowing:
+- a batch of appends runs in three phases: every request grows (decided in batch order, greedily:
+  a request fits if its blocks fit in what is left), then the blocks that became full are
+  registered in the prefix cache, then blocks that fell out of a sliding window are returned (only
+  for requests that grew: a no-space request stays exactly as it was). So a cached block evicted
+  to grow one request is gone before another request of the batch registers the same content;
 - blocks of one batch are taken group by group, and within a group in batch order (a request's
   copy-on-write block first, then its new blocks);
-- blocks that fell out of a sliding window are returned after the batch's allocations, and only
-  for requests that grew (a no-space request stays exactly as it was);
 - admission (``allocate``, ``can_allocate``, step admissions, ``swap_in``) keeps the watermark
   (and, as configured, decode reserves) free; appends of running requests may use every block;
 - prefix hits never cover the whole prompt: at most ``(num_tokens - 1) // block_size`` blocks hit,
@@ -1413,12 +1416,12 @@ class _BatchAdmission:
             extra = 0
             if check_revived:
                 extra = sum(1 for b in hits if ref[b] == 0 and b not in revived)
-            if offset + new > stack_top:
-                break  # would evict: the rest go one by one
             if not free_rows or new + extra > headroom:
                 status[i] = STATUS_NO_SPACE
                 done = i + 1
                 continue
+            if offset + new > stack_top:
+                break  # would evict: the rest go one by one
             if check_revived:
                 revived.update(b for b in hits if ref[b] == 0)
             seen.add(req.req_id)

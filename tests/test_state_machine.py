@@ -127,30 +127,46 @@ class Model:
         return STATUS_OK, len(hits) * BS
 
     def append(self, rid, k, la, hashes):
-        r = self.reqs[rid]
-        old, new = r["tokens"], r["tokens"] + k
-        grow = max(cdiv(new + la, BS) - len(r["blocks"]), 0)
-        cow = k > 0 and old % BS and self.pool.ref[r["blocks"][old // BS]] > 1
-        if grow + cow > self.pool.num_free():
-            return STATUS_NO_SPACE
-        if cow:
-            src = r["blocks"][old // BS]
-            dst = self.pool.take(1)[0]
-            self.pool.release(src)
-            r["blocks"][old // BS] = dst
-            self.copies.append([src, dst])
-        r["blocks"] += self.pool.take(grow)
-        r["tokens"] = new
-        for i, h in enumerate(hashes):
-            if r["blocks"][r["reg"] + i]:
-                self.pool.register(h, r["blocks"][r["reg"] + i])
-        r["reg"] += len(hashes)
-        skip = min(self.skip_for(old), len(r["blocks"]))
-        for i in reversed(range(skip)):  # out of the window, returned after the growth
-            if r["blocks"][i]:
-                self.pool.release(r["blocks"][i], r["prio"])
-                r["blocks"][i] = 0
-        return STATUS_OK
+        return self.append_batch([rid], k, la, [hashes])[0]
+
+    def append_batch(self, rids, k, la, hash_lists):
+        """A batch of appends in the manager's documented phases: every request grows (in batch
+        order), then filled blocks are registered, then out-of-window blocks are returned."""
+        statuses, olds = [], []
+        for rid in rids:
+            r = self.reqs[rid]
+            old, new = r["tokens"], r["tokens"] + k
+            olds.append(old)
+            grow = max(cdiv(new + la, BS) - len(r["blocks"]), 0)
+            cow = k > 0 and old % BS and self.pool.ref[r["blocks"][old // BS]] > 1
+            if grow + cow > self.pool.num_free():
+                statuses.append(STATUS_NO_SPACE)
+                continue
+            if cow:
+                src = r["blocks"][old // BS]
+                dst = self.pool.take(1)[0]
+                self.pool.release(src)
+                r["blocks"][old // BS] = dst
+                self.copies.append([src, dst])
+            r["blocks"] += self.pool.take(grow)
+            r["tokens"] = new
+            statuses.append(STATUS_OK)
+        for rid, status, hashes in zip(rids, statuses, hash_lists):
+            if status == STATUS_OK:
+                r = self.reqs[rid]
+                for i, h in enumerate(hashes):
+                    if r["blocks"][r["reg"] + i]:
+                        self.pool.register(h, r["blocks"][r["reg"] + i])
+                r["reg"] += len(hashes)
+        for rid, status, old in zip(rids, statuses, olds):
+            if status == STATUS_OK:
+                r = self.reqs[rid]
+                skip = min(self.skip_for(old), len(r["blocks"]))
+                for i in reversed(range(skip)):
+                    if r["blocks"][i]:
+                        self.pool.release(r["blocks"][i], r["prio"])
+                        r["blocks"][i] = 0
+        return statuses
 
     def free(self, rid):
         r = self.reqs.pop(rid)
@@ -345,7 +361,7 @@ class ManagerMachine(RuleBasedStateMachine):
         rows = self.mgr.rows_of(chosen)
         res = self.mgr.step(StepBatch(append_rows=rows, append_num_tokens=k,
                                       append_hashes=(np.concatenate(flat),), append_hash_counts=(np.array(counts),)))
-        expected = [self.model.append(rid, k, 0, h.tolist()) for rid, h in zip(chosen, flat)]
+        expected = self.model.append_batch(chosen, k, 0, [h.tolist() for h in flat])
         assert res.append_status.tolist() == expected
         assert res.copies.tolist() == self.model.copies
         self.model.copies = []
@@ -366,7 +382,7 @@ class ManagerMachine(RuleBasedStateMachine):
         for c in kids:
             self.model.fork(rid, c)
             self.tokens[c] = list(self.tokens[rid])
-        expected = [self.model.append(r, k, 0, []) for r in [rid] + kids]
+        expected = self.model.append_batch([rid] + kids, k, 0, [[]] * (n + 1))
         assert res.append_status.tolist() == expected
         assert res.copies.tolist() == self.model.copies
         self.model.copies = []
