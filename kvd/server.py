@@ -694,11 +694,16 @@ class Daemon:
                 admits.append(AdmitRequest(base | row, nt, hs[0] if G == 1 else hs, l, pri, net, mnt))
         # unmapped session rows become -1: the manager reports UnknownRequest for them (and
         # InvalidArgument for duplicates) without failing the other requests
-        mrows = sess.mrow[app_rows] if na else _EMPTY_I32
+        if nk and na:
+            # Children forked by this very step have no manager row yet: name appends by id, so
+            # the manager resolves them after the forks (rare: forks are not the decode path).
+            app = dict(append_ids=[base | r for r in app_rows.tolist()])
+        else:
+            app = dict(append_rows=sess.mrow[app_rows] if na else _EMPTY_I32)
         batch = StepBatch(
-            free=frees, forks=forks, append_rows=mrows, append_num_tokens=ntok,
+            free=frees, forks=forks, append_num_tokens=ntok,
             append_hashes=app_hashes, append_hash_counts=app_counts, num_lookahead_tokens=la,
-            admit=admits,
+            admit=admits, **app,
         )
         m = self.manager
         res = m.step(batch, namespace=sess.namespace)

@@ -179,3 +179,19 @@ def test_async_client(daemon):
             await c.close()
 
     asyncio.run(main())
+
+
+def test_child_forked_in_a_step_can_append_in_the_same_step(daemon):
+    m = local_manager()
+    c = Client(daemon.endpoint, tenant="forks")
+    try:
+        for mgr in (c, m):
+            mgr.allocate("p", 21)
+        batch = StepBatch(forks=[("p", "k")], append_ids=["p", "k"])
+        a, b = c.step(batch), m.step(batch)
+        assert a.append_status.tolist() == b.append_status.tolist() == [0, 0]
+        assert a.copies.tolist() == b.copies.tolist() == [[2, 3]]
+        assert c.block_table("k").tolist() == m.block_table("k").tolist() == [1, 2]
+        assert c.block_table("p").tolist() == m.block_table("p").tolist() == [1, 3]
+    finally:
+        c.close()
