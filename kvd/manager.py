@@ -136,6 +136,7 @@ class BlockManager:
         self._swapped: dict[int, _Swapped] = {}
         self._cache_keys: dict[tuple[int, int], int] = {}
         self._copies: list[np.ndarray] = []
+        self._deferred: list[tuple[int, np.ndarray, np.ndarray]] = []
         self._watermark_blocks = int(config.watermark * config.num_gpu_blocks)
         self.counters = dict(prefix_queries=0, prefix_hits=0, swaps_out=0, swaps_in=0, cow_copies=0)
 
@@ -288,6 +289,7 @@ class BlockManager:
 
     def lookup(self, block_hashes, namespace: int = 0) -> int:
         """Leading blocks (of group 0) already cached; changes nothing."""
+        self.flush_deferred()
         hash_lists = self._hash_lists(block_hashes, 1 << 62)
         tokens, _ = self._cached_prefix(hash_lists, None, namespace)
         return tokens // self.groups[0].block_size
@@ -327,6 +329,7 @@ class BlockManager:
         max_new_tokens: int = 0,
         num_encoder_tokens: int = 0,
     ) -> AllocStatus:
+        self.flush_deferred()
         self._check_sizes(num_tokens, num_lookahead_tokens)
         if num_tokens < 1 or num_encoder_tokens < 0 or max_new_tokens < 0:
             raise errors.InvalidArgument("num_tokens must be >= 1 and other sizes >= 0")
@@ -357,6 +360,7 @@ class BlockManager:
         num_encoder_tokens: int = 0,
         max_new_tokens: int = 0,
     ) -> AllocResult:
+        self.flush_deferred()
         result = self._admit(
             AdmitRequest(req_id, num_tokens, block_hashes, num_lookahead_tokens, priority, num_encoder_tokens, max_new_tokens),
             namespace,
@@ -433,6 +437,7 @@ class BlockManager:
     def append_slots(
         self, req_id: ReqId, num_new_tokens: int, new_block_hashes=(), num_lookahead_tokens: int = 0
     ) -> AppendResult:
+        self.flush_deferred()
         row = self.row_of(req_id)
         self._check_sizes(num_new_tokens, num_lookahead_tokens, "num_new_tokens")
         total = int(self.num_tokens[row]) + num_new_tokens
@@ -552,7 +557,7 @@ class BlockManager:
                 self._release_out_of_window(g, orows, oold)
         return status
 
-    def _append_fast(self, rows, n_new, hashes, counts, lookahead):
+    def _append_fast(self, rows, n_new, hashes, counts, lookahead, defer: bool = False):
         """The common decode step (one full-attention group, no forks): a handful of whole-array
         operations. Returns (the tokens each request had before, the rows that got new blocks), or
         None, having changed nothing, whenever anything is unusual (misuse, no space): the general
@@ -590,8 +595,9 @@ class BlockManager:
             else:
                 self._grow_group(0, grown, old[short], grow, None, blocks)
         self.num_tokens[rows] = new
-        if hashes.size:
-            self._register_appends(rows, np.zeros(n, np.int16), [hashes], [counts])
+        if hashes.size and self.config.enable_prefix_caching:
+            if not (counts.max() == 1 and self._register_one_each(0, rows, hashes, counts, defer)):
+                self._register_appends(rows, np.zeros(n, np.int16), [hashes], [counts])
         return old, grown
 
     @staticmethod
@@ -678,7 +684,7 @@ class BlockManager:
         g.table[rows[rep], cols] = blocks[offsets[rep] + within]
         g.num_blocks[rows] += grow.astype(np.int32)
 
-    def _register_one_each(self, gi: int, rows, hashes, counts) -> bool:
+    def _register_one_each(self, gi: int, rows, hashes, counts, defer: bool = False) -> bool:
         """Registration when each request filled at most one block (a decode step): a few array
         operations. False when the requests span several namespaces (the general path then)."""
         g = self.groups[gi]
@@ -691,7 +697,11 @@ class BlockManager:
         present = blocks != NULL_BLOCK
         if not present.all():
             blocks, hashes = blocks[present], hashes[present]
-        self.pool.register(self._cache_key(int(ns[0]), gi), hashes, blocks)
+        key = self._cache_key(int(ns[0]), gi)
+        if defer:
+            self._deferred.append((key, hashes, blocks))
+        else:
+            self.pool.register(key, hashes, blocks)
         g.num_registered[sel] = reg + 1
         return True
 
@@ -743,6 +753,7 @@ class BlockManager:
 
     # ================================================================== free
     def free(self, req_id: ReqId) -> None:
+        self.flush_deferred()
         row = self.row_of(req_id)
         self._free_rows_now(np.array([row], np.int32))
         self._debug_check()
@@ -785,6 +796,7 @@ class BlockManager:
 
     # ================================================================== fork
     def fork(self, parent_id: ReqId, child_id: ReqId) -> None:
+        self.flush_deferred()
         self._fork(parent_id, child_id)
         self._debug_check()
 
@@ -874,6 +886,14 @@ class BlockManager:
         self.pool.incref(blocks[blocks != NULL_BLOCK])
         return crows
 
+    def flush_deferred(self) -> None:
+        """Finish prefix-cache registrations a decode step left for later (see
+        ``ManagerConfig.defer_cache_registration``)."""
+        if self._deferred:
+            for key, hashes, blocks in self._deferred:
+                self.pool.register(key, hashes, blocks)
+            self._deferred.clear()
+
     def take_copies(self) -> np.ndarray:
         """Copy-on-write ``(src, dst)`` pairs since the last call; the KV owner performs them
         before the next forward pass."""
@@ -901,6 +921,7 @@ class BlockManager:
         return entries
 
     def can_swap_out(self, req_ids) -> bool:
+        self.flush_deferred()
         rows = self._check_swap_out(req_ids)
         blocks = np.concatenate([b for b, _ in self._resident_blocks(rows)])
         return self.config.num_cpu_blocks > 0 and np.unique(blocks[blocks != NULL_BLOCK]).size <= self.cpu_pool.num_free
@@ -914,6 +935,7 @@ class BlockManager:
     def swap_out(self, req_ids) -> SwapResult:
         """Move requests' blocks to the CPU pool; a block shared among them moves once and stays
         shared. Returns ``(gpu_block, cpu_block)`` pairs to copy."""
+        self.flush_deferred()
         rows = self._check_swap_out(req_ids)
         entries = self._resident_blocks(rows)
         flat = np.concatenate([b for b, _ in entries])
@@ -980,6 +1002,7 @@ class BlockManager:
         return cpu, counts, found, need
 
     def can_swap_in(self, req_ids) -> bool:
+        self.flush_deferred()
         rows = self._check_swap_in(req_ids)
         _, _, _, need = self._swap_in_plan(rows)
         return bool(need <= self._admission_headroom()) and len(self._free_rows) >= 0
@@ -987,6 +1010,7 @@ class BlockManager:
     def swap_in(self, req_ids) -> SwapResult:
         """Bring swapped requests back. Content still in the GPU prefix cache is reused without a
         copy. Returns ``(cpu_block, gpu_block)`` pairs to copy."""
+        self.flush_deferred()
         rows = self._check_swap_in(req_ids)
         cpu, counts, found, need = self._swap_in_plan(rows)
         if need > self._admission_headroom():
@@ -1033,6 +1057,7 @@ class BlockManager:
     def step(self, batch: StepBatch, namespace: int = 0) -> StepResult:
         """Apply one scheduler step: frees, forks, appends, admissions (in that order). Misuse of
         one request is reported in its status and does not stop the others."""
+        self.flush_deferred()
         if (
             self._simple
             and not self._num_forked
@@ -1130,7 +1155,8 @@ class BlockManager:
         if len(batch.append_hashes):
             hash_lists, hash_counts = self._step_hashes(batch, n)
             hashes, counts = hash_lists[0], hash_counts[0]
-        fast = self._append_fast(rows, n_new, hashes, counts, batch.num_lookahead_tokens) if n else None
+        defer = self.config.defer_cache_registration
+        fast = self._append_fast(rows, n_new, hashes, counts, batch.num_lookahead_tokens, defer) if n else None
         if fast is None:
             return None
         old, grown = fast
@@ -1225,6 +1251,7 @@ class BlockManager:
         return int(blocks.size if shared.all() else np.argmin(shared))
 
     def reset_prefix_cache(self, namespace: int | None = None) -> bool:
+        self.flush_deferred()
         keys = None if namespace is None else {k for (ns, _), k in self._cache_keys.items() if ns == namespace}
         return self.pool.reset_cache(keys)
 
@@ -1264,6 +1291,7 @@ class BlockManager:
     def check_invariants(self, heavy: bool = False) -> None:
         """Conservation (free + in use + cached-evictable == total) always; with ``heavy``, every
         reference count recomputed from every block table and swap record."""
+        self.flush_deferred()
         self.pool.check_invariants(heavy)
         self.cpu_pool.check_invariants(heavy)
         if not heavy:

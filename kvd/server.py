@@ -159,6 +159,8 @@ class Daemon:
             max_num_reqs=int(config.max_num_reqs),
             enable_prefix_caching=bool(_opt(config, "enable_prefix_caching", True)),
             watermark=float(_opt(config, "watermark", 0.0)),
+            # the reply goes out first; drain() flushes right after sending it
+            defer_cache_registration=True,
         )
         self.manager = BlockManager(self.mcfg)
         self.kernel_ref = None
@@ -968,6 +970,9 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                         pass  # peer's queue full: its loss, our memory stays bounded
                     except zmq.ZMQError as e:
                         log.debug("send failed: %s", e)
+                # Prefix-cache entries a decode step left for after its reply (also flushed by
+                # the manager itself before anything reads the cache).
+                d.manager.flush_deferred()
                 if d.was_step:
                     if _PROF is not None:
                         _PROF.append((t0, time.perf_counter(), c0, time.thread_time()))

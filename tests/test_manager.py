@@ -277,3 +277,20 @@ def test_block_ids_never_include_the_null_block_under_churn():
     for req in live:
         m.free(req)
     assert m.num_free_blocks == 9
+
+
+def test_deferred_registration_is_finished_before_anything_reads_the_cache():
+    m = BlockManager(ManagerConfig(num_gpu_blocks=16, max_model_len=256, max_num_reqs=8,
+                                   defer_cache_registration=True))
+    hashes = hash_prompt(prompt(32), 16)
+    m.allocate("a", 15, ())
+    res = m.step(StepBatch(append_rows=m.rows_of(["a"]), append_num_tokens=1,
+                           append_hashes=(hashes[:1],), append_hash_counts=(np.array([1]),)))
+    assert res.append_status.tolist() == [0]
+    assert m.pool.caches.get(1, {}) == {}  # left for after the reply
+    assert m.lookup(hashes) == 1  # ... but any call finishes it first
+    m.step(StepBatch(append_rows=m.rows_of(["a"]), append_num_tokens=16,
+                     append_hashes=(hashes[1:2],), append_hash_counts=(np.array([1]),)))
+    m.free("a")  # block 2 must go to the back as a cached block, block 1 likewise
+    assert m.pool.free_queue_order()[-2:].tolist() == [2, 1]
+    m.check_invariants(heavy=True)

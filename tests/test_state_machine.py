@@ -239,7 +239,7 @@ class ManagerMachine(RuleBasedStateMachine):
         group = GroupSpec(BS, sliding_window=self.WINDOW or None)
         self.mgr = BlockManager(ManagerConfig(num_gpu_blocks=NUM_BLOCKS, num_cpu_blocks=NUM_CPU, max_model_len=MAX_LEN,
                                               groups=(group,), max_num_reqs=MAX_REQS, max_lookahead_tokens=8,
-                                              debug_checks=True))
+                                              defer_cache_registration=not self.WINDOW, debug_checks=True))
         self.model = Model(self.WINDOW)
         self.tokens = {}
         self.next_id = 0
@@ -415,6 +415,7 @@ class ManagerMachine(RuleBasedStateMachine):
     @invariant()
     def agree(self):
         mgr, model = self.mgr, self.model
+        mgr.check_invariants(heavy=True)  # flushes deferred registrations, as any call would
         assert mgr.pool.ref_cnt.tolist() == model.pool.ref
         assert mgr.pool.free_queue_order().tolist() == model.pool.order()
         assert mgr.pool.caches.get(1, {}) == model.pool.cache
