@@ -88,16 +88,24 @@ class _Group:
         return np.maximum(num_computed - self.window + 1, 0) // self.block_size
 
 
-def _row_blocks(table: np.ndarray, rows: np.ndarray, starts: np.ndarray, stops: np.ndarray, reverse: bool):
-    """Entries table[row, start:stop] of every row, concatenated (each reversed if asked)."""
-    counts = np.maximum(stops - starts, 0)
-    total = int(counts.sum())
-    if not total:
-        return _EMPTY_I32, _EMPTY_I32
-    rep = np.repeat(np.arange(rows.size), counts)
-    offsets = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
-    cols = (np.repeat(stops - 1, counts) - offsets) if reverse else (np.repeat(starts, counts) + offsets)
-    return table[rows[rep], cols], rep
+def _row_blocks(table: np.ndarray, rows: np.ndarray, starts: np.ndarray, stops: np.ndarray, reverse: bool,
+                need_rep: bool = True):
+    """Entries table[row, start:stop] of every row, concatenated row after row (each row's entries
+    reversed if asked), and for each entry its index into ``rows`` (or None when not needed).
+
+    Whole rows up to the longest stop are gathered and masked: a few large copies instead of one
+    fancy index per entry."""
+    width = int(stops.max()) if stops.size else 0
+    if width <= 0:
+        return _EMPTY_I32, (_EMPTY_I32 if need_rep else None)
+    sub = table[rows, :width]
+    cols = np.arange(width)
+    mask = cols < stops[:, None]
+    if starts.any():
+        mask &= cols >= starts[:, None]
+    if reverse:
+        sub, mask = sub[:, ::-1], mask[:, ::-1]
+    return sub[mask], (np.nonzero(mask)[0] if need_rep else None)
 
 
 class BlockManager:
@@ -758,23 +766,31 @@ class BlockManager:
         self._free_rows_now(np.array([row], np.int32))
         self._debug_check()
 
+    def _held_blocks(self, rows: np.ndarray):
+        """Every block resident ``rows`` hold (each group's table, then the cross-attention table),
+        each row tail first, with the priority to free them with: one value when the rows share
+        it, else one per block."""
+        prio_rows = self.priority[rows]
+        uniform = prio_rows.size == 0 or bool((prio_rows == prio_rows[0]).all())
+        tables = [(g.table, g.num_skipped[rows], g.num_blocks[rows]) for g in self.groups]
+        if self.max_cross_blocks:
+            tables.append((self.cross_table, np.zeros_like(rows), self.cross_num_blocks[rows]))
+        parts, reps = [], []
+        for table, starts, stops in tables:
+            blocks, rep = _row_blocks(table, rows, starts, stops, True, need_rep=not uniform)
+            parts.append(blocks)
+            reps.append(rep)
+        blocks = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        live = blocks != NULL_BLOCK
+        if uniform:
+            return blocks[live], int(prio_rows[0]) if prio_rows.size else DEFAULT_PRIORITY
+        return blocks[live], prio_rows[np.concatenate(reps)][live]
+
     def _free_rows_now(self, rows: np.ndarray) -> None:
         """Return every block of these (distinct, active) rows, tail blocks before head blocks."""
         resident = rows[~self.swapped[rows]]
-        parts, prios = [], []
-        for g in self.groups:
-            blocks, rep = _row_blocks(g.table, resident, g.num_skipped[resident], g.num_blocks[resident], True)
-            parts.append(blocks)
-            prios.append(self.priority[resident[rep]])
-        cross, rep = _row_blocks(self.cross_table, resident, np.zeros_like(resident), self.cross_num_blocks[resident], True)
-        parts.append(cross)
-        prios.append(self.priority[resident[rep]])
-        blocks = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        if blocks.size:
-            prio = np.concatenate(prios)
-            live = blocks != NULL_BLOCK
-            blocks, prio = blocks[live], prio[live]
-            self.pool.release(blocks, int(prio[0]) if prio.size and (prio == prio[0]).all() else prio)
+        if resident.size:
+            self.pool.release(*self._held_blocks(resident))
         for row in rows[self.swapped[rows]].tolist():
             record = self._swapped.pop(row)
             self._release_cpu(np.concatenate([*record.cpu_blocks, record.cross]))
@@ -789,10 +805,12 @@ class BlockManager:
         self.swapped[rows] = False
         self._num_forked -= int(np.count_nonzero(self.forked[rows]))
         self.forked[rows] = False
-        for row in rows.tolist():
-            del self._row_of[self._id_of[row]]
-            self._id_of[row] = None
-            self._free_rows.append(row)
+        row_list = rows.tolist()
+        row_of, id_of = self._row_of, self._id_of
+        for row in row_list:
+            del row_of[id_of[row]]
+            id_of[row] = None
+        self._free_rows.extend(row_list)
 
     # ================================================================== fork
     def fork(self, parent_id: ReqId, child_id: ReqId) -> None:
@@ -963,17 +981,7 @@ class BlockManager:
         return SwapResult(STATUS_OK, np.stack([gpu, cpu], axis=1).astype(np.int32))
 
     def _release_rows_gpu(self, rows) -> None:
-        parts, prios = [], []
-        for g in self.groups:
-            blocks, rep = _row_blocks(g.table, rows, g.num_skipped[rows], g.num_blocks[rows], True)
-            parts.append(blocks)
-            prios.append(self.priority[rows[rep]])
-        cross, rep = _row_blocks(self.cross_table, rows, np.zeros_like(rows), self.cross_num_blocks[rows], True)
-        parts.append(cross)
-        prios.append(self.priority[rows[rep]])
-        blocks, prio = np.concatenate(parts), np.concatenate(prios)
-        live = blocks != NULL_BLOCK
-        self.pool.release(blocks[live], prio[live])
+        self.pool.release(*self._held_blocks(rows))
         for g in self.groups:
             g.table[rows] = NULL_BLOCK
             g.num_blocks[rows] = 0
@@ -1102,25 +1110,37 @@ class BlockManager:
         status = np.zeros(len(ids), np.int16)
         if not len(ids):
             return status, _EMPTY_I32
-        get = self._row_of.get
-        rows = []
-        seen = set()
-        for i, req_id in enumerate(ids):
-            try:
-                row = get(req_id)
-            except TypeError:
-                row = None
-            if row is None:
-                status[i] = errors.UnknownRequest.code
-            elif row in seen:
-                status[i] = errors.InvalidArgument.code
-            else:
-                seen.add(row)
-                rows.append(row)
-        rows = np.array(rows, np.int32)
+        rows = self._distinct_known_rows(ids)
+        if rows is None:  # some id unknown, unhashable or named twice: one by one, with a status each
+            rows = []
+            seen = set()
+            get = self._row_of.get
+            for i, req_id in enumerate(ids):
+                row = _safe_get(get, req_id)
+                if row < 0:
+                    status[i] = errors.UnknownRequest.code
+                elif row in seen:
+                    status[i] = errors.InvalidArgument.code
+                else:
+                    seen.add(row)
+                    rows.append(row)
+            rows = np.array(rows, np.int32)
         if rows.size:
             self._free_rows_now(rows)
         return status, rows
+
+    def _distinct_known_rows(self, ids) -> np.ndarray | None:
+        """Rows of ``ids`` when every id is known and none repeats, else None."""
+        get = self._row_of.get
+        try:
+            rows = np.fromiter((get(r, -1) for r in ids), np.int32, count=len(ids))
+        except TypeError:
+            return None
+        if rows.min() < 0:
+            return None
+        idx = self._arange[: rows.size]
+        self._mark[rows] = idx
+        return rows if (self._mark[rows] == idx).all() else None
 
     def _step_forks(self, forks):
         if len(forks) > 1:
