@@ -120,20 +120,21 @@ def hash_prompt(
     if tokens.ndim != 1:
         raise InvalidArgument("token_ids must be one-dimensional")
     num_blocks = tokens.size // block_size
-    digest = _digest_fn(algo)
-    data = tokens[: num_blocks * block_size].tobytes()
-    step = block_size * 4
+    # One bytes object per block, cut in C (void items keep trailing zero bytes, unlike S items).
+    chunks = tokens[: num_blocks * block_size].view(f"V{block_size * 4}").tolist()
     extras = _block_extras(num_blocks, block_size, first_block_index, lora_name, mm_items, cache_salt)
     h = normalize_parent(parent, algo)
     out = []
     append = out.append
-    if isinstance(extras, bytes):
-        for start in range(0, num_blocks * step, step):
-            h = digest(h + data[start : start + step] + extras)
+    if algo == "sha256" and extras == b"":  # the common case, without a call per block in between
+        for chunk in chunks:
+            h = _sha256(h + chunk).digest()[:HASH_BYTES]
             append(h)
     else:
-        for i, start in enumerate(range(0, num_blocks * step, step)):
-            h = digest(h + data[start : start + step] + extras[i])
+        digest = _digest_fn(algo)
+        per_block = [extras] * num_blocks if isinstance(extras, bytes) else extras
+        for chunk, extra in zip(chunks, per_block):
+            h = digest(h + chunk + extra)
             append(h)
     return np.frombuffer(b"".join(out), dtype=HASH_DTYPE).copy()
 
