@@ -42,6 +42,7 @@ from kvd.api import (
     AppendResult,
     StepBatch,
     StepResult,
+    SwapResult,
 )
 from kvd.errors import (
     ERROR_BY_CODE,
@@ -558,6 +559,19 @@ class _Core:
         fields = {"la": int(lookahead), "nf": 0, "nk": 0, "na": na, "an": num_tokens, "nd": 0}
         return P.STEP, fields, [P.EMPTY, P.EMPTY, P.EMPTY, rows.tobytes()], functools.partial(_decode_post, na)
 
+    def _release_local(self) -> None:
+        """Close the socket and unmap the session's buffers (never unlinks: the daemon owns them)."""
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
+        if self.gpu is not None:
+            self.gpu.close()
+            self.gpu = None
+        self.sid = 0
+        self._ctx.term()
 
 _EMPTY_I16_RO = np.empty(0, np.int16)
 _EMPTY_I32_RO = np.empty(0, np.int32)
@@ -585,27 +599,9 @@ def _decode_post(na: int, h: dict, f: list) -> StepResult:
     return res
 
 
-def _swap_result(h, f):
-    st = int(h["status"])
+def _swap_result(h, f) -> SwapResult:
     mapping = np.frombuffer(f[0], np.int32).reshape(-1, 2) if f else np.empty((0, 2), np.int32)
-    try:
-        from kvd.manager import SwapResult  # type: ignore
-
-        return SwapResult(st, mapping)
-    except Exception:
-        return _SwapResult(st, mapping)
-
-
-class _SwapResult:
-    __slots__ = ("status", "mapping")
-
-    def __init__(self, status, mapping):
-        self.status = status
-        self.mapping = mapping
-
-    @property
-    def ok(self) -> bool:
-        return self.status == STATUS_OK
+    return SwapResult(int(h["status"]), mapping)
 
 
 _API = ("lookup", "can_allocate", "allocate", "append_slots", "free", "fork", "can_swap_out",
@@ -738,17 +734,7 @@ class Client(_Core):
                 pass
             finally:
                 self.retries = saved
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
-        if self.shm is not None:
-            self.shm.close()
-            self.shm = None
-        if self.gpu is not None:
-            self.gpu.close()
-            self.gpu = None
-        self.sid = 0
-        self._ctx.term()
+        self._release_local()
 
     def __enter__(self) -> "Client":
         return self
@@ -894,17 +880,7 @@ class AsyncClient(_Core):
                 pass
             finally:
                 self.retries = saved
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
-        if self.shm is not None:
-            self.shm.close()
-            self.shm = None
-        if self.gpu is not None:
-            self.gpu.close()
-            self.gpu = None
-        self.sid = 0
-        self._ctx.term()
+        self._release_local()
         self._sync_ctx.term()
 
     async def __aenter__(self) -> "AsyncClient":
