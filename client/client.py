@@ -573,6 +573,7 @@ class _Core:
         self.sid = 0
         self._ctx.term()
 
+
 _EMPTY_I16_RO = np.empty(0, np.int16)
 _EMPTY_I32_RO = np.empty(0, np.int32)
 _EMPTY_COPIES = np.empty((0, 2), np.int32)
