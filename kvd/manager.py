@@ -24,7 +24,6 @@ Semantics worth knowing:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -448,15 +447,22 @@ class BlockManager:
         self.flush_deferred()
         row = self.row_of(req_id)
         self._check_sizes(num_new_tokens, num_lookahead_tokens, "num_new_tokens")
+        if self.swapped[row]:
+            raise errors.RequestSwapped(f"request {req_id!r} is swapped out; swap it in first")
         total = int(self.num_tokens[row]) + num_new_tokens
+        if total > self.config.max_model_len:
+            raise errors.InvalidArgument(f"request {req_id!r} would hold {total} tokens > max_model_len {self.config.max_model_len}")
         hash_lists = self._hash_lists(new_block_hashes, total)
+        for g, hashes in zip(self.groups, hash_lists):
+            unregistered = total // g.block_size - int(g.num_registered[row])
+            if hashes.size > unregistered:
+                raise errors.BadHashes(f"{hashes.size} hashes for {unregistered} full, unregistered block(s)")
         counts = [np.array([h.size], np.int32) for h in hash_lists]
         before = [int(g.num_blocks[row]) for g in self.groups]
         copies_before = len(self._copies)
-        status = self._append_rows(np.array([row], np.int32), np.array([num_new_tokens], np.int64), hash_lists, counts, num_lookahead_tokens)
-        code = int(status[0])
-        if code >= 2:
-            raise errors.ERROR_BY_CODE[code](self._last_append_error)
+        rows, n_new = np.array([row], np.int32), np.array([num_new_tokens], np.int64)
+        code = int(self._append_rows(rows, n_new, hash_lists, counts, num_lookahead_tokens)[0])
+        assert code in (STATUS_OK, STATUS_NO_SPACE), code  # misuse was rejected above
         if code == STATUS_NO_SPACE:
             return AppendResult(STATUS_NO_SPACE)
         new_ids = tuple(g.table[row, b : g.num_blocks[row]].copy() for g, b in zip(self.groups, before))
@@ -517,8 +523,6 @@ class BlockManager:
                 return np.zeros(n, np.int16)
         status = np.zeros(n, np.int16)
         self._validate_appends(rows, n_new, lookahead, hash_counts, status)
-        if status.any():
-            self._last_append_error = f"append rejected for {int(np.count_nonzero(status))} request(s)"
         valid = status == 0
         vrows = rows[valid]
         old = self.num_tokens[vrows]
@@ -1013,7 +1017,7 @@ class BlockManager:
         self.flush_deferred()
         rows = self._check_swap_in(req_ids)
         _, _, _, need = self._swap_in_plan(rows)
-        return bool(need <= self._admission_headroom()) and len(self._free_rows) >= 0
+        return bool(need <= self._admission_headroom())
 
     def swap_in(self, req_ids) -> SwapResult:
         """Bring swapped requests back. Content still in the GPU prefix cache is reused without a
@@ -1571,4 +1575,3 @@ def _validate_config(config: ManagerConfig) -> None:
         raise errors.InvalidArgument("watermark must be in [0, 1)")
     if config.encoder_block_size < 1:
         raise errors.InvalidArgument("encoder_block_size must be positive")
-    assert math.isfinite(config.watermark)
