@@ -1,24 +1,39 @@
 """kvd_kernels: the GPU work kvd does for its clients, each kernel beside its numpy reference.
 
-Imports nothing of kvd and needs only numpy: the ``*_ref`` functions are what the daemon runs on a
-CPU pool; the torch wrappers (Triton inside) are for a GPU pool and raise without torch/Triton.
+Imports nothing of kvd. The ``*_ref`` numpy references (``reference.py``) import with numpy alone:
+they are what the daemon runs on a CPU pool. The torch wrappers (Triton inside) load torch and
+Triton on first use (PEP 562 module ``__getattr__``), so a CPU daemon never pays for those imports;
+they raise without torch/Triton.
 """
 
-from ._triton import HAS_TRITON, MAX_GROUPS_PER_LAUNCH
-from .block_table import (NULL_BLOCK, GatherSlotMappingPlan, apply_block_table_updates,
-                          apply_block_table_updates_ref, gather_block_tables,
-                          gather_block_tables_ref, gather_slot_mapping, gather_slot_mapping_ref)
-from .copy import copy_blocks, copy_blocks_between_ref, copy_blocks_ref, pool_layout
-from .slot_mapping import (PAD_SLOT_ID, SlotMappingPlan, slot_mapping,
-                           slot_mapping_from_ranges_ref, slot_mapping_ref)
-from .swap import DMA_MIN_REGION_BYTES, swap_blocks, swap_blocks_ref
+from importlib import import_module
+
+from .reference import (NULL_BLOCK, PAD_SLOT_ID, apply_block_table_updates_ref, copy_blocks_between_ref,
+                        copy_blocks_ref, gather_block_tables_ref, gather_slot_mapping_ref,
+                        slot_mapping_from_ranges_ref, slot_mapping_ref, swap_blocks_ref)
+
+# name -> submodule that defines it (imported on first access)
+_LAZY = {
+    "HAS_TRITON": "_triton", "MAX_GROUPS_PER_LAUNCH": "_triton",
+    "GatherSlotMappingPlan": "block_table", "apply_block_table_updates": "block_table",
+    "gather_block_tables": "block_table", "gather_slot_mapping": "block_table",
+    "copy_blocks": "copy", "pool_layout": "copy",
+    "SlotMappingPlan": "slots", "slot_mapping": "slots",
+    "DMA_MIN_REGION_BYTES": "swap", "swap_blocks": "swap",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvd_kernels' has no attribute {name!r}")
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
-    "HAS_TRITON", "MAX_GROUPS_PER_LAUNCH", "NULL_BLOCK", "PAD_SLOT_ID",
-    "apply_block_table_updates", "apply_block_table_updates_ref",
-    "copy_blocks", "copy_blocks_between_ref", "copy_blocks_ref", "pool_layout",
-    "gather_block_tables", "gather_block_tables_ref", "gather_slot_mapping",
-    "gather_slot_mapping_ref", "GatherSlotMappingPlan", "SlotMappingPlan",
-    "slot_mapping", "slot_mapping_from_ranges_ref", "slot_mapping_ref",
-    "DMA_MIN_REGION_BYTES", "swap_blocks", "swap_blocks_ref",
+    "NULL_BLOCK", "PAD_SLOT_ID", "apply_block_table_updates_ref", "copy_blocks_between_ref",
+    "copy_blocks_ref", "gather_block_tables_ref", "gather_slot_mapping_ref",
+    "slot_mapping_from_ranges_ref", "slot_mapping_ref", "swap_blocks_ref", *_LAZY,
 ]

@@ -12,52 +12,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
 
 from ._triton import HAS_TRITON, MAX_GROUPS_PER_LAUNCH, group_args, require_triton, tl, torch, triton
-from .slot_mapping import LaunchPlan, _group_kwargs, slot_launch_meta, slot_mapping_ref
-
-#: The null block: target of padded rows.
-NULL_BLOCK = 0
-
-
-def apply_block_table_updates_ref(block_tables: Sequence[np.ndarray], groups: np.ndarray,
-                                  rows: np.ndarray, starts: np.ndarray, offsets: np.ndarray,
-                                  ids: np.ndarray) -> None:
-    """block_tables[groups[i]][rows[i], starts[i] + j] = ids[offsets[i] + j] for
-    0 <= j < offsets[i+1] - offsets[i]. Vectorized per group; changes must not overlap."""
-    groups = np.asarray(groups)
-    lens = np.diff(offsets)
-    change = np.repeat(np.arange(len(lens)), lens)  # change index of every id
-    col = np.arange(len(change)) - np.repeat(np.asarray(offsets[:-1], dtype=np.int64), lens)
-    col += np.asarray(starts, dtype=np.int64)[change]
-    row = np.asarray(rows, dtype=np.int64)[change]
-    grp = groups[change]
-    for g, table in enumerate(block_tables):
-        sel = grp == g
-        table[row[sel], col[sel]] = ids[:len(change)][sel]
-
-
-def gather_block_tables_ref(block_tables: Sequence[np.ndarray], req_rows: np.ndarray,
-                            out_tables: Sequence[np.ndarray]) -> None:
-    """out_tables[g][i] = block_tables[g][req_rows[i], :cols_g] for i < B, NULL_BLOCK after."""
-    num_reqs = len(req_rows)
-    for table, out in zip(block_tables, out_tables):
-        out[:num_reqs] = table[req_rows, :out.shape[1]]
-        out[num_reqs:] = NULL_BLOCK
-
-
-def gather_slot_mapping_ref(block_tables: Sequence[np.ndarray], block_sizes: Sequence[int],
-                            req_rows: np.ndarray, query_start_loc: np.ndarray,
-                            positions: np.ndarray, out_tables: Sequence[np.ndarray],
-                            out_slots: np.ndarray) -> None:
-    """:func:`gather_block_tables_ref` then :func:`slot_mapping_ref`: what the fused kernel does."""
-    gather_block_tables_ref(block_tables, req_rows, out_tables)
-    slot_mapping_ref(block_tables, block_sizes, req_rows, query_start_loc, positions, out_slots)
-
+from .slots import LaunchPlan, _group_kwargs, slot_launch_meta
 
 if HAS_TRITON:
-    from .slot_mapping import _slot_chunk
+    from .slots import _slot_chunk
 
     @triton.jit
     def _update_group(table, row_stride, num_cols, row, col, vals, mask):

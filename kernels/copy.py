@@ -14,21 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 
 from ._triton import HAS_TRITON, require_triton, tl, torch, triton
-
-
-def copy_blocks_ref(kv: np.ndarray, block_mapping: np.ndarray, block_dim: int = 2) -> None:
-    """kv[..., dst, ...] = kv[..., src, ...] along ``block_dim`` for every row (src, dst)."""
-    copy_blocks_between_ref(kv, kv, block_mapping, block_dim)
-
-
-def copy_blocks_between_ref(src: np.ndarray, dst: np.ndarray, block_mapping: np.ndarray,
-                            block_dim: int = 2) -> None:
-    """dst[..., d, ...] = src[..., s, ...] along ``block_dim`` for every row (s, d)."""
-    mapping = np.asarray(block_mapping).reshape(-1, 2)
-    np.moveaxis(dst, block_dim, 0)[mapping[:, 1]] = np.moveaxis(src, block_dim, 0)[mapping[:, 0]]
 
 
 @dataclass(frozen=True)

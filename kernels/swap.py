@@ -16,20 +16,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._triton import require_triton, torch
-from .copy import PoolLayout, copy_blocks_between, copy_blocks_between_ref, pool_layout
+from ._triton import require_triton
+from .copy import PoolLayout, copy_blocks_between, pool_layout
 
 #: Contiguous bytes per DMA call from which DMA beats the zero-copy kernel. Measured on an H100
 #: (PCIe bus ceiling 55 GB/s each way; scripts/bench_kernels.py, swap crossover rows): the kernel
 #: holds 52 GB/s out / 50.5 GB/s in at every region size; DMA calls reach 2.4 GB/s at 32 KiB,
 #: 36 GB/s at 512 KiB, 51 GB/s at 2 MiB (a tie) and 54 GB/s at 8 MiB.
 DMA_MIN_REGION_BYTES = 4 << 20
-
-
-def swap_blocks_ref(src: np.ndarray, dst: np.ndarray, block_mapping: np.ndarray,
-                    block_dim: int = 2) -> None:
-    """dst[..., d, ...] = src[..., s, ...] for every (s, d): the CPU pool's view of a swap."""
-    copy_blocks_between_ref(src, dst, block_mapping, block_dim)
 
 
 def dma_regions(src: PoolLayout, dst: PoolLayout, mapping: np.ndarray):

@@ -37,7 +37,6 @@ import zmq
 
 from kvd import protocol as P
 from kvd.api import (
-    PAD_SLOT_ID,
     STATUS_OK,
     AdmitRequest,
     GroupSpec,
@@ -55,6 +54,7 @@ from kvd.errors import (
     DaemonRestarted,
 )
 from kvd.shm import SessionBuffers, segment_name, sweep_stale
+from kvd_kernels import slot_mapping_from_ranges_ref
 
 log = logging.getLogger("kvd.server")
 
@@ -65,49 +65,6 @@ TICK_S = 0.1
 _EMPTY_I32 = np.empty(0, np.int32)
 
 
-# ---- slot mapping -------------------------------------------------------------------------------
-
-def _slot_mapping_np(table: np.ndarray, bs: int, rows: np.ndarray, start: np.ndarray,
-                     lens: np.ndarray, out: np.ndarray, uniform: int = 0) -> int:
-    """slot = table[row, pos // bs] * bs + pos % bs for every scheduled token, in batch order.
-    Writes ``out[:n]`` and returns n (tokens beyond ``out.size`` are not written). ``uniform=1``
-    promises that every ``lens`` is 1 (a decode step)."""
-    n_req = rows.shape[0]
-    if n_req == 0:
-        return 0
-    if uniform == 1 and n_req <= out.shape[0] and not bs & (bs - 1) and table.size < (1 << 31):
-        # decode, power-of-two block size: 7 cheap numpy calls, int32 indices (no divmod)
-        shift = bs.bit_length() - 1
-        idx = rows * table.shape[1]
-        idx += start >> shift
-        o = out[:n_req]
-        np.left_shift(table.reshape(-1).take(idx), shift, out=o)
-        o += start & (bs - 1)
-        return n_req
-    total = n_req if uniform == 1 else int(lens.sum())
-    if uniform == 1 or (total == n_req and int(lens.min()) == 1):  # decode: one token each
-        pos = start.astype(np.int64)
-        r = rows
-    else:
-        r = np.repeat(rows, lens)
-        first = np.repeat(np.cumsum(lens, dtype=np.int64) - lens, lens)
-        pos = np.repeat(start.astype(np.int64, copy=False), lens) + (np.arange(total, dtype=np.int64) - first)
-    n = min(total, out.shape[0])
-    if n < total:
-        r, pos = r[:n], pos[:n]
-    blk_idx, off = np.divmod(pos, bs)
-    blk_idx += r.astype(np.int64) * table.shape[1]
-    blk = table.ravel().take(blk_idx)
-    o = out[:n]
-    np.multiply(blk, bs, out=o, casting="unsafe")
-    o += off
-    return n
-
-
-# kvd_kernels.slot_mapping_from_ranges_ref has the same contract, but importing kvd_kernels imports
-# torch + triton when they are installed (~3 s of daemon start): a CPU pool uses the function above,
-# a GPU pool (device cuda*) loads the kernels (see Daemon.__init__).
-_kernel_ref = None
 _PROF = [] if os.environ.get("KVDSRV_PROF") else None
 
 
@@ -163,16 +120,8 @@ class Daemon:
             defer_cache_registration=True,
         )
         self.manager = BlockManager(self.mcfg)
-        self.kernel_ref = None
         self.gpu_pool = None
         device = str(_opt(config, "device", "cpu"))
-        if device.startswith("cuda"):
-            try:
-                from kvd_kernels import slot_mapping_from_ranges_ref  # type: ignore
-
-                self.kernel_ref = slot_mapping_from_ranges_ref
-            except Exception as e:  # pragma: no cover
-                log.warning("kvd_kernels unavailable (%s); numpy slot mapping", e)
         m = self.manager
         self.G = len(self.groups)
         self.block_sizes = [int(b) for b in m.block_sizes]
@@ -379,25 +328,23 @@ class Daemon:
 
     def _write_slots(self, sess: Session, rows: np.ndarray, start: np.ndarray, lens: np.ndarray,
                      uniform: int = 0) -> list[int]:
+        """The step's slot mapping into the session's buffer, padded with PAD_SLOT_ID (the
+        kernels' numpy reference). A step that schedules more tokens than the buffer holds gets
+        its first ``max_num_batched_tokens`` slots; the reply says how many were written."""
         m = self.manager
         shm = sess.shm
         if sess.gpu is not None:
             sess.gpu.stage_slots(self.owner_srow[rows], start, lens)
-        if self.kernel_ref is not None and int(lens.sum()) <= self.max_tokens:
-            self.kernel_ref(m.tables, self.block_sizes, rows, start, lens, shm.slot_array)
-            n = int(lens.sum())
-            sess.slots_written = [n] * self.G
-            return sess.slots_written
-        out_n = []
-        for g in range(self.G):
-            out = shm.slots[g]
-            n = _slot_mapping_np(m.tables[g], self.block_sizes[g], rows, start, lens, out, uniform)
-            prev = sess.slots_written[g]
-            if prev > n:
-                out[n:prev] = PAD_SLOT_ID
-            sess.slots_written[g] = n
-            out_n.append(n)
-        return out_n
+        total = rows.shape[0] if uniform == 1 else int(lens.sum())
+        if total <= self.max_tokens:
+            slot_mapping_from_ranges_ref(m.tables, self.block_sizes, rows, start, lens, shm.slot_array)
+        else:
+            spill = np.empty((self.G, total), np.int64)
+            slot_mapping_from_ranges_ref(m.tables, self.block_sizes, rows, start, lens, spill)
+            shm.slot_array[:] = spill[:, : self.max_tokens]
+            total = self.max_tokens
+        sess.slots_written = [total] * self.G
+        return sess.slots_written
 
     # ---- ops --------------------------------------------------------------------------------------
     def op_hello(self, _sess, h, frames, ident, seq):
@@ -937,9 +884,8 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
         d.monitor = mon
 
         # warm the decode path (numpy dispatch) without touching the pool
-        tbl = np.zeros((2, 4), np.int32)
-        _slot_mapping_np(tbl, d.block_sizes[0], np.zeros(2, np.int32), np.zeros(2, np.int64),
-                         np.ones(2, np.int32), np.empty(4, np.int64))
+        slot_mapping_from_ranges_ref([np.zeros((2, 4), np.int32)] * d.G, d.block_sizes, np.zeros(2, np.int32),
+                                     np.zeros(2, np.int64), np.ones(2, np.int32), np.empty((d.G, 4), np.int64))
         if d.gpu_pool is not None:
             # READY=1 only after every Triton kernel a session uses is compiled and has run once
             d.gpu_pool.warm()

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing as mp
 import os
 import shutil
@@ -290,37 +289,31 @@ class _DaemonStepper:
 
 
 class _InprocStepper:
-    """The in-process BlockManager: step + the daemon's own numpy slot mapping, no sockets."""
+    """The in-process BlockManager: step + the same numpy slot mapping the daemon runs, no sockets."""
 
     def __init__(self, spec: WorkloadSpec, num_blocks: int):
         from kvd.manager import BlockManager
-        from kvd.server import _slot_mapping_np
+        from kvd_kernels import slot_mapping_from_ranges_ref
 
         self.m = BlockManager(ManagerConfig(
             num_gpu_blocks=num_blocks, groups=(GroupSpec(spec.block_size),),
             max_model_len=max(8192, spec.prompt_len + spec.decode_steps + 64),
             max_num_reqs=max(1024, spec.num_requests + 16)))
-        self.bs = spec.block_size
-        self.out = np.full(spec.max_num_batched_tokens, -1, np.int64)
-        self.written = 0
-        self._slot = _slot_mapping_np
+        self.out = np.full((1, spec.max_num_batched_tokens), -1, np.int64)
+        self._slot = slot_mapping_from_ranges_ref
 
     def step(self, batch: StepBatch):
         m = self.m
         res = m.step(batch)
         if res.sched_rows.size:
-            uniform = int(batch.append_num_tokens) if (not batch.admit and isinstance(batch.append_num_tokens, int)) else 0
-            n = self._slot(m.tables[0], self.bs, res.sched_rows, res.sched_start, res.sched_len, self.out, uniform)
-            if self.written > n:
-                self.out[n:self.written] = -1
-            self.written = n
+            self._slot(m.tables, m.block_sizes, res.sched_rows, res.sched_start, res.sched_len, self.out)
         return res
 
     def admit_rows(self, res):
         return res.admit_rows
 
     def slots(self):
-        return self.out
+        return self.out[0]
 
     def table(self):
         return self.m.tables[0]

@@ -25,7 +25,7 @@ if not HAS_CUDA:
 def _kernels_interpreted() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
-    from kvd_kernels.slot_mapping import _slot_mapping_kernel
+    from kvd_kernels.slots import _slot_mapping_kernel
     return isinstance(_slot_mapping_kernel, InterpretedFunction)
 
 

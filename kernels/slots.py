@@ -6,105 +6,18 @@ are ``PAD_SLOT_ID`` so a CUDA graph replaying on the persistent buffer sees ever
 Slots are int64: a pool of 2^27 blocks of 16 tokens already passes 2^31.
 
 Three entry points compute the same function:
-  * :func:`slot_mapping_ref`: numpy, vLLM's inputs (query start locations and positions);
-  * :func:`slot_mapping_from_ranges_ref`: numpy, the daemon's inputs (first position and token count
-    per request), vectorized for the step path;
-  * :func:`slot_mapping`: torch wrapper around one Triton launch, for tables on a GPU.
+  * ``reference.slot_mapping_ref``: numpy, vLLM's inputs (query start locations and positions);
+  * ``reference.slot_mapping_from_ranges_ref``: numpy, the daemon's inputs (first position and token
+    count per request), vectorized for the step path;
+  * :func:`slot_mapping` here: torch wrapper around one Triton launch, for tables on a GPU.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
-
 from ._triton import (HAS_TRITON, MAX_GROUPS_PER_LAUNCH, Relauncher, group_args, require_triton, tl,
                       torch, triton)
-
-#: Slot of a padding token; attention kernels skip it. kvd/api.py repeats the value for the core.
-PAD_SLOT_ID = -1
-
-
-def _check_out(out: np.ndarray, num_groups: int, num_tokens: int) -> None:
-    if out.dtype != np.int64 or out.ndim != 2 or out.shape[0] != num_groups:
-        raise ValueError(f"out must be int64 [{num_groups}, max_num_batched_tokens], "
-                         f"got {out.dtype} {out.shape}")
-    if num_tokens > out.shape[1]:
-        raise ValueError(f"{num_tokens} tokens do not fit in max_num_batched_tokens={out.shape[1]}")
-
-
-def _fill_groups(block_tables, block_sizes, rows, pos, out) -> None:
-    """Write the slots of tokens (rows[t], pos[t]) into out[:, :T] and pad out[:, T:].
-
-    Tuned for the decode step, where numpy's per-call overhead dominates: one flat ``take`` instead
-    of 2-D fancy indexing (4x slower), shifts for power-of-two block sizes, and every intermediate
-    kept in the inputs' own dtype until the int64 output.
-    """
-    num_tokens = len(pos)
-    for g, (table, bs) in enumerate(zip(block_tables, block_sizes)):
-        bs = int(bs)
-        o = out[g, :num_tokens]
-        pow2 = bs & (bs - 1) == 0
-        blk = pos >> (bs.bit_length() - 1) if pow2 else pos // bs
-        if table.flags.c_contiguous:
-            # int32 flat indices would wrap for tables of 2^31 entries or more
-            stride = np.int64(table.shape[1]) if table.size >= 2**31 else table.shape[1]
-            idx = rows * stride
-            idx += blk
-            o[:] = table.reshape(-1).take(idx)
-        else:
-            o[:] = table[rows, blk]
-        # o is int64 from here on, so block ids near 2^31 / bs cannot wrap
-        if pow2:
-            o <<= bs.bit_length() - 1
-            o += pos & (bs - 1)
-        else:
-            o *= bs
-            o += pos % bs
-        out[g, num_tokens:] = PAD_SLOT_ID
-
-
-def slot_mapping_ref(block_tables: Sequence[np.ndarray], block_sizes: Sequence[int],
-                     req_rows: np.ndarray, query_start_loc: np.ndarray, positions: np.ndarray,
-                     out: np.ndarray) -> None:
-    """Numpy reference with vLLM's inputs.
-
-    block_tables[g]: int32 [max_reqs, max_blocks_g], indexed by row. req_rows: int32 [B].
-    query_start_loc: int32 [B+1], starting at 0; request i owns tokens
-    query_start_loc[i] <= t < query_start_loc[i+1] and uses row req_rows[i].
-    positions: int32/int64 [>= T]. out: int64 [G, max_num_batched_tokens], fully written.
-    """
-    num_reqs = len(req_rows)
-    qsl = np.asarray(query_start_loc)
-    if len(qsl) < num_reqs + 1 or (len(qsl) and qsl[0] != 0):
-        raise ValueError("query_start_loc needs B+1 entries starting at 0")
-    num_tokens = int(qsl[num_reqs]) if len(qsl) else 0
-    _check_out(out, len(block_tables), num_tokens)
-    rows = np.repeat(np.asarray(req_rows), np.diff(qsl[:num_reqs + 1]))
-    _fill_groups(block_tables, block_sizes, rows, np.asarray(positions[:num_tokens]), out)
-
-
-def slot_mapping_from_ranges_ref(block_tables: Sequence[np.ndarray], block_sizes: Sequence[int],
-                                 req_rows: np.ndarray, start_pos: np.ndarray,
-                                 num_tokens: np.ndarray, out: np.ndarray) -> None:
-    """Same result as :func:`slot_mapping_ref` for request i's positions
-    start_pos[i] .. start_pos[i] + num_tokens[i] - 1, laid out in request order.
-
-    Array-at-a-time: a decode step (every count 1) skips the expansion entirely.
-    """
-    num_tokens = np.asarray(num_tokens)
-    start_pos = np.asarray(start_pos)
-    total = int(num_tokens.sum())
-    _check_out(out, len(block_tables), total)
-    if total == len(num_tokens) and (total == 0 or num_tokens.max() == 1):
-        rows, pos = req_rows, start_pos
-    else:
-        rows = np.repeat(req_rows, num_tokens)
-        # position of token t = t - (first token index of its request) + start_pos of its request
-        first = np.cumsum(num_tokens, dtype=np.int64) - num_tokens
-        pos = np.arange(total, dtype=np.int64) + np.repeat(start_pos - first, num_tokens)
-    _fill_groups(block_tables, block_sizes, rows, pos, out)
-
 
 if HAS_TRITON:
 
