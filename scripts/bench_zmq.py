@@ -306,7 +306,13 @@ class _InprocStepper:
         m = self.m
         res = m.step(batch)
         if res.sched_rows.size:
-            self._slot(m.tables, m.block_sizes, res.sched_rows, res.sched_start, res.sched_len, self.out)
+            total = int(res.sched_len.sum())
+            if total <= self.out.shape[1]:
+                self._slot(m.tables, m.block_sizes, res.sched_rows, res.sched_start, res.sched_len, self.out)
+            else:  # as the daemon does: the first max_num_batched_tokens slots of an oversized step
+                spill = np.empty((1, total), np.int64)
+                self._slot(m.tables, m.block_sizes, res.sched_rows, res.sched_start, res.sched_len, spill)
+                self.out[:] = spill[:, : self.out.shape[1]]
         return res
 
     def admit_rows(self, res):
