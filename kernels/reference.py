@@ -21,14 +21,16 @@ def _check_out(out: np.ndarray, num_groups: int, num_tokens: int) -> None:
         raise ValueError(f"{num_tokens} tokens do not fit in max_num_batched_tokens={out.shape[1]}")
 
 
-def _fill_groups(block_tables, block_sizes, rows, pos, out) -> None:
+def _fill_groups(block_tables, block_sizes, rows, pos, out, prev_tokens: int = -1) -> None:
     """Write the slots of tokens (rows[t], pos[t]) into out[:, :T] and pad out[:, T:].
 
     Tuned for the decode step, where numpy's per-call overhead dominates: one flat ``take`` instead
-    of 2-D fancy indexing (4x slower), shifts for power-of-two block sizes, and every intermediate
-    kept in the inputs' own dtype until the int64 output.
+    of 2-D fancy indexing (4x slower), shifts for power-of-two block sizes written straight into the
+    int64 output. ``prev_tokens`` >= 0 promises that ``out`` already holds PAD_SLOT_ID from that
+    many tokens on (the caller's previous step), so only [T, prev_tokens) is padded again.
     """
     num_tokens = len(pos)
+    pad_end = out.shape[1] if prev_tokens < 0 else max(prev_tokens, num_tokens)
     for g, (table, bs) in enumerate(zip(block_tables, block_sizes)):
         bs = int(bs)
         o = out[g, :num_tokens]
@@ -39,17 +41,17 @@ def _fill_groups(block_tables, block_sizes, rows, pos, out) -> None:
             stride = np.int64(table.shape[1]) if table.size >= 2**31 else table.shape[1]
             idx = rows * stride
             idx += blk
-            o[:] = table.reshape(-1).take(idx)
+            ids = table.reshape(-1).take(idx)
         else:
-            o[:] = table[rows, blk]
-        # o is int64 from here on, so block ids near 2^31 / bs cannot wrap
+            ids = table[rows, blk]
+        # widened to int64 as it is written, so block ids near 2^31 / bs cannot wrap
         if pow2:
-            o <<= bs.bit_length() - 1
+            np.left_shift(ids, bs.bit_length() - 1, out=o, dtype=np.int64)
             o += pos & (bs - 1)
         else:
-            o *= bs
+            np.multiply(ids, bs, out=o, dtype=np.int64)
             o += pos % bs
-        out[g, num_tokens:] = PAD_SLOT_ID
+        out[g, num_tokens:pad_end] = PAD_SLOT_ID
 
 
 def slot_mapping_ref(block_tables: Sequence[np.ndarray], block_sizes: Sequence[int],
@@ -74,24 +76,34 @@ def slot_mapping_ref(block_tables: Sequence[np.ndarray], block_sizes: Sequence[i
 
 def slot_mapping_from_ranges_ref(block_tables: Sequence[np.ndarray], block_sizes: Sequence[int],
                                  req_rows: np.ndarray, start_pos: np.ndarray,
-                                 num_tokens: np.ndarray, out: np.ndarray) -> None:
+                                 num_tokens: np.ndarray, out: np.ndarray, prev_tokens: int = -1) -> None:
     """Same result as :func:`slot_mapping_ref` for request i's positions
     start_pos[i] .. start_pos[i] + num_tokens[i] - 1, laid out in request order.
 
-    Array-at-a-time: a decode step (every count 1) skips the expansion entirely.
+    ``num_tokens`` is one count per request, or one int for every request (a decode step passes 1
+    and saves two reductions). Array-at-a-time: a decode step (every count 1) skips the expansion
+    entirely. ``prev_tokens``: see :func:`_fill_groups` (a daemon that rewrites one persistent
+    buffer every step passes the previous step's token count and pads only what that step wrote
+    beyond this one).
     """
-    num_tokens = np.asarray(num_tokens)
     start_pos = np.asarray(start_pos)
-    total = int(num_tokens.sum())
+    if isinstance(num_tokens, (int, np.integer)):
+        total = int(num_tokens) * len(req_rows)
+        decode = num_tokens == 1
+        num_tokens = np.full(len(req_rows), num_tokens, np.int64) if not decode else None
+    else:
+        num_tokens = np.asarray(num_tokens)
+        total = int(num_tokens.sum())
+        decode = total == len(num_tokens) and (total == 0 or num_tokens.max() == 1)
     _check_out(out, len(block_tables), total)
-    if total == len(num_tokens) and (total == 0 or num_tokens.max() == 1):
+    if decode:
         rows, pos = req_rows, start_pos
     else:
         rows = np.repeat(req_rows, num_tokens)
         # position of token t = t - (first token index of its request) + start_pos of its request
         first = np.cumsum(num_tokens, dtype=np.int64) - num_tokens
         pos = np.arange(total, dtype=np.int64) + np.repeat(start_pos - first, num_tokens)
-    _fill_groups(block_tables, block_sizes, rows, pos, out)
+    _fill_groups(block_tables, block_sizes, rows, pos, out, prev_tokens)
 
 
 #: The null block: target of padded rows.

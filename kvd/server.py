@@ -337,7 +337,8 @@ class Daemon:
             sess.gpu.stage_slots(self.owner_srow[rows], start, lens)
         total = rows.shape[0] if uniform == 1 else int(lens.sum())
         if total <= self.max_tokens:
-            slot_mapping_from_ranges_ref(m.tables, self.block_sizes, rows, start, lens, shm.slot_array)
+            slot_mapping_from_ranges_ref(m.tables, self.block_sizes, rows, start, 1 if uniform == 1 else lens,
+                                         shm.slot_array, prev_tokens=max(sess.slots_written))
         else:
             spill = np.empty((self.G, total), np.int64)
             slot_mapping_from_ranges_ref(m.tables, self.block_sizes, rows, start, lens, spill)

@@ -192,3 +192,22 @@ def test_plan_over_persistent_buffers(device):
         gather_block_tables_ref(tables, c["rows"], want_tables)
         for got, w in zip(out_tables, want_tables):
             np.testing.assert_array_equal(got.cpu().numpy(), w)
+
+
+def test_ranges_ref_int_count_and_incremental_padding():
+    rng = np.random.default_rng(7)
+    table = rng.integers(1, 1000, (6, 10)).astype(np.int32)
+    rows = np.array([4, 1, 3], np.int32)
+    start = np.array([0, 17, 31], np.int64)
+    full = np.full((1, 12), 99, np.int64)
+    slot_mapping_from_ranges_ref([table], [8], rows, start, np.array([2, 2, 2]), full)
+    by_int = np.full((1, 12), 99, np.int64)
+    slot_mapping_from_ranges_ref([table], [8], rows, start, 2, by_int)
+    assert by_int.tolist() == full.tolist()
+    assert full[0, :6].tolist() == [table[4, 0] * 8, table[4, 0] * 8 + 1, table[1, 2] * 8 + 1,
+                                    table[1, 2] * 8 + 2, table[3, 3] * 8 + 7, table[3, 4] * 8]
+    # prev_tokens: only [T, prev) is padded again; beyond it the caller promised PAD already
+    buf = np.full((1, 12), 77, np.int64)
+    slot_mapping_from_ranges_ref([table], [8], rows[:2], start[:2], 1, buf, prev_tokens=5)
+    assert buf[0, 2:5].tolist() == [PAD_SLOT_ID] * 3 and buf[0, 5:].tolist() == [77] * 7
+    assert buf[0, :2].tolist() == [table[4, 0] * 8, table[1, 2] * 8 + 1]
