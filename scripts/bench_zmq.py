@@ -440,10 +440,29 @@ def drive(stepper, work, spec: WorkloadSpec, sync=None, progress=None, warmup: i
 
 # ---- client processes ---------------------------------------------------------------------------
 
+def _report_failure(index: int, e: BaseException, barrier, results) -> None:
+    """A client process failed: tell the parent why, and release the others from the barrier."""
+    from kvd.errors import KvdError
+
+    if isinstance(e, threading.BrokenBarrierError):
+        results.put({"index": index, "fatal": "another process failed (barrier broken)"})
+        return
+    barrier.abort()
+    kind = "error reply: " if isinstance(e, KvdError) else ""
+    results.put({"index": index, "fatal": f"{kind}{type(e).__name__}: {e}"})
+
+
+def _close_quietly(client) -> None:
+    if client is not None:
+        try:
+            client.close()
+        except Exception:
+            pass
+
+
 def _client_main(index: int, endpoint: str, tenant: str, spec: WorkloadSpec, warmup: int, barrier,
                  results, progress) -> None:
     """One client process of the standard workload (spawned)."""
-    from kvd.errors import KvdError
     from kvd_client import Client
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
@@ -459,20 +478,10 @@ def _client_main(index: int, endpoint: str, tenant: str, spec: WorkloadSpec, war
         out = drive(_DaemonStepper(c), work, spec, sync, counter, warmup)
         out["index"] = index
         results.put(out)
-    except KvdError as e:
-        barrier.abort()
-        results.put({"index": index, "fatal": f"error reply: {type(e).__name__}: {e}"})
-    except threading.BrokenBarrierError:
-        results.put({"index": index, "fatal": "another process failed (barrier broken)"})
     except BaseException as e:  # noqa: BLE001
-        barrier.abort()
-        results.put({"index": index, "fatal": f"{type(e).__name__}: {e}"})
+        _report_failure(index, e, barrier, results)
     finally:
-        if c is not None:
-            try:
-                c.close()
-            except Exception:
-                pass
+        _close_quietly(c)
 
 
 class _Slot:
@@ -489,7 +498,6 @@ class _Slot:
 
 def _micro_main(index: int, endpoint: str, tenant: str, args_d: dict, barrier, results, progress) -> None:
     """Random allocate/append/free traffic, one round trip per operation (spawned)."""
-    from kvd.errors import KvdError
     from kvd_client import Client
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -563,20 +571,10 @@ def _micro_main(index: int, endpoint: str, tenant: str, args_d: dict, barrier, r
         barrier.wait(BARRIER_TIMEOUT_S)
         results.put({"index": index, "ops": a.micro_ops, "elapsed_s": elapsed, "status": status,
                      "errors": errors, "lat": {k: np.asarray(v) for k, v in lat.items()}})
-    except KvdError as e:
-        barrier.abort()
-        results.put({"index": index, "fatal": f"error reply: {type(e).__name__}: {e}"})
-    except threading.BrokenBarrierError:
-        results.put({"index": index, "fatal": "another process failed (barrier broken)"})
     except BaseException as e:  # noqa: BLE001
-        barrier.abort()
-        results.put({"index": index, "fatal": f"{type(e).__name__}: {e}"})
+        _report_failure(index, e, barrier, results)
     finally:
-        if c is not None:
-            try:
-                c.close()
-            except Exception:
-                pass
+        _close_quietly(c)
 
 
 def _spawn(target, nclients: int, make_args):
