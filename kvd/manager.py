@@ -634,8 +634,12 @@ class BlockManager:
         blocks = g.table[vrows[idx], old[idx] // g.block_size]
         order = np.argsort(blocks, kind="stable")
         sorted_blocks = blocks[order]
-        run_start = np.flatnonzero(np.r_[True, sorted_blocks[1:] != sorted_blocks[:-1]])
-        rank = np.arange(idx.size) - np.repeat(run_start, np.diff(np.r_[run_start, idx.size]))
+        new_run = np.empty(idx.size, bool)
+        new_run[0] = True
+        np.not_equal(sorted_blocks[1:], sorted_blocks[:-1], out=new_run[1:])
+        run_start = np.flatnonzero(new_run)
+        run_len = np.diff(run_start, append=idx.size)
+        rank = np.arange(idx.size) - np.repeat(run_start, run_len)
         cow[idx[order]] = rank < self.pool.ref_cnt[sorted_blocks] - 1
         return cow
 
@@ -904,8 +908,13 @@ class BlockManager:
         newly = newly[~self.forked[newly]]
         self.forked[newly] = True
         self._num_forked += int(np.unique(newly).size)
-        blocks = np.concatenate(shared) if len(shared) > 1 else shared[0]
-        self.pool.incref(blocks[blocks != NULL_BLOCK])
+        if (prows == prows[0]).all():
+            # One parent: each table's part holds k equal copies of its (distinct) blocks.
+            blocks = np.concatenate([part[: part.size // k] for part in shared])
+            self.pool.ref_cnt[blocks[blocks != NULL_BLOCK]] += k
+        else:
+            blocks = np.concatenate(shared)
+            self.pool.incref(blocks[blocks != NULL_BLOCK])
         return crows
 
     def flush_deferred(self) -> None:

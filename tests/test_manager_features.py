@@ -274,3 +274,14 @@ def test_a_shared_block_registered_twice_keeps_its_first_hash():
     m.append_slots("p", 0, second)  # a client bug: other hashes for the same block
     assert m.pool.caches[1] == {bytes(first[0]): 1}
     m.check_invariants(heavy=True)
+
+
+def test_fork_batch_of_one_parent_with_two_groups_and_cross_blocks():
+    m = make(num_blocks=32, groups=(GroupSpec(16), GroupSpec(8)), max_encoder_len=32)
+    m.allocate("p", 40, num_encoder_tokens=20)  # group 0: 1-3, group 1: 4-8, cross: 9-10
+    res = m.step(StepBatch(forks=[("p", "a"), ("p", "b")]))
+    assert res.fork_status.tolist() == [0, 0]
+    assert m.pool.ref_cnt[1:11].tolist() == [3] * 10
+    assert m.block_table("b", 1).tolist() == [4, 5, 6, 7, 8]
+    assert m.cross_block_table("a").tolist() == [9, 10]
+    m.check_invariants(heavy=True)
