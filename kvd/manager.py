@@ -5,8 +5,9 @@ Per row: ``num_tokens`` (tokens whose KV is computed or being computed), and per
 block-table row, its block count, how many leading full blocks have been registered in the prefix
 cache, and how many leading entries a sliding window has turned into the null block.
 
-Decode steps, frees and forks work on arrays of rows at once; only admissions (each needs its own
-prefix lookup) and copy-on-write candidates are handled one request at a time.
+Decode steps, frees, forks and (in the one-group case) admissions work on arrays of rows at once;
+an admission's prefix lookup is a dict walk per request, and whatever the fast paths decline
+(misuse, shortage, several groups, evictions mid-batch) goes one request at a time.
 
 Semantics worth knowing:
 - a batch of appends runs in three phases: every request grows (decided in batch order, greedily:
@@ -241,9 +242,6 @@ class BlockManager:
             raise errors.InvalidArgument(f"max_new_tokens must not be negative, got {max_new_tokens}")
 
     # ================================================================== prefix cache
-    def _group_hits(self, g: int, hashes: list[bytes], namespace: int) -> np.ndarray:
-        return self.pool.lookup(self._cache_key(namespace, g), hashes)
-
     def _cached_prefix(self, hash_lists: list[np.ndarray], num_tokens: int | None, namespace: int):
         """(cached tokens, per-group hit blocks for positions [skip, hit)) agreed by every group."""
         G = len(self.groups)
@@ -254,7 +252,7 @@ class BlockManager:
             for g, h in zip(self.groups, hash_lists)
         ]
         if G == 1 and not self.groups[0].window:
-            hits = self._group_hits(0, hash_lists[0][: limits[0]].tolist(), namespace)
+            hits = self.pool.lookup(self._cache_key(namespace, 0), hash_lists[0][: limits[0]].tolist())
             return hits.size * self.groups[0].block_size, [hits]
         found = [self._hit_mask(gi, hash_lists[gi][: limits[gi]], namespace) for gi in range(G)]
         length = min(lim * g.block_size for lim, g in zip(limits, self.groups))
@@ -311,12 +309,22 @@ class BlockManager:
             reserve += int(np.count_nonzero(running & (self.num_tokens % g.block_size == 0)))
         return self.pool.num_free - reserve
 
-    def _admission_need(self, num_tokens, lookahead, cached_tokens, hits, num_encoder_tokens):
-        """(new blocks per group, blocks the request needs from the free queue)."""
-        new = [_cdiv(num_tokens + lookahead, g.block_size) - cached_tokens // g.block_size for g in self.groups]
-        revived = sum(int(np.count_nonzero(self.pool.ref_cnt[h] == 0)) for h in hits)
-        cross = _cdiv(num_encoder_tokens, self.config.encoder_block_size)
-        return new, sum(new) + revived + cross
+    def _plan_admission(self, num_tokens, hash_lists, lookahead, namespace, max_new_tokens, num_encoder_tokens):
+        """The admission decision: (AllocStatus, cached tokens, hit blocks per group, new blocks
+        per group). Changes nothing."""
+        if self._never_fits(num_tokens, lookahead, max_new_tokens, num_encoder_tokens):
+            return AllocStatus.NEVER, 0, None, None
+        cached, hits = self._cached_prefix(hash_lists, num_tokens, namespace)
+        new = [_cdiv(num_tokens + lookahead, g.block_size) - cached // g.block_size for g in self.groups]
+        need = sum(new) + _cdiv(num_encoder_tokens, self.config.encoder_block_size)
+        need += sum(int(np.count_nonzero(self.pool.ref_cnt[h] == 0)) for h in hits)  # revived hits
+        if self.config.admit_full_sequence:
+            need += sum(
+                _cdiv(num_tokens + max_new_tokens, g.block_size) - _cdiv(num_tokens, g.block_size) for g in self.groups
+            )
+        if not self._free_rows or need > self._admission_headroom():
+            return AllocStatus.LATER, cached, hits, new
+        return AllocStatus.OK, cached, hits, new
 
     def _never_fits(self, num_tokens, lookahead, max_new_tokens, num_encoder_tokens) -> bool:
         tokens = num_tokens + (max_new_tokens if self.config.admit_full_sequence else 0)
@@ -340,20 +348,13 @@ class BlockManager:
         self._check_sizes(num_tokens, num_lookahead_tokens)
         if num_tokens < 1 or num_encoder_tokens < 0 or max_new_tokens < 0:
             raise errors.InvalidArgument("num_tokens must be >= 1 and other sizes >= 0")
-        if num_encoder_tokens > self.config.max_encoder_len or self._never_fits(
-            num_tokens, num_lookahead_tokens, max_new_tokens, num_encoder_tokens
-        ):
+        if num_encoder_tokens > self.config.max_encoder_len:
             return AllocStatus.NEVER
         hash_lists = self._hash_lists(block_hashes, num_tokens)
-        cached, hits = self._cached_prefix(hash_lists, num_tokens, namespace)
-        _, need = self._admission_need(num_tokens, num_lookahead_tokens, cached, hits, num_encoder_tokens)
-        if self.config.admit_full_sequence:
-            need += sum(
-                _cdiv(num_tokens + max_new_tokens, g.block_size) - _cdiv(num_tokens, g.block_size) for g in self.groups
-            )
-        if not self._free_rows or need > self._admission_headroom():
-            return AllocStatus.LATER
-        return AllocStatus.OK
+        status, *_ = self._plan_admission(
+            num_tokens, hash_lists, num_lookahead_tokens, namespace, max_new_tokens, num_encoder_tokens
+        )
+        return status
 
     def allocate(
         self,
@@ -379,16 +380,10 @@ class BlockManager:
         num_tokens, lookahead = req.num_tokens, req.num_lookahead_tokens
         self._check_new_request(req.req_id, num_tokens, lookahead, req.priority, req.num_encoder_tokens, req.max_new_tokens)
         hash_lists = self._hash_lists(req.block_hashes, num_tokens)
-        if self._never_fits(num_tokens, lookahead, req.max_new_tokens, req.num_encoder_tokens):
-            return AllocResult(STATUS_NO_SPACE)
-        cached, hits = self._cached_prefix(hash_lists, num_tokens, namespace)
-        new, need = self._admission_need(num_tokens, lookahead, cached, hits, req.num_encoder_tokens)
-        if self.config.admit_full_sequence:
-            need += sum(
-                _cdiv(num_tokens + req.max_new_tokens, g.block_size) - _cdiv(num_tokens, g.block_size)
-                for g in self.groups
-            )
-        if not self._free_rows or need > self._admission_headroom():
+        status, cached, hits, new = self._plan_admission(
+            num_tokens, hash_lists, lookahead, namespace, req.max_new_tokens, req.num_encoder_tokens
+        )
+        if status != AllocStatus.OK:
             return AllocResult(STATUS_NO_SPACE)
 
         row = self._free_rows.pop()
