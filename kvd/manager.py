@@ -465,28 +465,34 @@ class BlockManager:
         self._debug_check()
         return AppendResult(STATUS_OK, new_ids, copies)
 
-    def _appends_look_valid(self, rows, n_new, lookahead, hash_counts) -> bool:
-        """Whole-batch checks: the usual case passes them with a few array operations."""
-        R = self.num_tokens.size
-        if not 0 <= lookahead <= self.max_lookahead or rows.view(np.uint32).max() >= R:
-            return False
-        if not self.appendable[rows].all():
-            return False
+    def _appends_look_valid(self, rows, n_new, lookahead, hash_counts):
+        """Whole-batch checks that the usual step passes with a few array operations: int32 rows in
+        range, resident and distinct, sizes in bounds, hash counts not running ahead. Returns the
+        requests' token counts (before, after), or None when any check fails (then the caller
+        finds out which request is at fault, or lets the general path do it)."""
+        if rows.dtype != np.int32 or not 0 <= lookahead <= self.max_lookahead:
+            return None
+        if rows.view(np.uint32).max() >= self.num_tokens.size or not self.appendable[rows].all():
+            return None
         idx = self._arange[: rows.size]
         self._mark[rows] = idx
-        if not (self._mark[rows] == idx).all() or n_new.min() < 0:
-            return False
-        total = self.num_tokens[rows] + n_new
-        if total.max() > self.config.max_model_len:
-            return False
+        if not (self._mark[rows] == idx).all():
+            return None  # a row named twice
+        if n_new < 0 if np.isscalar(n_new) else n_new.min() < 0:
+            return None
+        old = self.num_tokens[rows]
+        new = old + n_new
+        if new.max() > self.config.max_model_len:
+            return None
         for g, counts in zip(self.groups, hash_counts):
-            if counts.any() and (counts.min() < 0 or (counts > total // g.block_size - g.num_registered[rows]).any()):
-                return False
-        return True
+            if counts is not None and counts.any():
+                if counts.min() < 0 or (counts > new // g.block_size - g.num_registered[rows]).any():
+                    return None
+        return old, new
 
     def _validate_appends(self, rows, n_new, lookahead, hash_counts, status):
         """Mark per-request misuse in ``status`` (vectorized)."""
-        if rows.dtype == np.int32 and self._appends_look_valid(rows, n_new, lookahead, hash_counts):
+        if self._appends_look_valid(rows, n_new, lookahead, hash_counts) is not None:
             return
         R = self.num_tokens.size
         in_range = (rows >= 0) & (rows < R)
@@ -544,10 +550,7 @@ class BlockManager:
                 ok, cow = self._decide_with_cow(vrows, need, cow_cand, avail, old)
         else:
             cow = None
-            ok = np.ones(vrows.size, bool)
-            needers = np.flatnonzero(need)
-            if needers.size and need[needers].sum() > avail:
-                ok = self._greedy(need, avail)
+            ok = self._greedy(need, avail) if int(need.sum()) > avail else np.ones(vrows.size, bool)
         vstatus = np.where(ok, STATUS_OK, STATUS_NO_SPACE).astype(np.int16)
         status[valid] = vstatus
         if not ok.any():
@@ -570,22 +573,12 @@ class BlockManager:
         None, having changed nothing, whenever anything is unusual (misuse, no space): the general
         path then decides."""
         n = rows.size
-        if rows.dtype != np.int32 or rows.view(np.uint32).max() >= self.num_tokens.size:
+        checked = self._appends_look_valid(rows, n_new, lookahead, [counts if hashes.size else None])
+        if checked is None:
             return None
-        if not self.appendable[rows].all():
-            return None
-        idx = self._arange[:n]
-        self._mark[rows] = idx
-        if not (self._mark[rows] == idx).all():
-            return None  # a row named twice
-        old = self.num_tokens[rows]
-        new = old + n_new
-        if (n_new < 0 if np.isscalar(n_new) else n_new.min() < 0) or new.max() > self.config.max_model_len:
-            return None
+        old, new = checked
         g = self.groups[0]
         bs = g.block_size
-        if hashes.size and (counts.min() < 0 or (counts > new // bs - g.num_registered[rows]).any()):
-            return None
         nb = g.num_blocks[rows]
         short = np.flatnonzero(new + lookahead > nb * bs)
         grown = _EMPTY_I32
