@@ -595,9 +595,8 @@ class BlockManager:
             else:
                 self._grow_group(0, grown, old[short], grow, None, blocks)
         self.num_tokens[rows] = new
-        if hashes.size and self.config.enable_prefix_caching:
-            if not (counts.max() == 1 and self._register_one_each(0, rows, hashes, counts, defer)):
-                self._register_appends(rows, np.zeros(n, np.int16), [hashes], [counts])
+        if hashes.size:
+            self._register_appends(rows, np.zeros(n, np.int16), [hashes], [counts], defer)
         return old, grown
 
     @staticmethod
@@ -709,13 +708,15 @@ class BlockManager:
         g.num_registered[sel] = reg + 1
         return True
 
-    def _register_appends(self, rows, status, hash_lists, hash_counts) -> None:
+    def _register_appends(self, rows, status, hash_lists, hash_counts, defer: bool = False) -> None:
+        """Register the blocks that became full, with the hashes given (``defer``: see
+        ``ManagerConfig.defer_cache_registration``; only the one-block-each case defers)."""
         if not self.config.enable_prefix_caching:
             return
         for gi, (g, hashes, counts) in enumerate(zip(self.groups, hash_lists, hash_counts)):
             if not hashes.size:
                 continue
-            if counts.max() == 1 and not status.any() and self._register_one_each(gi, rows, hashes, counts):
+            if counts.max() == 1 and not status.any() and self._register_one_each(gi, rows, hashes, counts, defer):
                 continue
             take = counts * (status == STATUS_OK)
             sel = np.flatnonzero(take)
