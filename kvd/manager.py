@@ -815,48 +815,22 @@ class BlockManager:
         self._fork(parent_id, child_id)
         self._debug_check()
 
-    def _fork(self, parent_id: ReqId, child_id: ReqId) -> None:
+    def _fork(self, parent_id: ReqId, child_id: ReqId) -> int:
+        """One fork, misuse raising its typed error before anything changes. Returns the child's row."""
         parent = self.row_of(parent_id)
         if self.swapped[parent]:
             raise errors.RequestSwapped(f"request {parent_id!r} is swapped out")
         self._check_new_request(child_id, 1, 0, DEFAULT_PRIORITY, 0, 0)
         if not self._free_rows:
             raise errors.CapacityExceeded("no free request row for the child")
-        child = self._free_rows.pop()
-        self._row_of[child_id] = child
-        self._id_of[child] = child_id
-        self.active[child] = True
-        self.appendable[child] = True
-        for row in (parent, child):
-            if not self.forked[row]:
-                self.forked[row] = True
-                self._num_forked += 1
-        self.num_tokens[child] = self.num_tokens[parent]
-        self.priority[child] = self.priority[parent]
-        self.namespace[child] = self.namespace[parent]
-        shared = []
-        for g in self.groups:
-            # Lookahead blocks past the last token stay the parent's: the child reserves its own.
-            nb = min(int(g.num_blocks[parent]), _cdiv(int(self.num_tokens[parent]), g.block_size))
-            g.table[child, :nb] = g.table[parent, :nb]
-            g.num_blocks[child] = nb
-            g.num_skipped[child] = g.num_skipped[parent]
-            g.num_registered[child] = min(int(g.num_registered[parent]), nb)
-            shared.append(g.table[child, g.num_skipped[child] : nb])
-        nc = int(self.cross_num_blocks[parent])
-        self.cross_table[child, :nc] = self.cross_table[parent, :nc]
-        self.cross_num_blocks[child] = nc
-        shared.append(self.cross_table[child, :nc])
-        blocks = np.concatenate(shared)
-        self.pool.incref(blocks[blocks != NULL_BLOCK])
+        return int(self._apply_forks(np.array([parent], np.int32), [child_id])[0])
 
     def _fork_batch(self, forks) -> np.ndarray | None:
         """Many forks at once when every one is valid (else None, nothing changed: the caller
         forks one by one and reports each error). Returns the children's rows."""
         try:
-            parents = [p for p, _ in forks]
+            prows = self.rows_of([p for p, _ in forks])
             children = [c for _, c in forks]
-            prows = self.rows_of(parents)
             if (
                 len(set(children)) != len(children)
                 or any(c in self._row_of for c in children)
@@ -866,6 +840,11 @@ class BlockManager:
                 return None
         except (errors.KvdError, TypeError, ValueError):
             return None
+        return self._apply_forks(prows, children)
+
+    def _apply_forks(self, prows: np.ndarray, children: list) -> np.ndarray:
+        """Children share every block of their parents (validated by the caller). Lookahead blocks
+        past a parent's last token stay the parent's: the child reserves its own."""
         k = len(children)
         crows = np.array(self._free_rows[-k:][::-1], np.int32)
         del self._free_rows[-k:]
@@ -886,12 +865,12 @@ class BlockManager:
             g.num_blocks[crows] = nb
             g.num_skipped[crows] = g.num_skipped[prows]
             g.num_registered[crows] = np.minimum(g.num_registered[prows], nb)
-            shared.append(_row_blocks(g.table, crows, g.num_skipped[crows], nb, False)[0])
+            shared.append(_row_blocks(g.table, crows, g.num_skipped[crows], nb, False, need_rep=False)[0])
         nc = self.cross_num_blocks[prows]
         if nc.any():
             width = int(nc.max())
             self.cross_table[crows, :width] = self.cross_table[prows, :width]
-            shared.append(_row_blocks(self.cross_table, crows, np.zeros_like(crows), nc, False)[0])
+            shared.append(_row_blocks(self.cross_table, crows, np.zeros_like(crows), nc, False, need_rep=False)[0])
         self.cross_num_blocks[crows] = nc
         newly = np.concatenate([prows, crows])
         newly = newly[~self.forked[newly]]
@@ -1154,8 +1133,7 @@ class BlockManager:
         for i, pair in enumerate(forks):
             try:
                 parent_id, child_id = pair
-                self._fork(parent_id, child_id)
-                child_rows.append(self._row_of[child_id])
+                child_rows.append(self._fork(parent_id, child_id))
             except errors.KvdError as exc:
                 status[i] = exc.code
             except (TypeError, ValueError):
