@@ -910,20 +910,24 @@ class BlockManager:
             raise errors.InvalidArgument("a request is named twice")
         return rows
 
-    def _resident_blocks(self, rows):
-        """Every (group, row, table position, block) of resident rows, plus the cross blocks."""
+    def _swap_out_plan(self, rows):
+        """Each table's (blocks, blocks per row) for resident ``rows`` (groups, then cross), the
+        distinct GPU blocks they hold, how many references each has among them, and whether the
+        CPU pool has room for them."""
+        parts = [(g.table, g.num_skipped[rows], g.num_blocks[rows]) for g in self.groups]
+        parts.append((self.cross_table, np.zeros_like(rows), self.cross_num_blocks[rows]))
         entries = []
-        for g in self.groups:
-            blocks, rep = _row_blocks(g.table, rows, g.num_skipped[rows], g.num_blocks[rows], False)
-            entries.append((blocks, rep))
-        entries.append(_row_blocks(self.cross_table, rows, np.zeros_like(rows), self.cross_num_blocks[rows], False))
-        return entries
+        for table, starts, stops in parts:
+            blocks, _ = _row_blocks(table, rows, starts, stops, False, need_rep=False)
+            entries.append((blocks, np.maximum(stops - starts, 0)))
+        flat = np.concatenate([b for b, _ in entries])
+        gpu, counts = np.unique(flat[flat != NULL_BLOCK], return_counts=True)
+        fits = self.config.num_cpu_blocks > 0 and gpu.size <= self.cpu_pool.num_free
+        return entries, gpu, counts, fits
 
     def can_swap_out(self, req_ids) -> bool:
         self.flush_deferred()
-        rows = self._check_swap_out(req_ids)
-        blocks = np.concatenate([b for b, _ in self._resident_blocks(rows)])
-        return self.config.num_cpu_blocks > 0 and np.unique(blocks[blocks != NULL_BLOCK]).size <= self.cpu_pool.num_free
+        return self._swap_out_plan(self._check_swap_out(req_ids))[3]
 
     def _check_swap_out(self, req_ids) -> np.ndarray:
         rows = self._swap_rows(req_ids)
@@ -936,24 +940,22 @@ class BlockManager:
         shared. Returns ``(gpu_block, cpu_block)`` pairs to copy."""
         self.flush_deferred()
         rows = self._check_swap_out(req_ids)
-        entries = self._resident_blocks(rows)
-        flat = np.concatenate([b for b, _ in entries])
-        live = flat[flat != NULL_BLOCK]
-        gpu, counts = np.unique(live, return_counts=True)
-        if self.config.num_cpu_blocks == 0 or gpu.size > self.cpu_pool.num_free:
+        entries, gpu, counts, fits = self._swap_out_plan(rows)
+        if not fits:
             return SwapResult(STATUS_NO_SPACE)
         cpu = self.cpu_pool.take(gpu.size)
         self.cpu_pool.ref_cnt[cpu] = counts
         self.cpu_pool.block_hash[cpu] = self.pool.block_hash[gpu]
         self._cpu_carry_key[cpu] = self.pool.cache_key[gpu]
+        # Each table's CPU ids, cut into one piece per row (entries are row after row).
+        per_table = []
+        for blocks, per_row in entries:
+            ids = np.where(blocks == NULL_BLOCK, -1, cpu[np.minimum(np.searchsorted(gpu, blocks), gpu.size - 1)])
+            per_table.append(np.split(ids, np.cumsum(per_row)[:-1]))
         for i, row in enumerate(rows.tolist()):
-            per_group = []
-            for (blocks, rep), g in zip(entries[:-1], self.groups):
-                mine = blocks[rep == i]
-                per_group.append(np.where(mine == NULL_BLOCK, -1, cpu[np.searchsorted(gpu, mine)]))
-            cross_blocks, cross_rep = entries[-1]
-            cross = cpu[np.searchsorted(gpu, cross_blocks[cross_rep == i])]
-            self._swapped[row] = _Swapped(per_group, [int(g.num_skipped[row]) for g in self.groups], cross)
+            self._swapped[row] = _Swapped(
+                [pieces[i] for pieces in per_table[:-1]], [int(g.num_skipped[row]) for g in self.groups], per_table[-1][i]
+            )
         self._release_rows_gpu(rows)
         self.swapped[rows] = True
         self.appendable[rows] = False
@@ -1019,16 +1021,20 @@ class BlockManager:
         for key in np.unique(keys[keys != 0]).tolist():
             sel = miss[keys == key]
             self.pool.register(key, self.cpu_pool.block_hash[cpu[sel]], gpu[sel])
-        for row in rows.tolist():
-            record = self._swapped.pop(row)
-            for g, cpu_blocks, skip in zip(self.groups, record.cpu_blocks, record.num_skipped):
-                ids = np.where(cpu_blocks < 0, NULL_BLOCK, gpu[np.searchsorted(cpu, np.maximum(cpu_blocks, 0))])
-                g.table[row, :skip] = NULL_BLOCK
-                g.table[row, skip : skip + ids.size] = ids
-                g.num_blocks[row] = skip + ids.size
-            cross = gpu[np.searchsorted(cpu, record.cross)]
-            self.cross_table[row, : cross.size] = cross
-            self.cross_num_blocks[row] = cross.size
+        records = [self._swapped.pop(row) for row in rows.tolist()]
+        tables = [(g.table, g.num_blocks, [r.cpu_blocks[gi] for r in records], [r.num_skipped[gi] for r in records])
+                  for gi, g in enumerate(self.groups)]
+        tables.append((self.cross_table, self.cross_num_blocks, [r.cross for r in records], [0] * len(records)))
+        for table, num_blocks, pieces, skips in tables:
+            # The rows were nulled at swap-out: write each row's blocks back at [skip, skip + n).
+            lens = np.fromiter((p.size for p in pieces), np.int64, count=len(pieces))
+            skip = np.array(skips, np.int64)
+            if lens.sum():
+                ids = np.concatenate(pieces)
+                gpu_ids = np.where(ids < 0, NULL_BLOCK, gpu[np.searchsorted(cpu, np.maximum(ids, 0))])
+                within = np.arange(ids.size) - np.repeat(np.cumsum(lens) - lens, lens)
+                table[np.repeat(rows, lens), np.repeat(skip, lens) + within] = gpu_ids
+            num_blocks[rows] = skip + lens
         self._release_cpu(np.repeat(cpu, counts))
         self.swapped[rows] = False
         self.appendable[rows] = True
