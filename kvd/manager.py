@@ -1072,9 +1072,11 @@ class BlockManager:
         admit_status, admit_rows, admit_cached = self._step_admits(batch.admit, namespace)
         ok_app = append_status == STATUS_OK
         ok_adm = admit_status == STATUS_OK
-        admit_tokens = np.fromiter((a.num_tokens for a in batch.admit), np.int64, count=len(batch.admit))
-        sched_rows = np.concatenate([rows[ok_app], admit_rows[ok_adm]]).astype(np.int32)
-        sched_len = np.concatenate([n_new[ok_app], admit_tokens[ok_adm] - admit_cached[ok_adm]]).astype(np.int32)
+        # Only admitted requests' sizes are read: a rejected one may carry anything.
+        admitted = np.flatnonzero(ok_adm)
+        admit_tokens = np.fromiter((batch.admit[i].num_tokens for i in admitted.tolist()), np.int64, count=admitted.size)
+        sched_rows = np.concatenate([rows[ok_app], admit_rows[admitted]]).astype(np.int32)
+        sched_len = np.concatenate([n_new[ok_app], admit_tokens - admit_cached[admitted]]).astype(np.int32)
         sched_start = (self.num_tokens[sched_rows] - sched_len).astype(np.int32)
         copies = np.concatenate(self._copies[copies_before:]) if len(self._copies) > copies_before else _EMPTY_COPIES
         self._debug_check()

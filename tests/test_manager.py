@@ -294,3 +294,11 @@ def test_deferred_registration_is_finished_before_anything_reads_the_cache():
     m.free("a")  # block 2 must go to the back as a cached block, block 1 likewise
     assert m.pool.free_queue_order()[-2:].tolist() == [2, 1]
     m.check_invariants(heavy=True)
+
+
+def test_step_with_malformed_admissions_reports_them_and_admits_the_rest():
+    m = make()
+    res = m.step(StepBatch(admit=[AdmitRequest("a", 5), AdmitRequest("b", "abc"), ("not", "a request")]))
+    assert res.admit_status.tolist() == [STATUS_OK, errors.InvalidArgument.code, errors.InvalidArgument.code]
+    assert res.sched_rows.tolist() == [m.row_of("a")] and res.sched_len.tolist() == [5]
+    assert m.num_requests == 1
