@@ -519,7 +519,7 @@ class BlockManager:
         n = rows.size
         if not n:
             return np.zeros(0, np.int16)
-        if self._simple and not self._num_forked and 0 <= lookahead <= self.max_lookahead:
+        if self._simple and not self._num_forked:
             if self._append_fast(rows, n_new, hash_lists[0], hash_counts[0], lookahead):
                 return np.zeros(n, np.int16)
         status = np.zeros(n, np.int16)
@@ -1053,6 +1053,9 @@ class BlockManager:
         """Apply one scheduler step: frees, forks, appends, admissions (in that order). Misuse of
         one request is reported in its status and does not stop the others."""
         self.flush_deferred()
+        la = batch.num_lookahead_tokens
+        if not isinstance(la, (int, np.integer)) or isinstance(la, bool) or not 0 <= la <= self.max_lookahead:
+            raise errors.InvalidArgument(f"num_lookahead_tokens must be an integer in [0, {self.max_lookahead}]")
         if (
             self._simple
             and not self._num_forked
@@ -1151,7 +1154,7 @@ class BlockManager:
     def _decode_step(self, batch: StepBatch) -> StepResult | None:
         """A step of appends only, by row: the daemon's decode step."""
         rows = batch.append_rows
-        if not isinstance(rows, np.ndarray) or rows.ndim != 1 or not 0 <= batch.num_lookahead_tokens <= self.max_lookahead:
+        if not isinstance(rows, np.ndarray) or rows.ndim != 1:
             return None
         n = rows.size
         n_new = batch.append_num_tokens

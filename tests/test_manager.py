@@ -302,3 +302,13 @@ def test_step_with_malformed_admissions_reports_them_and_admits_the_rest():
     assert res.admit_status.tolist() == [STATUS_OK, errors.InvalidArgument.code, errors.InvalidArgument.code]
     assert res.sched_rows.tolist() == [m.row_of("a")] and res.sched_len.tolist() == [5]
     assert m.num_requests == 1
+
+
+def test_step_with_a_bad_lookahead_is_a_typed_error_and_changes_nothing():
+    m = make()
+    m.allocate("a", 5)
+    before = snapshot(m)
+    for bad in ("2", -1, 10**6, True):
+        with pytest.raises(errors.InvalidArgument):
+            m.step(StepBatch(append_rows=m.rows_of(["a"]), num_lookahead_tokens=bad))
+        assert snapshot(m) == before
