@@ -1065,11 +1065,11 @@ class BlockManager:
             result = self._decode_step(batch)
             if result is not None:
                 return result
-        n_new = self._step_append_sizes(batch)
+        n_new, given_rows = self._step_append_sizes(batch)
         hash_lists, hash_counts = self._step_hashes(batch, n_new.size)
         free_status, freed_rows = self._step_frees(batch.free)
         fork_status, child_rows = self._step_forks(batch.forks)
-        rows = self._step_append_rows(batch)  # after frees and forks: ids may name new children
+        rows = self._step_append_rows(batch, given_rows)  # after frees and forks: ids may name new children
         copies_before = len(self._copies)
         append_status = self._append_rows(rows, n_new, hash_lists, hash_counts, batch.num_lookahead_tokens)
         admit_status, admit_rows, admit_cached = self._step_admits(batch.admit, namespace)
@@ -1187,19 +1187,27 @@ class BlockManager:
             sched_len=np.full(n, n_new, np.int32) if np.isscalar(n_new) else n_new.astype(np.int32),
         )
 
-    def _step_append_sizes(self, batch: StepBatch) -> np.ndarray:
+    def _step_append_sizes(self, batch: StepBatch):
+        """Validated append inputs, before anything is applied: (token counts, rows or None when
+        the appends are named by id and must be resolved after the step's forks)."""
         if batch.append_rows is not None and len(batch.append_ids):
             raise errors.InvalidArgument("give append_ids or append_rows, not both")
-        n = len(batch.append_ids) if batch.append_rows is None else np.asarray(batch.append_rows).size
+        rows = None
+        if batch.append_rows is not None:
+            rows = _int_array(batch.append_rows, np.int32, "append_rows").reshape(-1)
+        n = len(batch.append_ids) if rows is None else rows.size
         n_new = batch.append_num_tokens
-        n_new = np.full(n, n_new, np.int64) if np.isscalar(n_new) else np.asarray(n_new, np.int64)
+        if isinstance(n_new, (int, np.integer)) and not isinstance(n_new, bool):
+            n_new = np.full(n, n_new, np.int64)
+        else:
+            n_new = _int_array(n_new, np.int64, "append_num_tokens")
         if n_new.shape != (n,):
             raise errors.InvalidArgument("append_num_tokens must be one per appended request")
-        return n_new
+        return n_new, rows
 
-    def _step_append_rows(self, batch: StepBatch) -> np.ndarray:
-        if batch.append_rows is not None:
-            return np.asarray(batch.append_rows, np.int32).reshape(-1)
+    def _step_append_rows(self, batch: StepBatch, rows) -> np.ndarray:
+        if rows is not None:
+            return rows
         get = self._row_of.get
         return np.fromiter((_safe_get(get, r) for r in batch.append_ids), np.int32, count=len(batch.append_ids))
 
@@ -1210,7 +1218,10 @@ class BlockManager:
         if len(batch.append_hashes) != G or len(batch.append_hash_counts) != G:
             raise errors.BadHashes(f"append hashes must be given for all {G} groups")
         hashes = [as_hash_array(h) if len(h) else _EMPTY_HASHES for h in batch.append_hashes]
-        counts = [np.asarray(c, np.int64) for c in batch.append_hash_counts]
+        try:
+            counts = [_int_array(c, np.int64, "append_hash_counts") for c in batch.append_hash_counts]
+        except errors.InvalidArgument as exc:
+            raise errors.BadHashes(str(exc)) from None
         for h, c in zip(hashes, counts):
             if c.shape != (n,) or (c < 0).any() or int(c.sum()) != h.size:
                 raise errors.BadHashes("append_hash_counts must be one non-negative count per request summing to the hashes given")
@@ -1534,6 +1545,17 @@ class _BatchAdmission:
         if mgr.config.enable_prefix_caching:
             mgr.counters["prefix_queries"] += int(tokens.sum())
             mgr.counters["prefix_hits"] += int(cached.sum())
+
+
+def _int_array(values, dtype, what: str) -> np.ndarray:
+    """``values`` as an integer array, or a typed error (no silent float truncation)."""
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError):
+        raise errors.InvalidArgument(f"{what} must be integers") from None
+    if arr.size and arr.dtype.kind not in "iu":
+        raise errors.InvalidArgument(f"{what} must be integers, got {arr.dtype}")
+    return arr.astype(dtype, copy=False)
 
 
 def _safe_get(get, req_id) -> int:

@@ -312,3 +312,24 @@ def test_step_with_a_bad_lookahead_is_a_typed_error_and_changes_nothing():
         with pytest.raises(errors.InvalidArgument):
             m.step(StepBatch(append_rows=m.rows_of(["a"]), num_lookahead_tokens=bad))
         assert snapshot(m) == before
+
+
+def test_step_with_non_integer_inputs_is_a_typed_error_and_changes_nothing():
+    m = make()
+    m.allocate("a", 5)
+    m.allocate("b", 5)
+    before = snapshot(m)
+    rows = m.rows_of(["a"])
+    bad_batches = [
+        StepBatch(free=["b"], append_rows=np.array([0.5])),
+        StepBatch(free=["b"], append_rows=rows, append_num_tokens=np.array(["x"])),
+        StepBatch(free=["b"], append_ids=["a"], append_num_tokens=[1.5]),
+    ]
+    for batch in bad_batches:
+        with pytest.raises(errors.InvalidArgument):
+            m.step(batch)
+        assert snapshot(m) == before
+    with pytest.raises(errors.BadHashes):
+        m.step(StepBatch(free=["b"], append_rows=rows, append_hashes=(hash_prompt(prompt(16), 16),),
+                         append_hash_counts=(["one"],)))
+    assert snapshot(m) == before
