@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvd import errors
+from kvd import errors, rowloops
 from kvd.api import (
     DEFAULT_PRIORITY,
     MAX_PRIORITY,
@@ -52,6 +52,8 @@ from kvd.hashing import HASH_DTYPE, as_hash_array
 from kvd.pool import BlockPool
 
 _EMPTY_I32 = np.empty(0, np.int32)
+_EMPTY_I64 = np.empty(0, np.int64)
+_EMPTY_I16 = np.empty(0, np.int16)
 _EMPTY_COPIES = np.empty((0, 2), np.int32)
 _EMPTY_HASHES = np.empty(0, HASH_DTYPE)
 
@@ -134,6 +136,14 @@ class BlockManager:
         self._num_forked = 0
         self._arange = np.arange(R, dtype=np.int32)
         self._mark = np.zeros(R, np.int32)
+        # Scratch for the compiled append loops (kvd.rowloops): one batch names each row once.
+        self._seen = np.zeros(R, np.uint8)
+        self._plan_old = np.empty(R, np.int64)
+        self._plan_grow = np.empty(R, np.int64)
+        self._plan_cow = np.empty(R, bool)
+        self._copies_buf = np.empty((R, 2), np.int32)
+        self._changed_buf = np.empty(R, np.int32)
+        self._no_skip = np.zeros(R, np.int32)  # the cross table's (absent) skip and registered counts
         self._simple = len(self.groups) == 1 and not self.groups[0].window
         self.max_cross_blocks = _cdiv(config.max_encoder_len, config.encoder_block_size)
         self.cross_table = np.zeros((R, self.max_cross_blocks), np.int32)
@@ -515,13 +525,15 @@ class BlockManager:
             status[status == 0] = errors.InvalidArgument.code
 
     def _append_rows(self, rows, n_new, hash_lists, hash_counts, lookahead) -> np.ndarray:
-        """Grow many requests at once. Returns the int16 status per request."""
+        """Grow many requests at once (``n_new``: an int for all, or one each). Returns the int16
+        status per request."""
         n = rows.size
         if not n:
             return np.zeros(0, np.int16)
-        if self._simple and not self._num_forked:
-            if self._append_fast(rows, n_new, hash_lists[0], hash_counts[0], lookahead):
-                return np.zeros(n, np.int16)
+        if self._simple and self._append_fast(rows, n_new, hash_lists[0], hash_counts[0], lookahead):
+            return np.zeros(n, np.int16)
+        if np.isscalar(n_new):
+            n_new = np.full(n, n_new, np.int64)
         status = np.zeros(n, np.int16)
         self._validate_appends(rows, n_new, lookahead, hash_counts, status)
         valid = status == 0
@@ -568,36 +580,52 @@ class BlockManager:
         return status
 
     def _append_fast(self, rows, n_new, hashes, counts, lookahead, defer: bool = False):
-        """The common decode step (one full-attention group, no forks): a handful of whole-array
-        operations. Returns (the tokens each request had before, the rows that got new blocks), or
-        None, having changed nothing, whenever anything is unusual (misuse, no space): the general
-        path then decides."""
+        """A batch of appends to the one full-attention group, copy-on-write included, in two
+        compiled loops (``kvd.rowloops``). Returns (the tokens each request had before, the rows
+        whose tables changed), or None, having changed nothing, whenever anything is unusual
+        (misuse, no space): the general path then decides request by request."""
         n = rows.size
-        checked = self._appends_look_valid(rows, n_new, lookahead, [counts if hashes.size else None])
-        if checked is None:
+        if rows.dtype != np.int32 or n > self.num_tokens.size or not 0 <= lookahead <= self.max_lookahead:
             return None
-        old, new = checked
+        scalar = not isinstance(n_new, np.ndarray)
+        n_scalar, n_array = (int(n_new), _EMPTY_I64) if scalar else (0, n_new)
         g = self.groups[0]
-        bs = g.block_size
-        nb = g.num_blocks[rows]
-        short = np.flatnonzero(new + lookahead > nb * bs)
-        grown = _EMPTY_I32
-        if short.size:
-            grow = (new[short] + (lookahead + bs - 1)) // bs - nb[short]
-            total = int(grow.sum())
-            if total > self.pool.num_free:
-                return None
-            blocks = self.pool.take(total)
-            grown = rows[short]
-            if total == short.size:  # one block each: the usual decode boundary
-                g.table[grown, nb[short]] = blocks
-                g.num_blocks[grown] += 1
-            else:
-                self._grow_group(0, grown, old[short], grow, None, blocks)
-        self.num_tokens[rows] = new
+        old, grow, cow = self._plan_old[:n], self._plan_grow[:n], self._plan_cow[:n]
+        need = rowloops.plan_appends(
+            rows, n_scalar, n_array, lookahead, counts if hashes.size else _EMPTY_I64, self.config.max_model_len,
+            self.num_tokens, self.appendable, self.forked, self._num_forked > 0, self._seen,
+            g.table, g.num_blocks, g.num_registered, self.pool.ref_cnt, g.block_size, old, grow, cow,
+        )
+        if need < 0 or need > self.pool.num_free:
+            return None
+        blocks = self.pool.take(need) if need else _EMPTY_I32
+        n_copies, n_changed = rowloops.apply_appends(
+            rows, n_scalar, n_array, old, grow, cow, blocks, self.num_tokens, g.table, g.num_blocks,
+            self.pool.ref_cnt, g.block_size, self._copies_buf, self._changed_buf,
+        )
+        if n_copies:
+            self._copies.append(self._copies_buf[:n_copies].copy())
+            self.counters["cow_copies"] += n_copies
         if hashes.size:
             self._register_appends(rows, np.zeros(n, np.int16), [hashes], [counts], defer)
-        return old, grown
+        return old, self._changed_buf[:n_changed]  # views of scratch: valid until the next append
+
+    @staticmethod
+    def _first_writers_copy(blocks: np.ndarray, refs: np.ndarray) -> np.ndarray:
+        """Which of these writes (in batch order) copy the shared block they write to, when every
+        request of the batch fits: the first ``ref - 1`` writers of a block copy it; the last one
+        finds itself the only holder left and writes in place."""
+        order = np.argsort(blocks, kind="stable")
+        sorted_blocks = blocks[order]
+        new_run = np.empty(blocks.size, bool)
+        new_run[0] = True
+        np.not_equal(sorted_blocks[1:], sorted_blocks[:-1], out=new_run[1:])
+        run_start = np.flatnonzero(new_run)
+        run_len = np.diff(run_start, append=blocks.size)
+        rank = np.arange(blocks.size) - np.repeat(run_start, run_len)
+        copies = np.empty(blocks.size, bool)
+        copies[order] = rank < refs[order] - 1
+        return copies
 
     @staticmethod
     def _greedy(need: np.ndarray, avail: int) -> np.ndarray:
@@ -611,23 +639,12 @@ class BlockManager:
         return ok
 
     def _cow_plan(self, g: _Group, vrows, cand, old) -> np.ndarray:
-        """Which writers copy their shared partial block when every request fits: in batch order,
-        the first ``ref - 1`` writers of a block copy it; a later one finds itself the only holder
-        left and writes in place."""
+        """Which writers copy their shared partial block when every request fits."""
         cow = np.zeros(vrows.size, bool)
         idx = np.flatnonzero(cand)
-        if not idx.size:
-            return cow
-        blocks = g.table[vrows[idx], old[idx] // g.block_size]
-        order = np.argsort(blocks, kind="stable")
-        sorted_blocks = blocks[order]
-        new_run = np.empty(idx.size, bool)
-        new_run[0] = True
-        np.not_equal(sorted_blocks[1:], sorted_blocks[:-1], out=new_run[1:])
-        run_start = np.flatnonzero(new_run)
-        run_len = np.diff(run_start, append=idx.size)
-        rank = np.arange(idx.size) - np.repeat(run_start, run_len)
-        cow[idx[order]] = rank < self.pool.ref_cnt[sorted_blocks] - 1
+        if idx.size:
+            blocks = g.table[vrows[idx], old[idx] // g.block_size]
+            cow[idx] = self._first_writers_copy(blocks, self.pool.ref_cnt[blocks])
         return cow
 
     def _decide_with_cow(self, vrows, need, cow_cand, avail, old):
@@ -671,13 +688,7 @@ class BlockManager:
             cow_idx = np.flatnonzero(cow)
             cow_rows = rows[cow_idx]
             cols = old[cow_idx] // g.block_size
-            src = g.table[cow_rows, cols].copy()
-            dst = blocks[offsets[cow_idx]]
-            g.table[cow_rows, cols] = dst
-            # The last writer of each shared block keeps it, so no count reaches zero here.
-            np.subtract.at(self.pool.ref_cnt, src, 1)
-            self._copies.append(np.stack([src, dst], axis=1).astype(np.int32))
-            self.counters["cow_copies"] += n_cow
+            self._copy_on_write(g, cow_rows, cols, g.table[cow_rows, cols], blocks[offsets[cow_idx]])
             offsets = offsets + cow
         grow_idx = np.flatnonzero(grow)
         counts = grow[grow_idx]
@@ -686,6 +697,21 @@ class BlockManager:
         cols = g.num_blocks[rows[rep]] + within
         g.table[rows[rep], cols] = blocks[offsets[rep] + within]
         g.num_blocks[rows] += grow.astype(np.int32)
+
+    def _copy_on_write(self, g: _Group, rows, cols, src, dst) -> None:
+        """Move each writer from its shared block ``src`` (at ``cols`` of its row) to ``dst`` and
+        record the copies. The last writer of each shared block keeps it, so no count reaches zero."""
+        g.table[rows, cols] = dst
+        ref = self.pool.ref_cnt
+        if (src == src[0]).all():
+            ref[src[0]] -= src.size
+        else:
+            np.subtract.at(ref, src, 1)
+        pairs = np.empty((src.size, 2), np.int32)
+        pairs[:, 0] = src
+        pairs[:, 1] = dst
+        self._copies.append(pairs)
+        self.counters["cow_copies"] += src.size
 
     def _register_one_each(self, gi: int, rows, hashes, counts, defer: bool = False) -> bool:
         """Registration when each request filled at most one block (a decode step): a few array
@@ -823,67 +849,54 @@ class BlockManager:
         self._check_new_request(child_id, 1, 0, DEFAULT_PRIORITY, 0, 0)
         if not self._free_rows:
             raise errors.CapacityExceeded("no free request row for the child")
-        return int(self._apply_forks(np.array([parent], np.int32), [child_id])[0])
+        return int(self._apply_forks(parent, [child_id])[0])
 
     def _fork_batch(self, forks) -> np.ndarray | None:
         """Many forks at once when every one is valid (else None, nothing changed: the caller
         forks one by one and reports each error). Returns the children's rows."""
         try:
-            prows = self.rows_of([p for p, _ in forks])
+            parents = [p for p, _ in forks]
             children = [c for _, c in forks]
+            one_parent = len(set(parents)) == 1
+            prows = self.row_of(parents[0]) if one_parent else self.rows_of(parents)
             if (
                 len(set(children)) != len(children)
                 or any(c in self._row_of for c in children)
                 or len(children) > len(self._free_rows)
-                or not self.appendable[prows].all()
+                or not (self.appendable[prows] if one_parent else self.appendable[prows].all())
             ):
                 return None
         except (errors.KvdError, TypeError, ValueError):
             return None
         return self._apply_forks(prows, children)
 
-    def _apply_forks(self, prows: np.ndarray, children: list) -> np.ndarray:
-        """Children share every block of their parents (validated by the caller). Lookahead blocks
-        past a parent's last token stay the parent's: the child reserves its own."""
-        k = len(children)
-        crows = np.array(self._free_rows[-k:][::-1], np.int32)
-        del self._free_rows[-k:]
-        self._row_of.update(zip(children, crows.tolist()))
-        for row, child in zip(crows.tolist(), children):
-            self._id_of[row] = child
-        self.active[crows] = True
-        self.appendable[crows] = True
-        self.swapped[crows] = False
-        self.num_tokens[crows] = self.num_tokens[prows]
-        self.priority[crows] = self.priority[prows]
-        self.namespace[crows] = self.namespace[prows]
-        shared = []
+    def _apply_forks(self, parents: int | np.ndarray, children: list) -> np.ndarray:
+        """Children share every block of their parents (validated by the caller): ``parents`` is
+        one row per child, or one row for all of them. Lookahead blocks past a parent's last token
+        stay the parent's: the child reserves its own."""
+        crows = self._claim_rows(children)
+        prows = parents if isinstance(parents, np.ndarray) else np.array([parents], np.int32)
+        self._num_forked += rowloops.fork_row_state(
+            prows, crows, self.num_tokens, self.priority, self.namespace, self.active, self.appendable, self.forked
+        )
+        ref = self.pool.ref_cnt
         for g in self.groups:
-            nb = np.minimum(g.num_blocks[prows], _cdiv(self.num_tokens[prows], g.block_size)).astype(np.int32)
-            width = int(nb.max())
-            g.table[crows, :width] = g.table[prows, :width]
-            g.num_blocks[crows] = nb
-            g.num_skipped[crows] = g.num_skipped[prows]
-            g.num_registered[crows] = np.minimum(g.num_registered[prows], nb)
-            shared.append(_row_blocks(g.table, crows, g.num_skipped[crows], nb, False, need_rep=False)[0])
-        nc = self.cross_num_blocks[prows]
-        if nc.any():
-            width = int(nc.max())
-            self.cross_table[crows, :width] = self.cross_table[prows, :width]
-            shared.append(_row_blocks(self.cross_table, crows, np.zeros_like(crows), nc, False, need_rep=False)[0])
-        self.cross_num_blocks[crows] = nc
-        newly = np.concatenate([prows, crows])
-        newly = newly[~self.forked[newly]]
-        self.forked[newly] = True
-        self._num_forked += int(np.unique(newly).size)
-        if (prows == prows[0]).all():
-            # One parent: each table's part holds k equal copies of its (distinct) blocks.
-            blocks = np.concatenate([part[: part.size // k] for part in shared])
-            self.pool.ref_cnt[blocks[blocks != NULL_BLOCK]] += k
-        else:
-            blocks = np.concatenate(shared)
-            self.pool.incref(blocks[blocks != NULL_BLOCK])
+            rowloops.share_blocks(prows, crows, g.table, g.num_blocks, g.num_skipped, g.num_registered, ref,
+                                  self.num_tokens, g.block_size)
+        if self.max_cross_blocks:
+            rowloops.share_blocks(prows, crows, self.cross_table, self.cross_num_blocks, self._no_skip, self._no_skip,
+                                  ref, self.num_tokens, 0)
         return crows
+
+    def _claim_rows(self, req_ids: list) -> np.ndarray:
+        """Rows for new requests (enough are free: checked by the caller)."""
+        k = len(req_ids)
+        taken = self._free_rows[-k:][::-1]
+        del self._free_rows[-k:]
+        self._row_of.update(zip(req_ids, taken))
+        for row, req_id in zip(taken, req_ids):
+            self._id_of[row] = req_id
+        return np.array(taken, np.int32)
 
     def flush_deferred(self) -> None:
         """Finish prefix-cache registrations a decode step left for later (see
@@ -1058,30 +1071,24 @@ class BlockManager:
             raise errors.InvalidArgument(f"num_lookahead_tokens must be an integer in [0, {self.max_lookahead}]")
         if (
             self._simple
-            and not self._num_forked
             and batch.append_rows is not None
             and not (batch.free or batch.forks or batch.admit or len(batch.append_ids))
         ):
             result = self._decode_step(batch)
             if result is not None:
                 return result
-        n_new, given_rows = self._step_append_sizes(batch)
-        hash_lists, hash_counts = self._step_hashes(batch, n_new.size)
+        n_new, given_rows, n = self._step_append_sizes(batch)
+        hash_lists, hash_counts = self._step_hashes(batch, n)
         free_status, freed_rows = self._step_frees(batch.free)
         fork_status, child_rows = self._step_forks(batch.forks)
         rows = self._step_append_rows(batch, given_rows)  # after frees and forks: ids may name new children
         copies_before = len(self._copies)
         append_status = self._append_rows(rows, n_new, hash_lists, hash_counts, batch.num_lookahead_tokens)
         admit_status, admit_rows, admit_cached = self._step_admits(batch.admit, namespace)
-        ok_app = append_status == STATUS_OK
-        ok_adm = admit_status == STATUS_OK
-        # Only admitted requests' sizes are read: a rejected one may carry anything.
-        admitted = np.flatnonzero(ok_adm)
-        admit_tokens = np.fromiter((batch.admit[i].num_tokens for i in admitted.tolist()), np.int64, count=admitted.size)
-        sched_rows = np.concatenate([rows[ok_app], admit_rows[admitted]]).astype(np.int32)
-        sched_len = np.concatenate([n_new[ok_app], admit_tokens - admit_cached[admitted]]).astype(np.int32)
+        sched_rows, sched_len = self._schedule(batch.admit, rows, n_new, append_status, admit_status, admit_rows, admit_cached)
         sched_start = (self.num_tokens[sched_rows] - sched_len).astype(np.int32)
-        copies = np.concatenate(self._copies[copies_before:]) if len(self._copies) > copies_before else _EMPTY_COPIES
+        new_copies = self._copies[copies_before:]
+        copies = _EMPTY_COPIES if not new_copies else new_copies[0] if len(new_copies) == 1 else np.concatenate(new_copies)
         self._debug_check()
         return StepResult(
             free_status=free_status,
@@ -1098,10 +1105,24 @@ class BlockManager:
             freed_rows=freed_rows,
         )
 
+    @staticmethod
+    def _schedule(admits, rows, n_new, append_status, admit_status, admit_rows, admit_cached):
+        """(rows, token counts) of the step's work: successful appends, then admissions."""
+        if not admit_status.size and not append_status.any():
+            return rows, np.full(rows.size, n_new, np.int32) if np.isscalar(n_new) else n_new.astype(np.int32)
+        ok_app = append_status == STATUS_OK
+        admitted = np.flatnonzero(admit_status == STATUS_OK)
+        # Only admitted requests' sizes are read: a rejected one may carry anything.
+        admit_tokens = np.fromiter((admits[i].num_tokens for i in admitted.tolist()), np.int64, count=admitted.size)
+        n_app = np.broadcast_to(n_new, rows.shape)[ok_app]
+        sched_rows = np.concatenate([rows[ok_app], admit_rows[admitted]]).astype(np.int32)
+        sched_len = np.concatenate([n_app, admit_tokens - admit_cached[admitted]]).astype(np.int32)
+        return sched_rows, sched_len
+
     def _step_frees(self, ids):
-        status = np.zeros(len(ids), np.int16)
         if not len(ids):
-            return status, _EMPTY_I32
+            return _EMPTY_I16, _EMPTY_I32
+        status = np.zeros(len(ids), np.int16)
         rows = self._distinct_known_rows(ids)
         if rows is None:  # some id unknown, unhashable or named twice: one by one, with a status each
             rows = []
@@ -1167,10 +1188,12 @@ class BlockManager:
             hash_lists, hash_counts = self._step_hashes(batch, n)
             hashes, counts = hash_lists[0], hash_counts[0]
         defer = self.config.defer_cache_registration
+        copies_before = len(self._copies)
         fast = self._append_fast(rows, n_new, hashes, counts, batch.num_lookahead_tokens, defer) if n else None
         if fast is None:
             return None
         old, grown = fast
+        copies = self._copies[-1] if len(self._copies) > copies_before else _EMPTY_COPIES
         self._debug_check()
         empty = np.zeros(0, np.int16)
         return StepResult(
@@ -1180,16 +1203,17 @@ class BlockManager:
             admit_status=empty,
             admit_rows=_EMPTY_I32,
             admit_cached_tokens=np.zeros(0, np.int64),
-            copies=_EMPTY_COPIES,
-            changed_rows=grown,
+            copies=copies,
+            changed_rows=grown.copy(),
             sched_rows=rows,
             sched_start=old.astype(np.int32),
             sched_len=np.full(n, n_new, np.int32) if np.isscalar(n_new) else n_new.astype(np.int32),
         )
 
     def _step_append_sizes(self, batch: StepBatch):
-        """Validated append inputs, before anything is applied: (token counts, rows or None when
-        the appends are named by id and must be resolved after the step's forks)."""
+        """Validated append inputs, before anything is applied: (token counts: one int for all or
+        an int64 array, rows or None when the appends are named by id and must be resolved after
+        the step's forks, how many appends)."""
         if batch.append_rows is not None and len(batch.append_ids):
             raise errors.InvalidArgument("give append_ids or append_rows, not both")
         rows = None
@@ -1198,12 +1222,11 @@ class BlockManager:
         n = len(batch.append_ids) if rows is None else rows.size
         n_new = batch.append_num_tokens
         if isinstance(n_new, (int, np.integer)) and not isinstance(n_new, bool):
-            n_new = np.full(n, n_new, np.int64)
-        else:
-            n_new = _int_array(n_new, np.int64, "append_num_tokens")
+            return int(n_new), rows, n
+        n_new = _int_array(n_new, np.int64, "append_num_tokens")
         if n_new.shape != (n,):
             raise errors.InvalidArgument("append_num_tokens must be one per appended request")
-        return n_new, rows
+        return n_new, rows, n
 
     def _step_append_rows(self, batch: StepBatch, rows) -> np.ndarray:
         if rows is not None:
@@ -1229,6 +1252,8 @@ class BlockManager:
 
     def _step_admits(self, admits, namespace: int):
         m = len(admits)
+        if not m:
+            return _EMPTY_I16, _EMPTY_I32, _EMPTY_I64
         status = np.zeros(m, np.int16)
         rows = np.full(m, -1, np.int32)
         cached = np.zeros(m, np.int64)

@@ -1,0 +1,171 @@
+"""Compiled loops over request rows (numba): the per-request decisions of a step.
+
+Appends and forks are per-request sequential logic: "in batch order, the first ``ref - 1`` writers
+of a shared block copy it", "each child copies its own parent's table". numpy can only express
+them as a chain of whole-array calls (argsorts, repeats, masks), each costing a microsecond of call
+overhead however small the batch: a fork of one request into 8 children took ~60 of them. Here
+each is one native loop, so a step costs a few calls whatever its shape.
+
+Only numbers and numpy arrays cross this boundary (the manager's own arrays, written in place);
+the free queue and the prefix-cache maps stay in Python (``kvd.pool``). Functions are compiled on
+first use and cached on disk (``NUMBA_CACHE_DIR`` overrides where); ``NUMBA_DISABLE_JIT=1`` runs
+them as plain Python.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+#: ``plan_appends`` result when the batch is not the usual valid one (an unknown, swapped or
+#: repeated row, a bad size or hash count): the manager's general path then reports each misuse.
+DECLINED = -1
+
+_jit = njit(cache=True, nogil=True, boundscheck=False)
+
+
+@_jit
+def plan_appends(rows, n_scalar, n_array, lookahead, hash_counts, max_model_len,
+                 num_tokens, appendable, forked, any_forked, mark,
+                 table, num_blocks, num_registered, ref_cnt, block_size,
+                 old_out, grow_out, cow_out):
+    """Decide a batch of appends to one full-attention group. Changes nothing.
+
+    ``n_array`` (one count per request) is used when it is not empty, else ``n_scalar`` for all;
+    ``hash_counts`` is empty when no hashes were given. Fills, per request, the tokens it had
+    (``old_out``), the blocks it must add (``grow_out``) and whether it first copies its shared,
+    partly filled last block (``cow_out``). Returns the blocks needed in all, or DECLINED.
+    ``mark`` is a zeroed scratch array over rows; it is zeroed again before returning.
+    """
+    n = rows.size
+    R = num_tokens.size
+    declined = False
+    marked = 0
+    for i in range(n):
+        row = rows[i]
+        if row < 0 or row >= R or not appendable[row] or mark[row]:
+            declined = True
+            break
+        mark[row] = 1
+        marked += 1
+    for i in range(marked):
+        mark[rows[i]] = 0
+    if declined:
+        return DECLINED
+    need = 0
+    planned = n
+    for i in range(n):
+        row = rows[i]
+        k = n_array[i] if n_array.size else n_scalar
+        old = num_tokens[row]
+        new = old + k
+        bad = k < 0 or new > max_model_len
+        if hash_counts.size and not bad:
+            c = hash_counts[i]
+            bad = c < 0 or c > new // block_size - num_registered[row]
+        if bad:
+            need = DECLINED
+            planned = i
+            break
+        old_out[i] = old
+        grow = (new + lookahead + block_size - 1) // block_size - num_blocks[row]
+        grow_out[i] = grow if grow > 0 else 0
+        cow_out[i] = False
+        if any_forked and k > 0 and old % block_size and forked[row]:
+            block = table[row, old // block_size]
+            if ref_cnt[block] > 1:
+                # The first ref - 1 writers of a shared block copy it; the last writes in place.
+                # Counted down while planning and restored below: planning changes nothing.
+                cow_out[i] = True
+                ref_cnt[block] -= 1
+                need += 1
+        need += grow_out[i]
+    if any_forked:
+        for i in range(planned):
+            if cow_out[i]:
+                ref_cnt[table[rows[i], old_out[i] // block_size]] += 1
+    return need
+
+
+@_jit
+def apply_appends(rows, n_scalar, n_array, old, grow, cow, blocks,
+                  num_tokens, table, num_blocks, ref_cnt, block_size,
+                  copies_out, changed_out):
+    """Carry out a plan of ``plan_appends`` with ``blocks`` fresh from the pool, handed out in
+    batch order, each request's copy-on-write block before its new blocks. Returns (copies made,
+    rows whose tables changed), written to the front of ``copies_out`` and ``changed_out``."""
+    pos = 0
+    n_copies = 0
+    n_changed = 0
+    for i in range(rows.size):
+        row = rows[i]
+        changed = False
+        if cow[i]:
+            col = old[i] // block_size
+            src = table[row, col]
+            dst = blocks[pos]
+            pos += 1
+            table[row, col] = dst
+            ref_cnt[src] -= 1  # the last writer keeps the block, so this never reaches zero
+            copies_out[n_copies, 0] = src
+            copies_out[n_copies, 1] = dst
+            n_copies += 1
+            changed = True
+        g = grow[i]
+        if g:
+            nb = num_blocks[row]
+            for j in range(g):
+                table[row, nb + j] = blocks[pos]
+                pos += 1
+            num_blocks[row] = nb + g
+            changed = True
+        if changed:
+            changed_out[n_changed] = row
+            n_changed += 1
+        num_tokens[row] = old[i] + (n_array[i] if n_array.size else n_scalar)
+    return n_copies, n_changed
+
+
+@_jit
+def fork_row_state(parents, children, num_tokens, priority, namespace, active, appendable, forked):
+    """Children (free rows) take their parents' sizes, priority and namespace. Returns how many
+    rows became forked (may now share a partly filled block)."""
+    newly = 0
+    for i in range(children.size):
+        p = parents[i] if parents.size > 1 else parents[0]
+        c = children[i]
+        num_tokens[c] = num_tokens[p]
+        priority[c] = priority[p]
+        namespace[c] = namespace[p]
+        active[c] = True
+        appendable[c] = True
+        if not forked[p]:
+            forked[p] = True
+            newly += 1
+        forked[c] = True
+        newly += 1
+    return newly
+
+
+@_jit
+def share_blocks(parents, children, table, num_blocks, num_skipped, num_registered, ref_cnt,
+                 num_tokens, block_size):
+    """Each child's table becomes its parent's up to the parent's last token (``block_size`` 0:
+    every block), sharing the blocks: one more reference each. Lookahead blocks stay the parent's."""
+    for i in range(children.size):
+        p = parents[i] if parents.size > 1 else parents[0]
+        c = children[i]
+        nb = num_blocks[p]
+        if block_size:
+            cap = (num_tokens[p] + block_size - 1) // block_size
+            if cap < nb:
+                nb = cap
+        skip = num_skipped[p]
+        for j in range(nb):
+            b = table[p, j]
+            table[c, j] = b
+            if j >= skip and b != 0:
+                ref_cnt[b] += 1
+        num_blocks[c] = nb
+        num_skipped[c] = skip
+        num_registered[c] = min(num_registered[p], nb)
