@@ -149,7 +149,7 @@ class BlockManager:
         self.cross_table = np.zeros((R, self.max_cross_blocks), np.int32)
         self.cross_num_blocks = np.zeros(R, np.int32)
         self._row_of: dict[ReqId, int] = {}
-        self._id_of: list[ReqId | None] = [None] * R
+        self._id_of: dict[int, ReqId] = {}
         self._free_rows = list(range(R - 1, -1, -1))
         self._swapped: dict[int, _Swapped] = {}
         self._cache_keys: dict[tuple[int, int], int] = {}
@@ -174,7 +174,7 @@ class BlockManager:
         return rows
 
     def req_id_of_row(self, row: int) -> ReqId | None:
-        return self._id_of[row]
+        return self._id_of.get(row)
 
     def __contains__(self, req_id: ReqId) -> bool:
         return req_id in self._row_of
@@ -466,7 +466,7 @@ class BlockManager:
         before = [int(g.num_blocks[row]) for g in self.groups]
         copies_before = len(self._copies)
         rows, n_new = np.array([row], np.int32), np.array([num_new_tokens], np.int64)
-        code = int(self._append_rows(rows, n_new, hash_lists, counts, num_lookahead_tokens)[0])
+        code = int(self._append_rows(rows, n_new, hash_lists, counts, num_lookahead_tokens)[0][0])
         assert code in (STATUS_OK, STATUS_NO_SPACE), code  # misuse was rejected above
         if code == STATUS_NO_SPACE:
             return AppendResult(STATUS_NO_SPACE)
@@ -524,14 +524,17 @@ class BlockManager:
         if lookahead < 0 or lookahead > self.max_lookahead:
             status[status == 0] = errors.InvalidArgument.code
 
-    def _append_rows(self, rows, n_new, hash_lists, hash_counts, lookahead) -> np.ndarray:
+    def _append_rows(self, rows, n_new, hash_lists, hash_counts, lookahead):
         """Grow many requests at once (``n_new``: an int for all, or one each). Returns the int16
-        status per request."""
+        status per request, and the tokens each request had before when the fast path took the
+        whole batch (else None)."""
         n = rows.size
         if not n:
-            return np.zeros(0, np.int16)
-        if self._simple and self._append_fast(rows, n_new, hash_lists[0], hash_counts[0], lookahead):
-            return np.zeros(n, np.int16)
+            return _EMPTY_I16, None
+        if self._simple:
+            fast = self._append_fast(rows, n_new, hash_lists[0], hash_counts[0], lookahead)
+            if fast is not None:
+                return np.zeros(n, np.int16), fast[0]
         if np.isscalar(n_new):
             n_new = np.full(n, n_new, np.int64)
         status = np.zeros(n, np.int16)
@@ -566,7 +569,7 @@ class BlockManager:
         vstatus = np.where(ok, STATUS_OK, STATUS_NO_SPACE).astype(np.int16)
         status[valid] = vstatus
         if not ok.any():
-            return status
+            return status, None
         orows, oold, onew = vrows[ok], old[ok], new[ok]
         for gi, g in enumerate(self.groups):
             g_grow = grow[gi][ok]
@@ -577,7 +580,7 @@ class BlockManager:
         for g in self.groups:
             if g.window:
                 self._release_out_of_window(g, orows, oold)
-        return status
+        return status, None
 
     def _append_fast(self, rows, n_new, hashes, counts, lookahead, defer: bool = False):
         """A batch of appends to the one full-attention group, copy-on-write included, in two
@@ -591,18 +594,22 @@ class BlockManager:
         n_scalar, n_array = (int(n_new), _EMPTY_I64) if scalar else (0, n_new)
         g = self.groups[0]
         old, grow, cow = self._plan_old[:n], self._plan_grow[:n], self._plan_cow[:n]
-        need = rowloops.plan_appends(
+        pool = self.pool
+        need, applied, n_copies, n_changed = rowloops.append_batch(
             rows, n_scalar, n_array, lookahead, counts if hashes.size else _EMPTY_I64, self.config.max_model_len,
             self.num_tokens, self.appendable, self.forked, self._num_forked > 0, self._seen,
-            g.table, g.num_blocks, g.num_registered, self.pool.ref_cnt, g.block_size, old, grow, cow,
+            g.table, g.num_blocks, g.num_registered, pool.ref_cnt, g.block_size,
+            pool.fresh_stack, pool.num_fresh, old, grow, cow, self._copies_buf, self._changed_buf,
         )
-        if need < 0 or need > self.pool.num_free:
+        if need < 0 or need > pool.num_free:
             return None
-        blocks = self.pool.take(need) if need else _EMPTY_I32
-        n_copies, n_changed = rowloops.apply_appends(
-            rows, n_scalar, n_array, old, grow, cow, blocks, self.num_tokens, g.table, g.num_blocks,
-            self.pool.ref_cnt, g.block_size, self._copies_buf, self._changed_buf,
-        )
+        if applied:
+            pool.took_fresh(need)
+        else:  # some of the blocks must be evicted from the prefix cache first
+            n_copies, n_changed = rowloops.apply_appends(
+                rows, n_scalar, n_array, old, grow, cow, pool.take(need), self.num_tokens, g.table, g.num_blocks,
+                pool.ref_cnt, g.block_size, self._copies_buf, self._changed_buf,
+            )
         if n_copies:
             self._copies.append(self._copies_buf[:n_copies].copy())
             self.counters["cow_copies"] += n_copies
@@ -831,8 +838,7 @@ class BlockManager:
         row_list = rows.tolist()
         row_of, id_of = self._row_of, self._id_of
         for row in row_list:
-            del row_of[id_of[row]]
-            id_of[row] = None
+            del row_of[id_of.pop(row)]
         self._free_rows.extend(row_list)
 
     # ================================================================== fork
@@ -855,13 +861,12 @@ class BlockManager:
         """Many forks at once when every one is valid (else None, nothing changed: the caller
         forks one by one and reports each error). Returns the children's rows."""
         try:
-            parents = [p for p, _ in forks]
-            children = [c for _, c in forks]
+            parents, children = zip(*forks, strict=True)  # ValueError unless every fork is a pair
             one_parent = len(set(parents)) == 1
             prows = self.row_of(parents[0]) if one_parent else self.rows_of(parents)
             if (
                 len(set(children)) != len(children)
-                or any(c in self._row_of for c in children)
+                or not self._row_of.keys().isdisjoint(children)
                 or len(children) > len(self._free_rows)
                 or not (self.appendable[prows] if one_parent else self.appendable[prows].all())
             ):
@@ -894,8 +899,7 @@ class BlockManager:
         taken = self._free_rows[-k:][::-1]
         del self._free_rows[-k:]
         self._row_of.update(zip(req_ids, taken))
-        for row, req_id in zip(taken, req_ids):
-            self._id_of[row] = req_id
+        self._id_of.update(zip(taken, req_ids))
         return np.array(taken, np.int32)
 
     def flush_deferred(self) -> None:
@@ -1083,10 +1087,11 @@ class BlockManager:
         fork_status, child_rows = self._step_forks(batch.forks)
         rows = self._step_append_rows(batch, given_rows)  # after frees and forks: ids may name new children
         copies_before = len(self._copies)
-        append_status = self._append_rows(rows, n_new, hash_lists, hash_counts, batch.num_lookahead_tokens)
+        append_status, old = self._append_rows(rows, n_new, hash_lists, hash_counts, batch.num_lookahead_tokens)
         admit_status, admit_rows, admit_cached = self._step_admits(batch.admit, namespace)
-        sched_rows, sched_len = self._schedule(batch.admit, rows, n_new, append_status, admit_status, admit_rows, admit_cached)
-        sched_start = (self.num_tokens[sched_rows] - sched_len).astype(np.int32)
+        sched_rows, sched_start, sched_len = self._schedule(
+            batch.admit, rows, n_new, old, append_status, admit_status, admit_rows, admit_cached
+        )
         new_copies = self._copies[copies_before:]
         copies = _EMPTY_COPIES if not new_copies else new_copies[0] if len(new_copies) == 1 else np.concatenate(new_copies)
         self._debug_check()
@@ -1105,11 +1110,16 @@ class BlockManager:
             freed_rows=freed_rows,
         )
 
-    @staticmethod
-    def _schedule(admits, rows, n_new, append_status, admit_status, admit_rows, admit_cached):
-        """(rows, token counts) of the step's work: successful appends, then admissions."""
-        if not admit_status.size and not append_status.any():
-            return rows, np.full(rows.size, n_new, np.int32) if np.isscalar(n_new) else n_new.astype(np.int32)
+    def _schedule(self, admits, rows, n_new, old, append_status, admit_status, admit_rows, admit_cached):
+        """(rows, first positions, token counts) of the step's work: successful appends, then
+        admissions. ``old``: the appending requests' sizes before, when all of them succeeded."""
+        if old is not None and not admit_status.size:
+            if np.isscalar(n_new):
+                sched_len = np.empty(rows.size, np.int32)
+                sched_len.fill(n_new)
+            else:
+                sched_len = n_new.astype(np.int32)
+            return rows, old.astype(np.int32), sched_len
         ok_app = append_status == STATUS_OK
         admitted = np.flatnonzero(admit_status == STATUS_OK)
         # Only admitted requests' sizes are read: a rejected one may carry anything.
@@ -1117,7 +1127,8 @@ class BlockManager:
         n_app = np.broadcast_to(n_new, rows.shape)[ok_app]
         sched_rows = np.concatenate([rows[ok_app], admit_rows[admitted]]).astype(np.int32)
         sched_len = np.concatenate([n_app, admit_tokens - admit_cached[admitted]]).astype(np.int32)
-        return sched_rows, sched_len
+        sched_start = np.subtract(self.num_tokens[sched_rows], sched_len, dtype=np.int32, casting="unsafe")
+        return sched_rows, sched_start, sched_len
 
     def _step_frees(self, ids):
         if not len(ids):
@@ -1232,7 +1243,10 @@ class BlockManager:
         if rows is not None:
             return rows
         get = self._row_of.get
-        return np.fromiter((_safe_get(get, r) for r in batch.append_ids), np.int32, count=len(batch.append_ids))
+        try:
+            return np.array([get(r, -1) for r in batch.append_ids], np.int32).reshape(-1)
+        except TypeError:  # an unhashable id: unknown, like any other id the manager does not hold
+            return np.fromiter((_safe_get(get, r) for r in batch.append_ids), np.int32, count=len(batch.append_ids))
 
     def _step_hashes(self, batch: StepBatch, n: int):
         G = len(self.groups)
@@ -1559,9 +1573,9 @@ class _BatchAdmission:
         mgr.swapped[rows] = False
         mgr.cross_num_blocks[rows] = 0
         ids = [admits[i].req_id for i in admitted]
-        mgr._row_of.update(zip(ids, rows.tolist()))
-        for row, req_id in zip(rows.tolist(), ids):
-            mgr._id_of[row] = req_id
+        row_list = rows.tolist()
+        mgr._row_of.update(zip(ids, row_list))
+        mgr._id_of.update(zip(row_list, ids))
         idx = np.array(admitted)
         status[idx] = STATUS_OK
         rows_out[idx] = rows

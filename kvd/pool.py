@@ -177,6 +177,17 @@ class BlockPool:
         self.ref_cnt[blocks] = 1
         return blocks
 
+    @property
+    def fresh_stack(self) -> np.ndarray:
+        """The fresh stack's buffer, for compiled callers (``kvd.rowloops``) that take blocks
+        themselves: entries [0, num_fresh) are free; taking k hands out the top k, topmost first."""
+        return self._stack
+
+    def took_fresh(self, k: int) -> None:
+        """A compiled caller took the top k fresh blocks and set their reference counts to 1."""
+        assert 0 <= k <= self._stack_top, (k, self._stack_top)
+        self._stack_top -= k
+
     def _evict(self, k: int) -> np.ndarray:
         parts = []
         for prio in self._queue_order:

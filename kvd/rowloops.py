@@ -127,6 +127,31 @@ def apply_appends(rows, n_scalar, n_array, old, grow, cow, blocks,
 
 
 @_jit
+def append_batch(rows, n_scalar, n_array, lookahead, hash_counts, max_model_len,
+                 num_tokens, appendable, forked, any_forked, mark,
+                 table, num_blocks, num_registered, ref_cnt, block_size,
+                 fresh, num_fresh, old_out, grow_out, cow_out, copies_out, changed_out):
+    """``plan_appends`` then, when the fresh stack (``fresh[:num_fresh]``, taken from the top)
+    holds the blocks needed, ``apply_appends`` with them: the usual step in one call. Returns
+    (blocks needed or DECLINED, whether applied, copies made, rows changed); the caller checks
+    the need against the pool, commits the taken blocks, or takes them itself (evicting) and
+    applies."""
+    need = plan_appends(rows, n_scalar, n_array, lookahead, hash_counts, max_model_len,
+                        num_tokens, appendable, forked, any_forked, mark,
+                        table, num_blocks, num_registered, ref_cnt, block_size,
+                        old_out, grow_out, cow_out)
+    if need < 0 or need > num_fresh:
+        return need, False, 0, 0
+    blocks = fresh[num_fresh - need:num_fresh][::-1]
+    for j in range(need):
+        ref_cnt[blocks[j]] = 1
+    n_copies, n_changed = apply_appends(rows, n_scalar, n_array, old_out, grow_out, cow_out, blocks,
+                                        num_tokens, table, num_blocks, ref_cnt, block_size,
+                                        copies_out, changed_out)
+    return need, True, n_copies, n_changed
+
+
+@_jit
 def fork_row_state(parents, children, num_tokens, priority, namespace, active, appendable, forked):
     """Children (free rows) take their parents' sizes, priority and namespace. Returns how many
     rows became forked (may now share a partly filled block)."""
@@ -169,3 +194,19 @@ def share_blocks(parents, children, table, num_blocks, num_skipped, num_register
         num_blocks[c] = nb
         num_skipped[c] = skip
         num_registered[c] = min(num_registered[p], nb)
+
+
+def warm_up() -> None:
+    """Compile (or load from the disk cache) every loop for the manager's array types now, so that
+    the first step a daemon serves does not pay for it."""
+    i32, i64 = np.zeros(1, np.int32), np.zeros(1, np.int64)
+    flags, table = np.zeros(1, bool), np.zeros((1, 1), np.int32)
+    plan_appends(i32, 0, i64[:0], 0, i64[:0], 1, i64, flags, flags, False, np.zeros(1, np.uint8),
+                 table, i32, i32, i32.copy(), 1, i64.copy(), i64.copy(), flags.copy())
+    apply_appends(i32[:0], 0, i64[:0], i64, i64, flags, i32, i64.copy(), table, i32, i32, 1,
+                  np.zeros((1, 2), np.int32), i32.copy())
+    append_batch(i32, 0, i64[:0], 0, i64[:0], 1, i64, flags, flags, False, np.zeros(1, np.uint8),
+                 table, i32, i32, i32.copy(), 1, i32, 0, i64.copy(), i64.copy(), flags.copy(),
+                 np.zeros((1, 2), np.int32), i32.copy())
+    fork_row_state(i32, i32[:0], i64, np.zeros(1, np.uint8), i64, flags, flags, flags.copy())
+    share_blocks(i32, i32[:0], table, i32, i32, i32, i32, i64, 1)

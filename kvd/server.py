@@ -36,6 +36,7 @@ import numpy as np
 import zmq
 
 from kvd import protocol as P
+from kvd import rowloops
 from kvd.api import (
     STATUS_OK,
     AdmitRequest,
@@ -120,6 +121,7 @@ class Daemon:
             defer_cache_registration=True,
         )
         self.manager = BlockManager(self.mcfg)
+        rowloops.warm_up()  # compile now, not on the first step served
         self.gpu_pool = None
         device = str(_opt(config, "device", "cpu"))
         m = self.manager
