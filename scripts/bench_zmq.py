@@ -292,8 +292,11 @@ class _InprocStepper:
     """The in-process BlockManager: step + the same numpy slot mapping the daemon runs, no sockets."""
 
     def __init__(self, spec: WorkloadSpec, num_blocks: int):
+        from kvd import rowloops
         from kvd.manager import BlockManager
         from kvd_kernels import slot_mapping_from_ranges_ref
+
+        rowloops.warm_up()
 
         self.m = BlockManager(ManagerConfig(
             num_gpu_blocks=num_blocks, groups=(GroupSpec(spec.block_size),),
