@@ -532,11 +532,13 @@ class BlockManager:
         if not n:
             return _EMPTY_I16, None
         if self._simple:
-            fast = self._append_fast(rows, n_new, hash_lists[0], hash_counts[0], lookahead)
+            fast = self._append_fast(rows, n_new, hash_lists[0], hash_counts and hash_counts[0], lookahead)
             if fast is not None:
                 return np.zeros(n, np.int16), fast[0]
-        if np.isscalar(n_new):
+        if not isinstance(n_new, np.ndarray):
             n_new = np.full(n, n_new, np.int64)
+        if hash_counts is None:
+            hash_counts = [np.zeros(n, np.int64)] * len(self.groups)
         status = np.zeros(n, np.int16)
         self._validate_appends(rows, n_new, lookahead, hash_counts, status)
         valid = status == 0
@@ -881,11 +883,13 @@ class BlockManager:
         stay the parent's: the child reserves its own."""
         crows = self._claim_rows(children)
         prows = parents if isinstance(parents, np.ndarray) else np.array([parents], np.int32)
-        self._num_forked += rowloops.fork_row_state(
-            prows, crows, self.num_tokens, self.priority, self.namespace, self.active, self.appendable, self.forked
-        )
         ref = self.pool.ref_cnt
-        for g in self.groups:
+        g = self.groups[0]
+        self._num_forked += rowloops.fork_rows(
+            prows, crows, self.num_tokens, self.priority, self.namespace, self.active, self.appendable, self.forked,
+            g.table, g.num_blocks, g.num_skipped, g.num_registered, ref, g.block_size,
+        )
+        for g in self.groups[1:]:
             rowloops.share_blocks(prows, crows, g.table, g.num_blocks, g.num_skipped, g.num_registered, ref,
                                   self.num_tokens, g.block_size)
         if self.max_cross_blocks:
@@ -1114,17 +1118,19 @@ class BlockManager:
         """(rows, first positions, token counts) of the step's work: successful appends, then
         admissions. ``old``: the appending requests' sizes before, when all of them succeeded."""
         if old is not None and not admit_status.size:
-            if np.isscalar(n_new):
+            if not isinstance(n_new, np.ndarray):
                 sched_len = np.empty(rows.size, np.int32)
                 sched_len.fill(n_new)
             else:
                 sched_len = n_new.astype(np.int32)
             return rows, old.astype(np.int32), sched_len
+        if not rows.size and not admit_status.size:
+            return _EMPTY_I32, _EMPTY_I32, _EMPTY_I32
         ok_app = append_status == STATUS_OK
         admitted = np.flatnonzero(admit_status == STATUS_OK)
         # Only admitted requests' sizes are read: a rejected one may carry anything.
         admit_tokens = np.fromiter((admits[i].num_tokens for i in admitted.tolist()), np.int64, count=admitted.size)
-        n_app = np.broadcast_to(n_new, rows.shape)[ok_app]
+        n_app = n_new[ok_app] if isinstance(n_new, np.ndarray) else np.full(np.count_nonzero(ok_app), n_new, np.int64)
         sched_rows = np.concatenate([rows[ok_app], admit_rows[admitted]]).astype(np.int32)
         sched_len = np.concatenate([n_app, admit_tokens - admit_cached[admitted]]).astype(np.int32)
         sched_start = np.subtract(self.num_tokens[sched_rows], sched_len, dtype=np.int32, casting="unsafe")
@@ -1167,6 +1173,8 @@ class BlockManager:
         return rows if (self._mark[rows] == idx).all() else None
 
     def _step_forks(self, forks):
+        if not len(forks):
+            return _EMPTY_I16, _EMPTY_I32
         if len(forks) > 1:
             batched = self._fork_batch(forks)
             if batched is not None:
@@ -1242,6 +1250,8 @@ class BlockManager:
     def _step_append_rows(self, batch: StepBatch, rows) -> np.ndarray:
         if rows is not None:
             return rows
+        if not len(batch.append_ids):
+            return _EMPTY_I32
         get = self._row_of.get
         try:
             return np.array([get(r, -1) for r in batch.append_ids], np.int32).reshape(-1)
@@ -1251,7 +1261,7 @@ class BlockManager:
     def _step_hashes(self, batch: StepBatch, n: int):
         G = len(self.groups)
         if not len(batch.append_hashes):
-            return [_EMPTY_HASHES] * G, [np.zeros(n, np.int64)] * G
+            return [_EMPTY_HASHES] * G, None
         if len(batch.append_hashes) != G or len(batch.append_hash_counts) != G:
             raise errors.BadHashes(f"append hashes must be given for all {G} groups")
         hashes = [as_hash_array(h) if len(h) else _EMPTY_HASHES for h in batch.append_hashes]

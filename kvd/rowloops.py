@@ -196,6 +196,15 @@ def share_blocks(parents, children, table, num_blocks, num_skipped, num_register
         num_registered[c] = min(num_registered[p], nb)
 
 
+@_jit
+def fork_rows(parents, children, num_tokens, priority, namespace, active, appendable, forked,
+              table, num_blocks, num_skipped, num_registered, ref_cnt, block_size):
+    """``fork_row_state`` then ``share_blocks`` of the first group: the usual fork in one call."""
+    newly = fork_row_state(parents, children, num_tokens, priority, namespace, active, appendable, forked)
+    share_blocks(parents, children, table, num_blocks, num_skipped, num_registered, ref_cnt, num_tokens, block_size)
+    return newly
+
+
 def warm_up() -> None:
     """Compile (or load from the disk cache) every loop for the manager's array types now, so that
     the first step a daemon serves does not pay for it."""
@@ -208,5 +217,5 @@ def warm_up() -> None:
     append_batch(i32, 0, i64[:0], 0, i64[:0], 1, i64, flags, flags, False, np.zeros(1, np.uint8),
                  table, i32, i32, i32.copy(), 1, i32, 0, i64.copy(), i64.copy(), flags.copy(),
                  np.zeros((1, 2), np.int32), i32.copy())
-    fork_row_state(i32, i32[:0], i64, np.zeros(1, np.uint8), i64, flags, flags, flags.copy())
+    fork_rows(i32, i32[:0], i64, np.zeros(1, np.uint8), i64, flags, flags, flags.copy(), table, i32, i32, i32, i32, 1)
     share_blocks(i32, i32[:0], table, i32, i32, i32, i32, i64, 1)
