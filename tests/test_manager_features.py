@@ -63,6 +63,65 @@ def test_fork_in_a_step_then_every_sibling_appends():
     assert m.pool.ref_cnt[5:9].tolist() == [1, 1, 1, 1]
 
 
+def test_copies_and_growth_of_one_batch_take_blocks_in_batch_order():
+    m = make(num_blocks=32, max_num_reqs=16)
+    m.allocate("p", 40)  # blocks 1, 2 and the partial 3
+    m.step(StepBatch(forks=[("p", "c1"), ("p", "c2")]))
+    res = m.step(StepBatch(append_ids=["p", "c1", "c2"], append_num_tokens=[1, 30, 1]))
+    # p copies block 3 into 4; c1 copies it into 5, then grows into 6 and 7; c2, the last
+    # holder left, writes in place.
+    assert res.copies.tolist() == [[3, 4], [3, 5]]
+    assert [m.block_table(r).tolist() for r in ("p", "c1", "c2")] == [[1, 2, 4], [1, 2, 5, 6, 7], [1, 2, 3]]
+    assert m.pool.ref_cnt[1:9].tolist() == [3, 3, 1, 1, 1, 1, 1, 0]
+    assert res.sched_start.tolist() == [40, 40, 40] and res.sched_len.tolist() == [1, 30, 1]
+    assert set(m.rows_of(["p", "c1"]).tolist()) <= set(res.changed_rows.tolist())
+
+
+def test_copies_beyond_the_fresh_blocks_evict_cached_ones_in_queue_order():
+    m = make(num_blocks=8)
+    m.allocate("x", 32, hash_prompt(prompt(32), 16))  # blocks 1, 2, both registered
+    m.free("x")  # cached and free: the eviction queue holds 2, then 1
+    m.allocate("p", 40)  # fresh blocks 3, 4, 5
+    m.step(StepBatch(forks=[("p", c) for c in range(3)]))
+    res = m.step(StepBatch(append_ids=["p", 0, 1, 2], append_num_tokens=1))
+    assert res.copies.tolist() == [[5, 6], [5, 7], [5, 2]]
+    assert m.stats()["evictions"] == 1 and m.pool.cache_key[2] == 0 and m.pool.cache_key[1] != 0
+    assert [m.block_table(r)[-1] for r in ("p", 0, 1, 2)] == [6, 7, 2, 5]
+
+
+def test_copies_short_of_blocks_are_decided_in_batch_order():
+    m = make(num_blocks=6)
+    m.allocate("p", 40)  # blocks 1, 2, 3; free: 4, 5
+    m.step(StepBatch(forks=[("p", "c1"), ("p", "c2")]))
+    res = m.step(StepBatch(append_ids=["c1", "p", "c2"], append_num_tokens=[30, 1, 1]))
+    # c1 needs a copy and two new blocks: no space, unchanged. p and c2 then both copy, since
+    # c1 still holds block 3.
+    assert res.append_status.tolist() == [STATUS_NO_SPACE, 0, 0]
+    assert res.copies.tolist() == [[3, 4], [3, 5]]
+    assert [m.block_table(r).tolist() for r in ("c1", "p", "c2")] == [[1, 2, 3], [1, 2, 4], [1, 2, 5]]
+    assert m.pool.ref_cnt[1:6].tolist() == [3, 3, 1, 1, 1] and m.num_free_blocks == 0
+
+
+def test_a_bad_append_beside_copies_changes_nothing_of_its_own():
+    m = make(num_blocks=16)
+    m.allocate("p", 40)
+    m.step(StepBatch(forks=[("p", "c")]))
+    res = m.step(StepBatch(append_ids=["p", "c"], append_num_tokens=[1, 10_000]))
+    assert res.append_status.tolist() == [0, errors.InvalidArgument.code]
+    assert res.copies.tolist() == [[3, 4]]  # p copies: c still holds block 3
+    assert m.block_table("c").tolist() == [1, 2, 3] and m.pool.ref_cnt[1:5].tolist() == [2, 2, 1, 1]
+    assert res.sched_rows.tolist() == [m.row_of("p")] and m.num_free_blocks == 11
+
+    m = make(num_blocks=16)
+    m.allocate("p", 40)
+    m.step(StepBatch(forks=[("p", "c")]))
+    res = m.step(StepBatch(append_ids=["c", "p", "c"], append_num_tokens=1))  # c named twice
+    assert res.append_status.tolist() == [0, 0, errors.InvalidArgument.code]  # the repeat is refused
+    assert res.copies.tolist() == [[3, 4]]  # c copies first; p, the last holder, writes in place
+    assert m.block_table("c").tolist() == [1, 2, 4] and m.block_table("p").tolist() == [1, 2, 3]
+    assert m.pool.ref_cnt[1:5].tolist() == [2, 2, 1, 1]
+
+
 def test_fork_errors_change_nothing():
     m = make()
     m.allocate("p", 10)

@@ -1,0 +1,130 @@
+"""The compiled row loops on hand-made arrays: exact plans, exact writes, and planning that
+declines changes nothing (reference counts and the scratch mark are as they were)."""
+
+import numpy as np
+import pytest
+
+from kvd import rowloops
+
+BS = 4
+R = 6
+
+
+def state():
+    """Rows 0..2 active; row 0 (7 tokens: blocks 1, 2) forked into row 1, both sharing the
+    partial block 2; row 2 (8 tokens: blocks 3, 4, both full)."""
+    s = dict(
+        num_tokens=np.array([7, 7, 8, 0, 0, 0], np.int64),
+        appendable=np.array([1, 1, 1, 0, 0, 0], bool),
+        forked=np.array([1, 1, 0, 0, 0, 0], bool),
+        mark=np.zeros(R, np.uint8),
+        table=np.zeros((R, 4), np.int32),
+        num_blocks=np.array([2, 2, 2, 0, 0, 0], np.int32),
+        num_registered=np.array([1, 1, 2, 0, 0, 0], np.int32),
+        ref_cnt=np.array([0, 2, 2, 1, 1, 0, 0, 0, 0, 0], np.int32),
+    )
+    s["table"][0, :2] = [1, 2]
+    s["table"][1, :2] = [1, 2]
+    s["table"][2, :2] = [3, 4]
+    return s
+
+
+def plan(s, rows, n=1, n_array=(), hash_counts=(), lookahead=0, max_len=16):
+    k = len(rows)
+    out = dict(old=np.full(k, -9, np.int64), grow=np.full(k, -9, np.int64), cow=np.zeros(k, bool))
+    need = rowloops.plan_appends(
+        np.array(rows, np.int32), n, np.array(n_array, np.int64), lookahead, np.array(hash_counts, np.int64), max_len,
+        s["num_tokens"], s["appendable"], s["forked"], True, s["mark"], s["table"], s["num_blocks"],
+        s["num_registered"], s["ref_cnt"], BS, out["old"], out["grow"], out["cow"],
+    )
+    return need, out
+
+
+def test_plan_copies_the_first_writers_of_a_shared_block_and_counts_growth():
+    s = state()
+    ref_before = s["ref_cnt"].copy()
+    need, out = plan(s, [1, 2, 0], n=2)
+    # row 1 writes first into shared block 2: copies; row 0, the last holder, writes in place.
+    # 7 + 2 = 9 tokens need 3 blocks: rows 1 and 0 grow by one; row 2 (8 + 2) too.
+    assert out["cow"].tolist() == [True, False, False]
+    assert out["grow"].tolist() == [1, 1, 1] and out["old"].tolist() == [7, 8, 7]
+    assert need == 4
+    assert np.array_equal(s["ref_cnt"], ref_before) and not s["mark"].any()
+
+
+@pytest.mark.parametrize(
+    "rows, kw",
+    [
+        ([0, 7], {}),  # a row out of range
+        ([0, 3], {}),  # a row that is not appendable
+        ([0, 1, 0], {}),  # a row named twice
+        ([1, 0], dict(n_array=[1, -1])),  # a negative count, after a planned copy
+        ([1, 0], dict(n_array=[1, 10])),  # past max_model_len, after a planned copy
+        ([1, 2], dict(hash_counts=[0, 3])),  # more hashes than full, unregistered blocks
+    ],
+)
+def test_a_declined_plan_changes_nothing(rows, kw):
+    s = state()
+    before = {k: v.copy() for k, v in s.items()}
+    need, _ = plan(s, rows, **kw)
+    assert need == rowloops.DECLINED
+    for k, v in s.items():
+        assert np.array_equal(v, before[k]), k
+
+
+def test_apply_hands_out_copy_then_growth_blocks_in_batch_order():
+    s = state()
+    rows = np.array([1, 2, 0], np.int32)
+    need, out = plan(s, rows.tolist(), n=2)
+    blocks = np.array([5, 6, 7, 8], np.int32)
+    s["ref_cnt"][blocks] = 1
+    copies, changed = np.zeros((R, 2), np.int32), np.zeros(R, np.int32)
+    n_copies, n_changed = rowloops.apply_appends(
+        rows, 2, np.empty(0, np.int64), out["old"], out["grow"], out["cow"], blocks, s["num_tokens"], s["table"],
+        s["num_blocks"], s["ref_cnt"], BS, copies, changed,
+    )
+    assert (n_copies, n_changed) == (1, 3)
+    assert copies[:1].tolist() == [[2, 5]] and changed[:3].tolist() == [1, 2, 0]
+    assert s["table"][:3, :3].tolist() == [[1, 2, 8], [1, 5, 6], [3, 4, 7]]
+    assert s["num_blocks"][:3].tolist() == [3, 3, 3] and s["num_tokens"][:3].tolist() == [9, 9, 10]
+    assert s["ref_cnt"][:9].tolist() == [0, 2, 1, 1, 1, 1, 1, 1, 1]
+
+
+def test_append_batch_takes_the_top_of_the_fresh_stack_or_declines_to_apply():
+    s = state()
+    fresh = np.array([9, 8, 7, 6, 5], np.int32)  # the top (5) is handed out first
+    bufs = dict(old=np.zeros(2, np.int64), grow=np.zeros(2, np.int64), cow=np.zeros(2, bool),
+                copies=np.zeros((2, 2), np.int32), changed=np.zeros(2, np.int32))
+
+    def call(num_fresh):
+        return rowloops.append_batch(
+            np.array([1, 0], np.int32), 1, np.empty(0, np.int64), 0, np.empty(0, np.int64), 16,
+            s["num_tokens"], s["appendable"], s["forked"], True, s["mark"], s["table"], s["num_blocks"],
+            s["num_registered"], s["ref_cnt"], BS, fresh, num_fresh, bufs["old"], bufs["grow"], bufs["cow"],
+            bufs["copies"], bufs["changed"],
+        )
+
+    assert call(0) == (1, False, 0, 0)  # one copy needed, no fresh block: nothing applied
+    assert s["ref_cnt"][2] == 2 and s["table"][1, 1] == 2
+    assert call(5) == (1, True, 1, 1)
+    assert bufs["copies"][0].tolist() == [2, 5] and s["table"][1, :2].tolist() == [1, 5]
+    assert s["ref_cnt"][[2, 5]].tolist() == [1, 1] and s["num_tokens"][:2].tolist() == [8, 8]
+
+
+def test_fork_rows_copies_row_state_and_shares_blocks_up_to_the_last_token():
+    s = state()
+    s["num_blocks"][2] = 3  # row 2 holds a lookahead block 9 past its 8 tokens: it stays its own
+    s["table"][2, 2] = 9
+    s["ref_cnt"][9] = 1
+    prio, ns = np.array([0, 0, 7, 0, 0, 0], np.uint8), np.array([0, 0, 3, 0, 0, 0], np.int64)
+    skipped = np.zeros(R, np.int32)
+    newly = rowloops.fork_rows(
+        np.array([2], np.int32), np.array([4, 5], np.int32), s["num_tokens"], prio, ns, s["appendable"].copy(),
+        s["appendable"], s["forked"], s["table"], s["num_blocks"], skipped, s["num_registered"], s["ref_cnt"], BS,
+    )
+    assert newly == 3  # the parent and both children
+    assert s["table"][4:, :3].tolist() == [[3, 4, 0], [3, 4, 0]]
+    assert s["num_blocks"][4:].tolist() == [2, 2] and s["num_registered"][4:].tolist() == [2, 2]
+    assert s["num_tokens"][4:].tolist() == [8, 8] and prio[4:].tolist() == [7, 7] and ns[4:].tolist() == [3, 3]
+    assert s["ref_cnt"][[3, 4, 9]].tolist() == [3, 3, 1]
+    assert s["forked"].tolist() == [True, True, True, False, True, True]
