@@ -156,6 +156,7 @@ class BlockManager:
         self._copies: list[np.ndarray] = []
         self._deferred: list[tuple[int, np.ndarray, np.ndarray]] = []
         self._watermark_blocks = int(config.watermark * config.num_gpu_blocks)
+        self._no_hashes = [_EMPTY_HASHES] * len(self.groups)
         self.counters = dict(prefix_queries=0, prefix_hits=0, swaps_out=0, swaps_in=0, cow_copies=0)
 
     # ================================================================== ids and rows
@@ -1073,9 +1074,10 @@ class BlockManager:
     def step(self, batch: StepBatch, namespace: int = 0) -> StepResult:
         """Apply one scheduler step: frees, forks, appends, admissions (in that order). Misuse of
         one request is reported in its status and does not stop the others."""
-        self.flush_deferred()
+        if self._deferred:
+            self.flush_deferred()
         la = batch.num_lookahead_tokens
-        if not isinstance(la, (int, np.integer)) or isinstance(la, bool) or not 0 <= la <= self.max_lookahead:
+        if type(la) is not int and (not isinstance(la, np.integer) or isinstance(la, bool)) or not 0 <= la <= self.max_lookahead:
             raise errors.InvalidArgument(f"num_lookahead_tokens must be an integer in [0, {self.max_lookahead}]")
         if (
             self._simple
@@ -1086,19 +1088,24 @@ class BlockManager:
             if result is not None:
                 return result
         n_new, given_rows, n = self._step_append_sizes(batch)
-        hash_lists, hash_counts = self._step_hashes(batch, n)
-        free_status, freed_rows = self._step_frees(batch.free)
-        fork_status, child_rows = self._step_forks(batch.forks)
+        hash_lists, hash_counts = self._step_hashes(batch, n) if len(batch.append_hashes) else (self._no_hashes, None)
+        free_status, freed_rows = self._step_frees(batch.free) if len(batch.free) else (_EMPTY_I16, _EMPTY_I32)
+        fork_status, child_rows = self._step_forks(batch.forks) if len(batch.forks) else (_EMPTY_I16, _EMPTY_I32)
         rows = self._step_append_rows(batch, given_rows)  # after frees and forks: ids may name new children
         copies_before = len(self._copies)
-        append_status, old = self._append_rows(rows, n_new, hash_lists, hash_counts, batch.num_lookahead_tokens)
-        admit_status, admit_rows, admit_cached = self._step_admits(batch.admit, namespace)
+        append_status, old = self._append_rows(rows, n_new, hash_lists, hash_counts, la)
+        admit_status, admit_rows, admit_cached = (
+            self._step_admits(batch.admit, namespace) if len(batch.admit) else (_EMPTY_I16, _EMPTY_I32, _EMPTY_I64)
+        )
         sched_rows, sched_start, sched_len = self._schedule(
             batch.admit, rows, n_new, old, append_status, admit_status, admit_rows, admit_cached
         )
-        new_copies = self._copies[copies_before:]
-        copies = _EMPTY_COPIES if not new_copies else new_copies[0] if len(new_copies) == 1 else np.concatenate(new_copies)
-        self._debug_check()
+        copies = _EMPTY_COPIES
+        if len(self._copies) > copies_before:
+            new_copies = self._copies[copies_before:]
+            copies = new_copies[0] if len(new_copies) == 1 else np.concatenate(new_copies)
+        if self.config.debug_checks:
+            self.check_invariants(heavy=True)
         return StepResult(
             free_status=free_status,
             fork_status=fork_status,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvd import rowloops
 from kvd.api import DEFAULT_PRIORITY, MAX_PRIORITY, NULL_BLOCK
 from kvd.hashing import HASH_DTYPE
 
@@ -234,31 +235,15 @@ class BlockPool:
         value or one per entry."""
         if not blocks.size:
             return
-        ref_before = self.ref_cnt[blocks]
-        assert ref_before.min() > 0, "release of a free block"
-        # A block held once appears once; only blocks held several times can repeat.
-        exclusive = ref_before == 1
-        if exclusive.all():
-            self.ref_cnt[blocks] = 0
+        blocks = np.ascontiguousarray(blocks, np.int32)
+        last = np.empty(blocks.size, bool)
+        n_freed = rowloops.drop_refs(blocks, self.ref_cnt, last)
+        assert n_freed >= 0, "more releases than references"
+        if n_freed == blocks.size:
             freed, prio = blocks, priority
         else:
-            keep = exclusive
-            self.ref_cnt[blocks[exclusive]] = 0
-            shared_pos = np.flatnonzero(~exclusive)
-            shared = blocks[shared_pos]
-            ids, inverse, counts = np.unique(shared, return_inverse=True, return_counts=True)
-            remaining = self.ref_cnt[ids] - counts
-            assert remaining.min() >= 0, "more releases than references"
-            self.ref_cnt[ids] = remaining
-            gone = np.flatnonzero(remaining == 0)
-            if gone.size:
-                # The last entry of each id: stable sort by id, then the end of each run.
-                order = np.argsort(inverse, kind="stable")
-                last = order[np.cumsum(counts) - 1]
-                keep = keep.copy()
-                keep[shared_pos[last[gone]]] = True
-            freed = blocks[keep]
-            prio = priority if np.isscalar(priority) else np.asarray(priority)[keep]
+            freed = blocks[last]
+            prio = priority if np.isscalar(priority) else np.asarray(priority)[last]
         if not freed.size:
             return
         cached = self.cache_key[freed] != NO_CACHE_KEY

@@ -6,8 +6,8 @@ them as a chain of whole-array calls (argsorts, repeats, masks), each costing a 
 overhead however small the batch: a fork of one request into 8 children took ~60 of them. Here
 each is one native loop, so a step costs a few calls whatever its shape.
 
-Only numbers and numpy arrays cross this boundary (the manager's own arrays, written in place);
-the free queue and the prefix-cache maps stay in Python (``kvd.pool``). Functions are compiled on
+Only numbers and numpy arrays cross this boundary (the manager's and the pool's own arrays,
+written in place); the free queue's order and the prefix-cache maps stay in Python (``kvd.pool``). Functions are compiled on
 first use and cached on disk (``NUMBA_CACHE_DIR`` overrides where); ``NUMBA_DISABLE_JIT=1`` runs
 them as plain Python.
 """
@@ -205,6 +205,24 @@ def fork_rows(parents, children, num_tokens, priority, namespace, active, append
     return newly
 
 
+@_jit
+def drop_refs(blocks, ref_cnt, freed_out):
+    """One reference less per entry, in order (ids may repeat); ``freed_out[i]``: entry i took its
+    block's count to zero (so it is the block's last entry). Returns how many did, or DECLINED,
+    having changed nothing, when a count would fall below zero."""
+    n_freed = 0
+    for i in range(blocks.size):
+        b = blocks[i]
+        if ref_cnt[b] <= 0:
+            for j in range(i):
+                ref_cnt[blocks[j]] += 1
+            return DECLINED
+        ref_cnt[b] -= 1
+        freed_out[i] = ref_cnt[b] == 0
+        n_freed += freed_out[i]
+    return n_freed
+
+
 def warm_up() -> None:
     """Compile (or load from the disk cache) every loop for the manager's array types now, so that
     the first step a daemon serves does not pay for it."""
@@ -219,3 +237,4 @@ def warm_up() -> None:
                  np.zeros((1, 2), np.int32), i32.copy())
     fork_rows(i32, i32[:0], i64, np.zeros(1, np.uint8), i64, flags, flags, flags.copy(), table, i32, i32, i32, i32, 1)
     share_blocks(i32, i32[:0], table, i32, i32, i32, i32, i64, 1)
+    drop_refs(i32[:0], i32, flags.copy())

@@ -136,3 +136,12 @@ def test_releasing_a_free_block_is_a_bug():
     pool = BlockPool(4)
     with pytest.raises(AssertionError):
         pool.release(ids(1))
+
+
+def test_more_releases_than_references_is_a_bug_and_changes_no_count():
+    pool = BlockPool(8)
+    pool.take(3)  # 1, 2, 3
+    pool.incref(ids(2))
+    with pytest.raises(AssertionError):
+        pool.release(ids(1, 2, 3, 2, 2))  # block 2 is held twice, released three times
+    assert pool.ref_cnt[1:4].tolist() == [1, 2, 1] and pool.num_free == 4
