@@ -7,9 +7,12 @@ overhead however small the batch: a fork of one request into 8 children took ~60
 each is one native loop, so a step costs a few calls whatever its shape.
 
 Only numbers and numpy arrays cross this boundary (the manager's and the pool's own arrays,
-written in place); the free queue's order and the prefix-cache maps stay in Python (``kvd.pool``). Functions are compiled on
-first use and cached on disk (``NUMBA_CACHE_DIR`` overrides where); ``NUMBA_DISABLE_JIT=1`` runs
-them as plain Python.
+written in place); the free queue's order and the prefix-cache maps stay in Python (``kvd.pool``).
+
+Functions are compiled on first use and cached on disk (``NUMBA_CACHE_DIR`` overrides where);
+``warm_up`` loads them all, as the daemon does at start. Bounds are not checked: every index is
+validated by the plan or by the manager first. ``NUMBA_BOUNDSCHECK=1`` turns checks on and
+``NUMBA_DISABLE_JIT=1`` runs the loops as plain Python (the test suite passes both ways).
 """
 
 from __future__ import annotations
