@@ -574,10 +574,9 @@ class BlockManager:
         if not ok.any():
             return status, None
         orows, oold, onew = vrows[ok], old[ok], new[ok]
+        no_copy = np.zeros(orows.size, bool)
         for gi, g in enumerate(self.groups):
-            g_grow = grow[gi][ok]
-            g_cow = cow[gi][ok] if cow is not None else None
-            self._grow_group(gi, orows, oold, g_grow, g_cow)
+            self._grow_group(g, orows, oold, onew - oold, grow[gi][ok], cow[gi][ok] if cow is not None else no_copy)
         self.num_tokens[orows] = onew
         self._register_appends(rows, status, hash_lists, hash_counts)
         for g in self.groups:
@@ -613,29 +612,10 @@ class BlockManager:
                 rows, n_scalar, n_array, old, grow, cow, pool.take(need), self.num_tokens, g.table, g.num_blocks,
                 pool.ref_cnt, g.block_size, self._copies_buf, self._changed_buf,
             )
-        if n_copies:
-            self._copies.append(self._copies_buf[:n_copies].copy())
-            self.counters["cow_copies"] += n_copies
+        self._record_copies(n_copies)
         if hashes.size:
             self._register_appends(rows, np.zeros(n, np.int16), [hashes], [counts], defer)
         return old, self._changed_buf[:n_changed]  # views of scratch: valid until the next append
-
-    @staticmethod
-    def _first_writers_copy(blocks: np.ndarray, refs: np.ndarray) -> np.ndarray:
-        """Which of these writes (in batch order) copy the shared block they write to, when every
-        request of the batch fits: the first ``ref - 1`` writers of a block copy it; the last one
-        finds itself the only holder left and writes in place."""
-        order = np.argsort(blocks, kind="stable")
-        sorted_blocks = blocks[order]
-        new_run = np.empty(blocks.size, bool)
-        new_run[0] = True
-        np.not_equal(sorted_blocks[1:], sorted_blocks[:-1], out=new_run[1:])
-        run_start = np.flatnonzero(new_run)
-        run_len = np.diff(run_start, append=blocks.size)
-        rank = np.arange(blocks.size) - np.repeat(run_start, run_len)
-        copies = np.empty(blocks.size, bool)
-        copies[order] = rank < refs[order] - 1
-        return copies
 
     @staticmethod
     def _greedy(need: np.ndarray, avail: int) -> np.ndarray:
@@ -649,12 +629,23 @@ class BlockManager:
         return ok
 
     def _cow_plan(self, g: _Group, vrows, cand, old) -> np.ndarray:
-        """Which writers copy their shared partial block when every request fits."""
+        """Which writers copy their shared partial block when every request fits: in batch order,
+        the first ``ref - 1`` writers of a block copy it; a later one finds itself the only holder
+        left and writes in place."""
         cow = np.zeros(vrows.size, bool)
         idx = np.flatnonzero(cand)
-        if idx.size:
-            blocks = g.table[vrows[idx], old[idx] // g.block_size]
-            cow[idx] = self._first_writers_copy(blocks, self.pool.ref_cnt[blocks])
+        if not idx.size:
+            return cow
+        blocks = g.table[vrows[idx], old[idx] // g.block_size]
+        order = np.argsort(blocks, kind="stable")
+        sorted_blocks = blocks[order]
+        new_run = np.empty(idx.size, bool)
+        new_run[0] = True
+        np.not_equal(sorted_blocks[1:], sorted_blocks[:-1], out=new_run[1:])
+        run_start = np.flatnonzero(new_run)
+        run_len = np.diff(run_start, append=idx.size)
+        rank = np.arange(idx.size) - np.repeat(run_start, run_len)
+        cow[idx[order]] = rank < self.pool.ref_cnt[sorted_blocks] - 1
         return cow
 
     def _decide_with_cow(self, vrows, need, cow_cand, avail, old):
@@ -684,44 +675,22 @@ class BlockManager:
                 pending[block] = pending.get(block, 0) + 1
         return ok, cow
 
-    def _grow_group(self, gi: int, rows, old, grow, cow, blocks=None) -> None:
-        g = self.groups[gi]
-        n_cow = int(cow.sum()) if cow is not None else 0
-        total = int(grow.sum()) + n_cow
+    def _grow_group(self, g: _Group, rows, old, n_new, grow, cow) -> None:
+        """Give each request its copy-on-write block (``cow``) and ``grow`` new blocks, taken
+        together and handed out in batch order (``kvd.rowloops.apply_appends``)."""
+        total = int(grow.sum()) + int(np.count_nonzero(cow))
         if not total:
             return
-        if blocks is None:
-            blocks = self.pool.take(total)
-        per_req = grow + (cow if cow is not None else 0)
-        offsets = np.cumsum(per_req) - per_req
-        if n_cow:
-            cow_idx = np.flatnonzero(cow)
-            cow_rows = rows[cow_idx]
-            cols = old[cow_idx] // g.block_size
-            self._copy_on_write(g, cow_rows, cols, g.table[cow_rows, cols], blocks[offsets[cow_idx]])
-            offsets = offsets + cow
-        grow_idx = np.flatnonzero(grow)
-        counts = grow[grow_idx]
-        rep = np.repeat(grow_idx, counts)
-        within = np.arange(rep.size) - np.repeat(np.cumsum(counts) - counts, counts)
-        cols = g.num_blocks[rows[rep]] + within
-        g.table[rows[rep], cols] = blocks[offsets[rep] + within]
-        g.num_blocks[rows] += grow.astype(np.int32)
+        n_copies, _ = rowloops.apply_appends(
+            rows, 0, n_new, old, grow, cow, self.pool.take(total), self.num_tokens, g.table, g.num_blocks,
+            self.pool.ref_cnt, g.block_size, self._copies_buf, self._changed_buf,
+        )
+        self._record_copies(n_copies)
 
-    def _copy_on_write(self, g: _Group, rows, cols, src, dst) -> None:
-        """Move each writer from its shared block ``src`` (at ``cols`` of its row) to ``dst`` and
-        record the copies. The last writer of each shared block keeps it, so no count reaches zero."""
-        g.table[rows, cols] = dst
-        ref = self.pool.ref_cnt
-        if (src == src[0]).all():
-            ref[src[0]] -= src.size
-        else:
-            np.subtract.at(ref, src, 1)
-        pairs = np.empty((src.size, 2), np.int32)
-        pairs[:, 0] = src
-        pairs[:, 1] = dst
-        self._copies.append(pairs)
-        self.counters["cow_copies"] += src.size
+    def _record_copies(self, n_copies: int) -> None:
+        if n_copies:
+            self._copies.append(self._copies_buf[:n_copies].copy())
+            self.counters["cow_copies"] += n_copies
 
     def _register_one_each(self, gi: int, rows, hashes, counts, defer: bool = False) -> bool:
         """Registration when each request filled at most one block (a decode step): a few array
