@@ -281,12 +281,13 @@ class _Core:
         r = self.row_of(req_id)
         return self.shm.tables[group][r, : int(self.shm.counts[group][r])]
 
-    def hash_prompt(self, token_ids, **kw) -> np.ndarray:
-        """kvd.hashing.hash_prompt with this pool's block size and hash algorithm."""
+    def hash_prompt(self, token_ids, group: int = 0, **kw) -> np.ndarray:
+        """kvd.hashing.hash_prompt with this pool's hash algorithm and the block size of KV-cache
+        ``group`` (with several groups, give ``[hash_prompt(t, group=g) for g in ...]``)."""
         from kvd.hashing import hash_prompt
 
         kw.setdefault("algo", self.info.get("hash_algo", "sha256"))
-        return hash_prompt(token_ids, self.block_sizes[0], **kw)
+        return hash_prompt(token_ids, self.block_sizes[group], **kw)
 
     # ---- session ----------------------------------------------------------------------------------
     def _next_seq(self) -> int:

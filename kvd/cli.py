@@ -134,13 +134,13 @@ def _config_error(exc: ConfigError) -> int:
 def _serve(cfg: ServeConfig) -> int:
     setup_logging(cfg.log_level)
     log.info(
-        "kvd %s starting: device=%s endpoint=%s gpu_blocks=%d cpu_blocks=%d block_size=%d",
+        "kvd %s starting: device=%s endpoint=%s gpu_blocks=%d cpu_blocks=%d groups=%s",
         kvd.__version__,
         cfg.device,
         cfg.resolved_endpoint(),
         cfg.num_gpu_blocks,
         cfg.num_cpu_blocks,
-        cfg.block_size,
+        ",".join(f"{bs}:{sw}" if sw else str(bs) for bs, sw in cfg.group_specs()),
     )
     log.debug("effective configuration: %s", json.dumps(cfg.to_dict(), sort_keys=True))
     from kvd import server  # lazy: pulls in zmq, uvloop and (on GPU) torch + triton

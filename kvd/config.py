@@ -84,6 +84,10 @@ class ServeConfig:
     """Tokens per block (1..1024)."""
     sliding_window: int = 0
     """Sliding-window size in tokens (0: full attention)."""
+    kv_groups: str = ""
+    """Several KV-cache groups sharing the pool, as BLOCK_SIZE[:WINDOW] per group, comma-separated
+    (e.g. "16,16:4096": full attention beside a 4,096-token window). Replaces block_size and
+    sliding_window when set."""
     max_model_len: int = 8192
     """Longest request, in tokens."""
     max_num_reqs: int = 4096
@@ -151,6 +155,12 @@ class ServeConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def group_specs(self) -> tuple[tuple[int, int], ...]:
+        """(block size, sliding window or 0) of each KV-cache group."""
+        if not self.kv_groups:
+            return ((self.block_size, self.sliding_window),)
+        return _parse_kv_groups(self.kv_groups)
+
 
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(ServeConfig)}
 _TYPES: dict[str, type] = {
@@ -171,6 +181,36 @@ def _in_range(lo: float, hi: float):
         return None if lo <= v <= hi else f"must be in {lo}..{hi}"
 
     return check
+
+
+_MAX_GROUPS = 8
+
+
+def _parse_kv_groups(text: str) -> tuple[tuple[int, int], ...]:
+    """"16,16:4096" -> ((16, 0), (16, 4096)); ValueError with the reason when malformed."""
+    groups = []
+    for part in text.split(","):
+        block, _, window = part.strip().partition(":")
+        try:
+            size, win = int(block), int(window) if window else 0
+        except ValueError:
+            raise ValueError(f"{part.strip()!r} is not BLOCK_SIZE[:WINDOW]") from None
+        if not 1 <= size <= 1024 or win < 0:
+            raise ValueError(f"{part.strip()!r}: block size must be in 1..1024, window >= 0")
+        groups.append((size, win))
+    if len(groups) > _MAX_GROUPS:
+        raise ValueError(f"at most {_MAX_GROUPS} groups")
+    return tuple(groups)
+
+
+def _kv_groups(v: str) -> str | None:
+    if not v:
+        return None
+    try:
+        _parse_kv_groups(v)
+    except ValueError as exc:
+        return f"is not a group list: {exc}"
+    return None
 
 
 def _endpoint(v: str) -> str | None:
@@ -209,6 +249,7 @@ _CHECKS = {
     "num_cpu_blocks": _in_range(0, 2**31 - 1),
     "block_size": _in_range(1, 1024),
     "sliding_window": _non_negative,
+    "kv_groups": _kv_groups,
     "max_model_len": _in_range(1, 2**31 - 1),
     "max_num_reqs": _in_range(1, 2**31 - 1),
     "max_sessions": _in_range(1, 2**31 - 1),

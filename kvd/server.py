@@ -107,8 +107,7 @@ class Daemon:
         self.config = config
         self.epoch = secrets.token_hex(6)
         self.pid = os.getpid()
-        sw = int(_opt(config, "sliding_window", 0) or 0)
-        self.groups = (GroupSpec(block_size=int(config.block_size), sliding_window=sw or None),)
+        self.groups = tuple(GroupSpec(block_size=bs, sliding_window=sw or None) for bs, sw in _group_specs(config))
         self.mcfg = ManagerConfig(
             num_gpu_blocks=int(config.num_gpu_blocks),
             groups=self.groups,
@@ -783,6 +782,13 @@ def _prepare_runtime_dir(path: str) -> None:
         st = os.stat(path)
         if st.st_uid == os.getuid() and (st.st_mode & 0o777) != 0o700:
             os.chmod(path, 0o700)
+
+
+def _group_specs(config: Any) -> tuple[tuple[int, int], ...]:
+    """(block size, window) per KV-cache group, from a ServeConfig or a plain namespace."""
+    if hasattr(config, "group_specs"):
+        return config.group_specs()
+    return ((int(config.block_size), int(_opt(config, "sliding_window", 0) or 0)),)
 
 
 def serve(config: Any) -> int:

@@ -195,3 +195,45 @@ def test_child_forked_in_a_step_can_append_in_the_same_step(daemon):
         assert c.block_table("p").tolist() == m.block_table("p").tolist() == [1, 3]
     finally:
         c.close()
+
+
+def test_two_kv_groups_are_served_like_the_in_process_manager(daemon_factory):
+    """A hybrid pool (kv_groups "16,32:64": full attention beside a 64-token window of 32-token
+    blocks): tables, slot mappings and statuses equal the in-process manager's, group by group."""
+    d = daemon_factory(kv_groups="16,32:64")
+    groups = (GroupSpec(16), GroupSpec(32, sliding_window=64))
+    m = BlockManager(ManagerConfig(num_gpu_blocks=SMALL["num_gpu_blocks"], groups=groups,
+                                   max_model_len=SMALL["max_model_len"], max_num_reqs=SMALL["max_num_reqs"]))
+    c = Client(d.endpoint, tenant="hybrid")
+    try:
+        assert c.block_sizes == (16, 32)
+        rng = np.random.default_rng(1)
+        prompts = [rng.integers(0, 1000, n).astype(np.int32) for n in (100, 150, 70)]
+        prompts.append(prompts[1].copy())  # a prefix hit both groups must agree on
+        for i, p in enumerate(prompts):
+            hs = [c.hash_prompt(p, group=g) for g in range(2)]
+            assert all((h == hash_prompt(p, gs.block_size)).all() for h, gs in zip(hs, groups))
+            a, b = c.allocate(i, len(p), hs), m.allocate(i, len(p), hs)
+            assert (a.status, a.num_cached_tokens) == (b.status, b.num_cached_tokens)
+            assert a.num_cached_tokens == (128 if i == 3 else 0)  # 4 blocks of 32 inside both groups
+        ids = list(range(4))
+        for k in range(70):  # long enough for the window to release blocks
+            batch = StepBatch(append_ids=ids, forks=[(1, "f")] if k == 10 else ())
+            ra, rb = c.step(batch), m.step(batch)
+            assert ra.append_status.tolist() == rb.append_status.tolist() == [0] * len(ids)
+            assert ra.copies.tolist() == rb.copies.tolist()
+            if k == 10:
+                ids = ids + ["f"]
+            for g, gs in enumerate(groups):
+                for rid in ids:
+                    assert (c.block_table(rid, g) == m.block_table(rid, g)).all(), (k, rid, g)
+                slots = []
+                for row, start, n in zip(rb.sched_rows, rb.sched_start, rb.sched_len):
+                    t = m.block_table(m.req_id_of_row(row), g)
+                    slots += [int(t[pos // gs.block_size]) * gs.block_size + pos % gs.block_size
+                              for pos in range(start, start + n)]
+                assert c.slot_mappings[g][: len(slots)].tolist() == slots
+        assert (c.block_table(0, 1)[:3] == 0).all()  # blocks that left the window are the null block
+        assert c.stats()["num_used_blocks"] == m.stats()["num_used_blocks"]
+    finally:
+        c.close()

@@ -54,6 +54,7 @@ def test_every_key_is_a_flag_an_env_var_and_a_file_key(tmp_path):
         "watermark": ("0.25", 0.25),
         "lease_s": ("3.5", 3.5),
         "status_interval_s": ("0.5", 0.5),
+        "kv_groups": ("16,32:64", "16,32:64"),
     }
     for key, f in FIELDS.items():
         text, value = overrides[key] if key in overrides else (str(f.default + 3), f.default + 3)
@@ -111,6 +112,9 @@ def test_dict_input_strings_and_values():
         ({"flags": ["--runtime-dir", "relative/dir"]}, "runtime_dir"),
         ({"flags": ["--log-level", "loud"]}, "log_level"),
         ({"dict": {"no_such_key": 1}}, "no_such_key"),
+        ({"file": 'kv_groups = "16,x"\n'}, "kv_groups"),
+        ({"env": {"KVD_KV_GROUPS": "16:-4"}}, "kv_groups"),
+        ({"flags": ["--kv-groups", "2048"]}, "kv_groups"),
     ],
 )
 def test_rejects_naming_the_key(tmp_path, source, key):
@@ -198,3 +202,11 @@ def test_setup_logging_one_line_per_event(capsys, monkeypatch):
                 root.removeHandler(h)
         root.setLevel(saved[1])
         logging.getLogger("kvd").setLevel(saved[2])
+
+
+def test_kv_groups_replace_the_single_group_keys(tmp_path):
+    assert ServeConfig(block_size=32, sliding_window=128).group_specs() == ((32, 128),)
+    cfg = load_config(None, env={"KVD_KV_GROUPS": " 16, 32:4096 "}, file=_write(tmp_path, "block_size = 8\n"))
+    assert cfg.group_specs() == ((16, 0), (32, 4096))
+    flag = load_config(_parser().parse_args(["--kv-groups", "64:0,16"]), env={})
+    assert flag.group_specs() == ((64, 0), (16, 0))
