@@ -155,9 +155,11 @@ def _inproc_client(d):
     return c
 
 
-def test_daemon_gpu_path_emulated(monkeypatch):
+@pytest.mark.parametrize("groups", [((4, 0),), ((4, 0), (8, 16))], ids=["one-group", "full+window"])
+def test_daemon_gpu_path_emulated(monkeypatch, groups):
     """Every op's shared-memory writes reach the session's GPU buffers (here CPU tensors written by
-    the Triton kernels under the interpreter) exactly, through the tracker, the staging and the plans."""
+    the Triton kernels under the interpreter) exactly, through the tracker, the staging and the plans,
+    for every KV-cache group."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("emulation runs under TRITON_INTERPRET=1 (a machine without a GPU)")
     pytest.importorskip("torch")
@@ -177,6 +179,14 @@ def test_daemon_gpu_path_emulated(monkeypatch):
         max_num_batched_tokens = 64
         device = "cpu"
 
+        @staticmethod
+        def group_specs():
+            return groups
+
+    def hashes(p):
+        hs = [hash_prompt(p, bs) for bs, _ in groups]
+        return hs[0] if len(hs) == 1 else hs
+
     d = Daemon(Cfg)
     d.gpu_pool = GpuPool("cpu", d.block_sizes, d.max_blocks, d.max_reqs, d.max_tokens)
     try:
@@ -187,8 +197,9 @@ def test_daemon_gpu_path_emulated(monkeypatch):
 
         def check(tag):
             shm = sess.shm
-            assert np.array_equal(g.tables[0].numpy(), shm.tables[0]), tag
-            assert np.array_equal(g.counts[0].numpy(), shm.counts[0]), tag
+            for k in range(len(groups)):
+                assert np.array_equal(g.tables[k].numpy(), shm.tables[k]), (tag, k)
+                assert np.array_equal(g.counts[k].numpy(), shm.counts[k]), (tag, k)
             assert np.array_equal(g.slots.numpy(), shm.slot_array), tag
 
         def step(batch):
@@ -197,7 +208,7 @@ def test_daemon_gpu_path_emulated(monkeypatch):
         check("hello")
         rng = np.random.default_rng(3)
         prompts = {f"r{i}": rng.integers(0, 50, int(rng.integers(1, 20))).astype(np.int32) for i in range(5)}
-        res = step(StepBatch(admit=[AdmitRequest(r, len(p), hash_prompt(p, 4)) for r, p in prompts.items()]))
+        res = step(StepBatch(admit=[AdmitRequest(r, len(p), hashes(p)) for r, p in prompts.items()]))
         assert (np.asarray(res.admit_status) == 0).all()
         check("admit")
         live = list(prompts)
