@@ -92,24 +92,8 @@ class GpuBuffers:
     def __init__(self, info: dict, num_groups: int):
         import torch
 
-        dev = int(info["dev"])
-        uuid = info.get("uuid")
-        if uuid:  # the daemon's device index may differ under another CUDA_VISIBLE_DEVICES
-            for i in range(torch.cuda.device_count()):
-                if str(torch.cuda.get_device_properties(i).uuid) == uuid:
-                    dev = i
-                    break
-            else:
-                raise RuntimeError(f"the daemon's GPU {uuid} is not visible to this process")
-        torch.cuda.init()
         self.key = info["h"]
-        self.device = torch.device("cuda", dev)
-        ev = info.get("ev")
-        with torch.cuda.device(dev):
-            self.storage = torch.UntypedStorage._new_shared_cuda(
-                dev, bytes.fromhex(info["h"]), int(info["sz"]), int(info["off"]),
-                bytes.fromhex(info["rc"]), int(info["rco"]),
-                None if ev is None else bytes.fromhex(ev), bool(info["evs"]))
+        self.storage, self.device = _open_cuda_storage(info)
         dtypes = {"<i4": torch.int32, "<i8": torch.int64}
 
         def view(name: str):
@@ -132,6 +116,46 @@ class GpuBuffers:
     def close(self) -> None:
         self.tables = self.num_blocks = self.slot_mappings = self.slot_array = None
         self.storage = None  # the mapping goes (and the daemon's ref count drops) with the last view
+
+
+def _open_cuda_storage(info: dict):
+    """(storage, device) of a daemon allocation exported over CUDA IPC (torch's own recipe)."""
+    import torch
+
+    dev = int(info["dev"])
+    uuid = info.get("uuid")
+    if uuid:  # the daemon's device index may differ under another CUDA_VISIBLE_DEVICES
+        for i in range(torch.cuda.device_count()):
+            if str(torch.cuda.get_device_properties(i).uuid) == uuid:
+                dev = i
+                break
+        else:
+            raise RuntimeError(f"the daemon's GPU {uuid} is not visible to this process")
+    torch.cuda.init()
+    ev = info.get("ev")
+    with torch.cuda.device(dev):
+        storage = torch.UntypedStorage._new_shared_cuda(
+            dev, bytes.fromhex(info["h"]), int(info["sz"]), int(info["off"]),
+            bytes.fromhex(info["rc"]), int(info["rco"]),
+            None if ev is None else bytes.fromhex(ev), bool(info["evs"]))
+    return storage, torch.device("cuda", dev)
+
+
+def _map_kv_cache(info: dict):
+    """The daemon-owned KV cache (see kvd.memory): numpy over shared memory, or a torch CUDA tensor."""
+    shape = [int(x) for x in info["shape"]]
+    if info["kind"] == "shm":
+        from kvd.memory import DTYPES, SHM_DIR
+
+        return np.memmap(os.path.join(SHM_DIR, info["name"]), DTYPES[info["dtype"]], "r+", shape=tuple(shape))
+    import torch
+
+    storage, device = _open_cuda_storage(info)
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return torch.empty(0, dtype=getattr(torch, info["dtype"]), device=device).set_(storage, 0, shape, strides[::-1])
 
 
 def _raise(h: dict) -> None:
@@ -190,6 +214,8 @@ class _Core:
         # True = required (raise if it cannot), False = never (CPU shared memory only)
         self._want_gpu = gpu
         self.gpu: GpuBuffers | None = None
+        self._kv = None  # the daemon-owned KV cache, mapped on first use
+        self._kv_of: str | None = None
         self.tenant = tenant
         self.name = name
         self.timeout_s = float(timeout_s)
@@ -275,6 +301,21 @@ class _Core:
     @property
     def block_sizes(self) -> tuple[int, ...]:
         return tuple(self.info.get("block_sizes", ()))
+
+    @property
+    def kv_cache(self):
+        """The KV cache the daemon owns (``kv_cache`` config), shared by every engine:
+        ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``, a numpy array over shared memory
+        (bfloat16 and fp8 as integers of their width) or, on a GPU daemon, a torch CUDA tensor.
+        The daemon performs the copy-on-write copies and swaps in it before replying. None when
+        the engines own their KV memory."""
+        info = self.info.get("kv") if self.info else None
+        if info is None:
+            return None
+        key = info.get("name") or info.get("h")
+        if self._kv is None or self._kv_of != key:
+            self._kv, self._kv_of = _map_kv_cache(info), key
+        return self._kv
 
     def block_table(self, req_id: Hashable, group: int = 0) -> np.ndarray:
         """The request's block ids (read-only view into shared memory, valid until it changes)."""

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvd.errors import InvalidArgument
+from kvd.memory import parse_kv_cache
 
 __all__ = [
     "ConfigError",
@@ -84,6 +85,10 @@ class ServeConfig:
     """Tokens per block (1..1024)."""
     sliding_window: int = 0
     """Sliding-window size in tokens (0: full attention)."""
+    kv_cache: str = ""
+    """The daemon owns the KV cache, shared by every engine: "LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]"
+    (DTYPE float16, bfloat16, float32, float8_e4m3fn or float8_e5m2; default float16). It performs
+    copy-on-write copies and swaps itself. Empty: the engines own their KV memory. One group only."""
     kv_groups: str = ""
     """Several KV-cache groups sharing the pool, as BLOCK_SIZE[:WINDOW] per group, comma-separated
     (e.g. "16,16:4096": full attention beside a 4,096-token window). Replaces block_size and
@@ -127,6 +132,8 @@ class ServeConfig:
             problem = check(getattr(self, name))
             if problem:
                 raise ConfigError(name, f"{getattr(self, name)!r} {problem}")
+        if self.kv_cache and len(self.group_specs()) > 1:
+            raise ConfigError("kv_cache", "a daemon-owned KV cache serves one KV-cache group, kv_groups has several")
         if self.log_level != self.log_level.lower():
             object.__setattr__(self, "log_level", self.log_level.lower())
 
@@ -213,6 +220,16 @@ def _kv_groups(v: str) -> str | None:
     return None
 
 
+def _kv_cache(v: str) -> str | None:
+    if not v:
+        return None
+    try:
+        parse_kv_cache(v)
+    except ValueError as exc:
+        return f"is not a KV cache spec: {exc}"
+    return None
+
+
 def _endpoint(v: str) -> str | None:
     return None if not v or _ENDPOINT_RE.fullmatch(v) else "must be empty, ipc://PATH or tcp://HOST:PORT"
 
@@ -249,6 +266,7 @@ _CHECKS = {
     "num_cpu_blocks": _in_range(0, 2**31 - 1),
     "block_size": _in_range(1, 1024),
     "sliding_window": _non_negative,
+    "kv_cache": _kv_cache,
     "kv_groups": _kv_groups,
     "max_model_len": _in_range(1, 2**31 - 1),
     "max_num_reqs": _in_range(1, 2**31 - 1),

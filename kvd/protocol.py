@@ -65,6 +65,12 @@ hello      hdr: tenant (str, <= 256 chars), name (str), pid (int), nonce (str, <
            The client rebuilds the storage with ``torch.UntypedStorage._new_shared_cuda(dev, h, sz,
            off, rc, rco, ev, evs)`` (torch/multiprocessing/reductions.py) once per session and takes
            views with ``Tensor.set_``; dropping them releases torch's cross-process ref count.
+           When the daemon owns the KV cache (``kv_cache`` config, kvd.memory) the reply also
+           carries ``kv``: {kind: "shm" | "cuda", shape: [layers, 2, num_blocks, block_size,
+           kv_heads, head_dim], dtype: "float16" | "bfloat16" | ...}, plus ``name`` (the
+           /dev/shm segment, mapped read-write) for "shm" or the IPC fields above (dev, uuid, h,
+           sz, off, rc, rco, ev, evs; the whole storage is the pool, row-major) for "cuda".
+           Copy-on-write copies and swaps are then done in it before the reply that reports them.
 attach     hdr: s (existing sid), epoch. Re-binds a live session (e.g. after the client rebuilt
            its socket). Wrong epoch -> DaemonRestarted; unknown/expired sid -> SessionError.
 step       hdr: la (lookahead tokens, int), an (uniform append token count used when the

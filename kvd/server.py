@@ -143,6 +143,13 @@ class Daemon:
 
             self.gpu_pool = GpuPool(device, self.block_sizes, self.max_blocks, self.max_reqs,
                                     self.max_tokens)
+        self.kv = None
+        kv_spec = str(_opt(config, "kv_cache", "") or "")
+        if kv_spec:  # the daemon owns the KV cache itself (kvd.memory)
+            from kvd.memory import KvMemory, parse_kv_cache
+
+            self.kv = KvMemory(parse_kv_cache(kv_spec), self.mcfg.num_gpu_blocks, self.mcfg.num_cpu_blocks,
+                               self.block_sizes[0], device, segment_name(self.pid, self.epoch, "kv"))
         n = int(config.max_num_reqs)
         self.owner_sid = np.zeros(n, np.int64)  # manager row -> session id (0: none)
         self.owner_srow = np.full(n, -1, np.int32)  # manager row -> session row
@@ -206,6 +213,7 @@ class Daemon:
             try:
                 reply = fn(sess, h, frames[1:], ident, seq)
             finally:
+                self._do_copies()
                 gs = sess.gpu
                 if gs is not None and gs.pending and sess.sid in self.sessions:
                     gs.flush(sess.shm.tables, sess.shm.counts)
@@ -227,6 +235,13 @@ class Daemon:
             return [P.error_reply(seq, self.epoch, KvdError.code, f"internal error: {type(e).__name__}: {e}")]
 
     # ---- helpers ------------------------------------------------------------------------------------
+    def _do_copies(self) -> None:
+        """The copy-on-write copies the op decided, done now when the daemon owns the KV cache
+        (before the reply that reports them); otherwise the engines do them."""
+        copies = self.manager.take_copies()
+        if self.kv is not None and len(copies):
+            self.kv.copy(copies)
+
     def _rows(self, buf: bytes, name: str, n: int | None = None) -> np.ndarray:
         rows = P.frame_array(buf, P.I32, n, name, self.max_reqs)
         if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= self.max_reqs):
@@ -399,6 +414,7 @@ class Daemon:
             lease_s=self.lease_s, hb_s=self.hb_s, hash_algo=self.hash_algo,
             num_groups=self.G, max_model_len=self.max_model_len,
             **({"gpu": sess.gpu.handle} if sess.gpu is not None and sess.gpu.handle else {}),
+            **({"kv": self.kv.info} if self.kv is not None else {}),
         )
 
     def op_attach(self, sess, h, frames, ident, seq):
@@ -528,6 +544,8 @@ class Daemon:
             return [P.ok_reply(seq, self.epoch, ok=bool(m.can_swap_in(ids)))]
         res = m.swap_out(ids) if op == P.SWAP_OUT else m.swap_in(ids)
         if int(res.status) == STATUS_OK:
+            if self.kv is not None:
+                (self.kv.swap_out if op == P.SWAP_OUT else self.kv.swap_in)(res.mapping)
             self._sync_rows(sess, sess.mrow[srows].copy())
         return [P.ok_reply(seq, self.epoch, status=int(res.status)), P.arr(res.mapping, P.I32)]
 
@@ -1020,6 +1038,8 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
         if d is not None:
             for s in list(d.sessions.values()):
                 d.end_session(s, "daemon shutdown")
+            if d.kv is not None:
+                d.kv.close()
             if d.metrics is not None:
                 try:
                     d.metrics.stop()

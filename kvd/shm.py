@@ -55,7 +55,9 @@ HEADER_BYTES = 4096
 ALIGN = 64
 
 
-def segment_name(pid: int, epoch: str, sid: int) -> str:
+def segment_name(pid: int, epoch: str, sid: int | str) -> str:
+    """A session's segment (``sid`` its index), or another segment of the daemon (``sid`` a word:
+    "kv" is the KV cache of ``kvd.memory``); all are swept when the daemon is gone."""
     return f"{PREFIX}{pid}_{epoch}_{sid}"
 
 

@@ -1,0 +1,89 @@
+"""The daemon-owned KV cache (kvd.memory): one cache shared by every engine, copy-on-write copies and
+swaps done by the daemon before its reply. CPU daemons keep it in shared memory; the CUDA path is
+in tests/test_gpu_session.py's GPU run."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from conftest_daemon import daemon_factory, shm_segments, short_tmp  # noqa: F401
+from kvd.api import StepBatch
+from kvd.config import ConfigError, ServeConfig
+from kvd.hashing import hash_prompt
+from kvd.memory import KvMemory, parse_kv_cache
+from kvd_client import Client
+
+SPEC = "2,2,4,float16"  # 2 layers, K and V, 2 KV heads of 4: 16 values per token
+
+
+def test_kv_cache_spec_parsing():
+    assert parse_kv_cache("32, 8, 128, bfloat16") == (32, 8, 128, "bfloat16")
+    assert parse_kv_cache("2,2,4") == (2, 2, 4, "float16")
+    for bad in ("2,2", "2,2,x", "0,2,4", "2,2,4,int8"):
+        with pytest.raises(ValueError):
+            parse_kv_cache(bad)
+    with pytest.raises(ConfigError, match="kv_cache"):
+        ServeConfig(kv_cache="2,2")
+    with pytest.raises(ConfigError, match="one KV-cache group"):
+        ServeConfig(kv_cache=SPEC, kv_groups="16,16:64")
+
+
+def test_cpu_pool_copies_and_swaps_whole_blocks():
+    name = f"kvd_{os.getpid()}_test_kv"
+    kv = KvMemory(parse_kv_cache(SPEC), num_blocks=8, num_cpu_blocks=4, block_size=4, device="cpu", name=name)
+    try:
+        assert kv.gpu.shape == (2, 2, 8, 4, 2, 4) and kv.info == {
+            "kind": "shm", "name": name, "shape": [2, 2, 8, 4, 2, 4], "dtype": "float16"}
+        kv.gpu[...] = np.arange(8, dtype=np.float16)[None, None, :, None, None, None]  # block b holds b
+        kv.copy(np.array([[3, 5], [3, 6]], np.int32))
+        assert [float(kv.gpu[1, 1, b, 3, 1, 3]) for b in range(8)] == [0, 1, 2, 3, 4, 3, 3, 7]
+        kv.swap_out(np.array([[1, 0], [2, 3]], np.int32))
+        kv.gpu[:, :, 1:3] = -1
+        kv.swap_in(np.array([[3, 1], [0, 2]], np.int32))
+        assert [float(kv.gpu[0, 0, b, 0, 0, 0]) for b in range(4)] == [0, 2, 1, 3]
+    finally:
+        kv.close()
+    assert not os.path.exists("/dev/shm/" + name)
+
+
+def test_engines_share_one_kv_cache_and_the_daemon_does_the_copies(daemon_factory):
+    d = daemon_factory(kv_cache=SPEC, num_cpu_blocks=64)
+    a, b = Client(d.endpoint, tenant="t"), Client(d.endpoint, tenant="t")
+    try:
+        kv_a, kv_b = a.kv_cache, b.kv_cache
+        assert kv_a.shape == (2, 2, 1024, 16, 2, 4) and kv_a.dtype == np.float16
+        [seg] = [n for n in shm_segments(d.pids[0]) if n.endswith("_kv")]
+        assert a.info["kv"]["name"] == seg
+
+        prompt = np.arange(40, dtype=np.int32)
+        a.allocate("x", 40, hash_prompt(prompt, 16))
+        blocks = a.block_table("x").copy()
+        for i, blk in enumerate(blocks.tolist()):  # engine A computes the prompt's KV
+            kv_a[:, :, blk] = 10 + i
+        # engine B's prefix hit reads A's KV through its own mapping, no copy anywhere
+        r = b.allocate("y", 40, hash_prompt(prompt, 16))
+        assert r.num_cached_tokens == 32 and b.block_table("y")[:2].tolist() == blocks[:2].tolist()
+        assert (kv_b[:, :, blocks[:2]] == np.array([10, 11], np.float16)[None, None, :, None, None, None]).all()
+
+        # fork, then both write into the shared partial block: the daemon has copied it on reply
+        a.step(StepBatch(forks=[("x", "x2")]))
+        res = a.step(StepBatch(append_ids=["x", "x2"]))
+        [[src, dst]] = res.copies.tolist()
+        assert src == blocks[2] and a.block_table("x")[2] == dst and a.block_table("x2")[2] == src
+        assert (kv_a[:, :, dst] == 12).all()
+
+        # swap out and back in: the content comes back, in whatever blocks it lands
+        before = kv_a[:, :, a.block_table("x")].copy()
+        assert a.swap_out(["x"]).ok
+        kv_a[:, :, dst] = -1  # the freed block is reused by someone else meanwhile
+        assert a.swap_in(["x"]).ok
+        assert (kv_a[:, :, a.block_table("x")] == before).all()
+    finally:
+        a.close()
+        b.close()
+    pid = d.pids[0]
+    d.stop()
+    assert shm_segments(pid) == []  # the KV segment went with the daemon
