@@ -87,3 +87,34 @@ def test_engines_share_one_kv_cache_and_the_daemon_does_the_copies(daemon_factor
     pid = d.pids[0]
     d.stop()
     assert shm_segments(pid) == []  # the KV segment went with the daemon
+
+
+@pytest.mark.cuda
+def test_gpu_kv_cache_is_shared_over_cuda_ipc_and_copied_by_the_daemon(daemon_factory):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pytest.importorskip("triton")
+    d = daemon_factory(device="cuda:0", kv_cache="4,2,64,bfloat16", num_cpu_blocks=64)
+    c = Client(d.endpoint, tenant="g", gpu=True, timeout_s=30.0)
+    try:
+        kv = c.kv_cache
+        assert kv.is_cuda and kv.dtype == torch.bfloat16 and tuple(kv.shape) == (4, 2, 1024, 16, 2, 64)
+        c.allocate("x", 40)
+        blocks = c.block_table("x").tolist()
+        for i, blk in enumerate(blocks):
+            kv[:, :, blk] = 10 + i
+        torch.cuda.synchronize()
+        c.step(StepBatch(forks=[("x", "x2")]))
+        res = c.step(StepBatch(append_ids=["x", "x2"]))
+        [[src, dst]] = res.copies.tolist()
+        assert src == blocks[2] and (kv[:, :, dst] == 12).all()  # copied by the daemon's kernel
+        before = kv[:, :, c.block_table("x").tolist()].clone()
+        assert c.swap_out(["x"]).ok
+        kv[:, :, dst] = -1
+        torch.cuda.synchronize()
+        assert c.swap_in(["x"]).ok
+        assert torch.equal(kv[:, :, c.block_table("x").tolist()], before)
+    finally:
+        c.close()
+    assert d.stop() == 0, d.stderr[-3000:]
