@@ -83,6 +83,9 @@ class KvMemory:
 
     def _create_shm(self, name: str) -> np.ndarray:
         path = os.path.join(SHM_DIR, name)
+        st = os.statvfs(SHM_DIR)
+        if st.f_bavail * st.f_frsize < self.nbytes:  # a sparse file past it would SIGBUS on first touch
+            raise MemoryError(f"the KV cache needs {self.nbytes} bytes, {SHM_DIR} has {st.f_bavail * st.f_frsize} free")
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(self._fd, self.nbytes)

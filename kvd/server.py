@@ -439,6 +439,9 @@ class Daemon:
         st["session_requests"] = int((sess.mrow >= 0).sum())
         if self.gpu_pool is not None:
             st["gpu_flush"] = self.gpu_pool.stats()
+        if self.kv is not None:
+            st["kv_cache"] = {"kind": self.kv.info["kind"], "shape": self.kv.shape, "dtype": self.kv.dtype,
+                              "bytes": self.kv.nbytes}
         return [P.ok_reply(seq, self.epoch, stats=st)]
 
     def op_reset(self, sess, h, frames, ident, seq):
@@ -875,7 +878,7 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
             log.info("removed %d stale shared-memory segments of dead daemons", len(removed))
         try:
             d = Daemon(config)
-        except (ImportError, RuntimeError) as e:
+        except (ImportError, RuntimeError, MemoryError, OSError) as e:
             print(f"kvd: cannot start on device {getattr(config, 'device', 'cpu')}: {e}", file=sys.stderr)
             return 1
         try:

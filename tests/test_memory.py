@@ -31,6 +31,13 @@ def test_kv_cache_spec_parsing():
         ServeConfig(kv_cache=SPEC, kv_groups="16,16:64")
 
 
+def test_a_cache_bigger_than_shared_memory_is_refused_at_start():
+    with pytest.raises(MemoryError, match="the KV cache needs"):
+        KvMemory(parse_kv_cache("1024,64,256,float32"), num_blocks=1 << 20, num_cpu_blocks=0, block_size=16,
+                 device="cpu", name=f"kvd_{os.getpid()}_test_big_kv")
+    assert not os.path.exists(f"/dev/shm/kvd_{os.getpid()}_test_big_kv")
+
+
 def test_cpu_pool_copies_and_swaps_whole_blocks():
     name = f"kvd_{os.getpid()}_test_kv"
     kv = KvMemory(parse_kv_cache(SPEC), num_blocks=8, num_cpu_blocks=4, block_size=4, device="cpu", name=name)
@@ -57,6 +64,8 @@ def test_engines_share_one_kv_cache_and_the_daemon_does_the_copies(daemon_factor
         assert kv_a.shape == (2, 2, 1024, 16, 2, 4) and kv_a.dtype == np.float16
         [seg] = [n for n in shm_segments(d.pids[0]) if n.endswith("_kv")]
         assert a.info["kv"]["name"] == seg
+        assert a.stats()["kv_cache"] == {"kind": "shm", "shape": [2, 2, 1024, 16, 2, 4], "dtype": "float16",
+                                         "bytes": 2 * 2 * 1024 * 16 * 2 * 4 * 2}
 
         prompt = np.arange(40, dtype=np.int32)
         a.allocate("x", 40, hash_prompt(prompt, 16))
@@ -118,3 +127,10 @@ def test_gpu_kv_cache_is_shared_over_cuda_ipc_and_copied_by_the_daemon(daemon_fa
     finally:
         c.close()
     assert d.stop() == 0, d.stderr[-3000:]
+
+
+def test_a_daemon_whose_kv_cache_does_not_fit_exits_with_a_clear_message(daemon_factory):
+    d = daemon_factory(wait=False, kv_cache="1024,64,256,float32", num_gpu_blocks=1 << 20)
+    assert d.proc.wait(60) == 1
+    d.stop()
+    assert "the KV cache needs" in d.stderr and shm_segments(d.proc.pid) == []
