@@ -89,6 +89,9 @@ class ServeConfig:
     """The daemon owns the KV cache, shared by every engine: "LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]"
     (DTYPE float16, bfloat16, float32, float8_e4m3fn or float8_e5m2; default float16). It performs
     copy-on-write copies and swaps itself. Empty: the engines own their KV memory. One group only."""
+    kv_events_endpoint: str = ""
+    """ZeroMQ PUB endpoint of KV cache events in vLLM's format, one topic per tenant (kvd.events);
+    empty: none."""
     kv_groups: str = ""
     """Several KV-cache groups sharing the pool, as BLOCK_SIZE[:WINDOW] per group, comma-separated
     (e.g. "16,16:4096": full attention beside a 4,096-token window). Replaces block_size and
@@ -267,6 +270,7 @@ _CHECKS = {
     "block_size": _in_range(1, 1024),
     "sliding_window": _non_negative,
     "kv_cache": _kv_cache,
+    "kv_events_endpoint": _endpoint,
     "kv_groups": _kv_groups,
     "max_model_len": _in_range(1, 2**31 - 1),
     "max_num_reqs": _in_range(1, 2**31 - 1),

@@ -193,6 +193,13 @@ class BlockManager:
             self._cache_keys[(namespace, group)] = key
         return key
 
+    def cache_key_owner(self, key: int) -> tuple[int, int]:
+        """(namespace, group) of a prefix-cache key (the pool's ``cache_key``)."""
+        for owner, k in self._cache_keys.items():
+            if k == key:
+                return owner
+        raise errors.InvalidArgument(f"no prefix-cache key {key}")
+
     # ================================================================== validation helpers
     def _hash_lists(self, block_hashes, num_tokens: int) -> list[np.ndarray]:
         """One validated S16 array per group. Accepts one array (or list of bytes) when there is

@@ -128,6 +128,9 @@ class BlockPool:
         self._queue_order: list[int] = []
         self.caches: dict[int, dict[bytes, int]] = {}
         self.num_evictions = 0
+        # Prefix-cache changes, recorded only when a KV events publisher (kvd.events) asks for them:
+        # ("stored" | "removed", cache key, [hash, ...]) or ("cleared", cache key, []).
+        self.event_log: list[tuple[str, int, list[bytes]]] | None = None
         # Conservation is checked against these counts on every call that changes them.
         self._num_evictable = 0
         for arr in (self.ref_cnt, self.block_hash, self.cache_key, self.evict_prio):
@@ -209,9 +212,14 @@ class BlockPool:
 
     def _uncache(self, blocks: np.ndarray) -> None:
         keys = self.cache_key[blocks]
+        removed: dict[int, list[bytes]] = {}
         for key, h in zip(keys.tolist(), self.block_hash[blocks].tolist()):
             del self.caches[key][h]
+            if self.event_log is not None:
+                removed.setdefault(key, []).append(h)
         self.cache_key[blocks] = NO_CACHE_KEY
+        if removed:
+            self.event_log.extend(("removed", key, hashes) for key, hashes in removed.items())
 
     def touch(self, blocks: np.ndarray) -> None:
         """Take a reference on blocks found in the prefix cache (unique ids), reviving free ones."""
@@ -316,6 +324,8 @@ class BlockPool:
             if len(cache) - before == len(keys):
                 self.block_hash[blocks] = hashes
                 self.cache_key[blocks] = key
+                if self.event_log is not None:
+                    self.event_log.append(("stored", key, keys))
                 return
             for h in keys:  # a hash repeated within the batch: redo it one by one
                 cache.pop(h, None)
@@ -326,6 +336,8 @@ class BlockPool:
                 self.cache_key[b] = key
                 mask[i] = True
         self.block_hash[blocks[mask]] = hashes[mask]
+        if self.event_log is not None and mask.any():
+            self.event_log.append(("stored", key, hashes[mask].tolist()))
 
     def cached_in(self, key: int, hashes: np.ndarray) -> np.ndarray:
         """Block per hash (or -1) in cache ``key`` — used to revive swapped-in content."""
@@ -345,6 +357,8 @@ class BlockPool:
         cached = evictable[np.isin(evictable, cached)]
         for key in keys if keys is not None else list(self.caches):
             self.caches.pop(key, None)
+            if self.event_log is not None:
+                self.event_log.append(("cleared", key, []))
         self.cache_key[cached] = NO_CACHE_KEY
         self.queue_pos[cached] = -1
         for queue in self._queues.values():

@@ -156,6 +156,8 @@ class Daemon:
         self.sessions: dict[int, Session] = {}
         self.by_nonce: dict[str, int] = {}
         self.namespaces: dict[str, int] = {"": 0}
+        self.tenant_of: list[str] = [""]  # namespace -> tenant
+        self.events = None  # kvd.events.KvEventPublisher, when kv_events_endpoint is set
         self.next_sid = 1
         self.stopping = False
         self.sock: zmq.Socket | None = None
@@ -235,6 +237,11 @@ class Daemon:
             return [P.error_reply(seq, self.epoch, KvdError.code, f"internal error: {type(e).__name__}: {e}")]
 
     # ---- helpers ------------------------------------------------------------------------------------
+    def describe_cache_key(self, key: int) -> tuple[str, int]:
+        """(tenant, block size) of a prefix-cache key: the topic and block size of its KV events."""
+        ns, group = self.manager.cache_key_owner(key)
+        return self.tenant_of[ns], self.block_sizes[group]
+
     def _do_copies(self) -> None:
         """The copy-on-write copies the op decided, done now when the daemon owns the KV cache
         (before the reply that reports them); otherwise the engines do them."""
@@ -379,6 +386,7 @@ class Daemon:
             ns = self.namespaces.get(tenant)
             if ns is None:
                 ns = self.namespaces[tenant] = len(self.namespaces)
+                self.tenant_of.append(tenant)
             # session ids are unguessable: they are the only credential of a session on the socket
             sid = secrets.randbits(62) | 1
             while sid in self.sessions:
@@ -912,6 +920,16 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
         d.sock = sock
         mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         d.monitor = mon
+        events_ep = str(getattr(config, "kv_events_endpoint", "") or "")
+        if events_ep:
+            from kvd.events import KvEventPublisher
+
+            try:
+                d.events = KvEventPublisher(ctx, events_ep, d.describe_cache_key)
+            except zmq.ZMQError as e:
+                print(f"kvd: cannot bind the KV events endpoint {events_ep}: {e}", file=sys.stderr)
+                return 1
+            d.manager.pool.event_log = []
 
         # warm the decode path (numpy dispatch) without touching the pool
         slot_mapping_from_ranges_ref([np.zeros((2, 4), np.int32)] * d.G, d.block_sizes, np.zeros(2, np.int32),
@@ -949,6 +967,8 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                 # Prefix-cache entries a decode step left for after its reply (also flushed by
                 # the manager itself before anything reads the cache).
                 d.manager.flush_deferred()
+                if d.events is not None and d.manager.pool.event_log:
+                    d.events.publish(d.manager.pool.event_log)
                 if d.was_step:
                     if _PROF is not None:
                         _PROF.append((t0, time.perf_counter(), c0, time.thread_time()))
@@ -1043,6 +1063,8 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                 d.end_session(s, "daemon shutdown")
             if d.kv is not None:
                 d.kv.close()
+            if d.events is not None:
+                d.events.close()
             if d.metrics is not None:
                 try:
                     d.metrics.stop()
