@@ -213,24 +213,19 @@ def _parse_kv_groups(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(groups)
 
 
-def _kv_groups(v: str) -> str | None:
-    if not v:
-        return None
-    try:
-        _parse_kv_groups(v)
-    except ValueError as exc:
-        return f"is not a group list: {exc}"
-    return None
+def _parses(parse, what: str):
+    """A check that ``parse`` (raising ValueError with the reason) accepts the value; empty is unset."""
 
-
-def _kv_cache(v: str) -> str | None:
-    if not v:
+    def check(v: str) -> str | None:
+        if not v:
+            return None
+        try:
+            parse(v)
+        except ValueError as exc:
+            return f"is not {what}: {exc}"
         return None
-    try:
-        parse_kv_cache(v)
-    except ValueError as exc:
-        return f"is not a KV cache spec: {exc}"
-    return None
+
+    return check
 
 
 def _endpoint(v: str) -> str | None:
@@ -269,9 +264,9 @@ _CHECKS = {
     "num_cpu_blocks": _in_range(0, 2**31 - 1),
     "block_size": _in_range(1, 1024),
     "sliding_window": _non_negative,
-    "kv_cache": _kv_cache,
+    "kv_cache": _parses(parse_kv_cache, "a KV cache spec"),
     "kv_events_endpoint": _endpoint,
-    "kv_groups": _kv_groups,
+    "kv_groups": _parses(_parse_kv_groups, "a group list"),
     "max_model_len": _in_range(1, 2**31 - 1),
     "max_num_reqs": _in_range(1, 2**31 - 1),
     "max_sessions": _in_range(1, 2**31 - 1),
