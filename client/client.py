@@ -98,14 +98,7 @@ class GpuBuffers:
 
         def view(name: str):
             off, dt, shape = info["arrays"][name]
-            tdt = dtypes[dt]
-            item = torch.empty(0, dtype=tdt).element_size()
-            stride, acc = [], 1
-            for d in reversed(shape):
-                stride.append(acc)
-                acc *= d
-            return torch.empty(0, dtype=tdt, device=self.device).set_(
-                self.storage, off // item, list(shape), stride[::-1])
+            return _row_major(self.storage, self.device, dtypes[dt], off, shape)
 
         self.slot_array = view("slots")
         counts = view("counts")
@@ -151,11 +144,19 @@ def _map_kv_cache(info: dict):
     import torch
 
     storage, device = _open_cuda_storage(info)
+    return _row_major(storage, device, getattr(torch, info["dtype"]), 0, shape)
+
+
+def _row_major(storage, device, dtype, byte_offset: int, shape):
+    """A row-major tensor of ``shape`` over ``storage`` from ``byte_offset``."""
+    import torch
+
     strides, acc = [], 1
     for d in reversed(shape):
         strides.append(acc)
         acc *= d
-    return torch.empty(0, dtype=getattr(torch, info["dtype"]), device=device).set_(storage, 0, shape, strides[::-1])
+    item = torch.empty(0, dtype=dtype).element_size()
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, byte_offset // item, list(shape), strides[::-1])
 
 
 def _raise(h: dict) -> None:

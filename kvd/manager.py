@@ -136,8 +136,7 @@ class BlockManager:
         self._num_forked = 0
         self._arange = np.arange(R, dtype=np.int32)
         self._mark = np.zeros(R, np.int32)
-        # Scratch for the compiled append loops (kvd.rowloops): one batch names each row once.
-        self._seen = np.zeros(R, np.uint8)
+        # Scratch for the compiled append loops (kvd.rowloops); they share _mark.
         self._plan_old = np.empty(R, np.int64)
         self._plan_grow = np.empty(R, np.int64)
         self._plan_cow = np.empty(R, bool)
@@ -606,7 +605,7 @@ class BlockManager:
         pool = self.pool
         need, applied, n_copies, n_changed = rowloops.append_batch(
             rows, n_scalar, n_array, lookahead, counts if hashes.size else _EMPTY_I64, self.config.max_model_len,
-            self.num_tokens, self.appendable, self.forked, self._num_forked > 0, self._seen,
+            self.num_tokens, self.appendable, self.forked, self._num_forked > 0, self._mark,
             g.table, g.num_blocks, g.num_registered, pool.ref_cnt, g.block_size,
             pool.fresh_stack, pool.num_fresh, old, grow, cow, self._copies_buf, self._changed_buf,
         )

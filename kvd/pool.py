@@ -211,14 +211,14 @@ class BlockPool:
         return blocks
 
     def _uncache(self, blocks: np.ndarray) -> None:
-        keys = self.cache_key[blocks]
-        removed: dict[int, list[bytes]] = {}
-        for key, h in zip(keys.tolist(), self.block_hash[blocks].tolist()):
+        pairs = list(zip(self.cache_key[blocks].tolist(), self.block_hash[blocks].tolist()))
+        for key, h in pairs:
             del self.caches[key][h]
-            if self.event_log is not None:
-                removed.setdefault(key, []).append(h)
         self.cache_key[blocks] = NO_CACHE_KEY
-        if removed:
+        if self.event_log is not None:
+            removed: dict[int, list[bytes]] = {}
+            for key, h in pairs:
+                removed.setdefault(key, []).append(h)
             self.event_log.extend(("removed", key, hashes) for key, hashes in removed.items())
 
     def touch(self, blocks: np.ndarray) -> None:

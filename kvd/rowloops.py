@@ -38,23 +38,19 @@ def plan_appends(rows, n_scalar, n_array, lookahead, hash_counts, max_model_len,
     ``hash_counts`` is empty when no hashes were given. Fills, per request, the tokens it had
     (``old_out``), the blocks it must add (``grow_out``) and whether it first copies its shared,
     partly filled last block (``cow_out``). Returns the blocks needed in all, or DECLINED.
-    ``mark`` is a zeroed scratch array over rows; it is zeroed again before returning.
+    ``mark`` is an int32 scratch array over rows (any contents): each request writes its index
+    at its row, and a row named twice reads back another index.
     """
     n = rows.size
     R = num_tokens.size
-    declined = False
-    marked = 0
     for i in range(n):
         row = rows[i]
-        if row < 0 or row >= R or not appendable[row] or mark[row]:
-            declined = True
-            break
-        mark[row] = 1
-        marked += 1
-    for i in range(marked):
-        mark[rows[i]] = 0
-    if declined:
-        return DECLINED
+        if row < 0 or row >= R or not appendable[row]:
+            return DECLINED
+        mark[row] = i
+    for i in range(n):
+        if mark[rows[i]] != i:
+            return DECLINED
     need = 0
     planned = n
     for i in range(n):
@@ -231,11 +227,11 @@ def warm_up() -> None:
     the first step a daemon serves does not pay for it."""
     i32, i64 = np.zeros(1, np.int32), np.zeros(1, np.int64)
     flags, table = np.zeros(1, bool), np.zeros((1, 1), np.int32)
-    plan_appends(i32, 0, i64[:0], 0, i64[:0], 1, i64, flags, flags, False, np.zeros(1, np.uint8),
+    plan_appends(i32, 0, i64[:0], 0, i64[:0], 1, i64, flags, flags, False, i32.copy(),
                  table, i32, i32, i32.copy(), 1, i64.copy(), i64.copy(), flags.copy())
     apply_appends(i32[:0], 0, i64[:0], i64, i64, flags, i32, i64.copy(), table, i32, i32, 1,
                   np.zeros((1, 2), np.int32), i32.copy())
-    append_batch(i32, 0, i64[:0], 0, i64[:0], 1, i64, flags, flags, False, np.zeros(1, np.uint8),
+    append_batch(i32, 0, i64[:0], 0, i64[:0], 1, i64, flags, flags, False, i32.copy(),
                  table, i32, i32, i32.copy(), 1, i32, 0, i64.copy(), i64.copy(), flags.copy(),
                  np.zeros((1, 2), np.int32), i32.copy())
     fork_rows(i32, i32[:0], i64, np.zeros(1, np.uint8), i64, flags, flags, flags.copy(), table, i32, i32, i32, i32, 1)

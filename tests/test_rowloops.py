@@ -17,7 +17,7 @@ def state():
         num_tokens=np.array([7, 7, 8, 0, 0, 0], np.int64),
         appendable=np.array([1, 1, 1, 0, 0, 0], bool),
         forked=np.array([1, 1, 0, 0, 0, 0], bool),
-        mark=np.zeros(R, np.uint8),
+        mark=np.zeros(R, np.int32),
         table=np.zeros((R, 4), np.int32),
         num_blocks=np.array([2, 2, 2, 0, 0, 0], np.int32),
         num_registered=np.array([1, 1, 2, 0, 0, 0], np.int32),
@@ -49,7 +49,7 @@ def test_plan_copies_the_first_writers_of_a_shared_block_and_counts_growth():
     assert out["cow"].tolist() == [True, False, False]
     assert out["grow"].tolist() == [1, 1, 1] and out["old"].tolist() == [7, 8, 7]
     assert need == 4
-    assert np.array_equal(s["ref_cnt"], ref_before) and not s["mark"].any()
+    assert np.array_equal(s["ref_cnt"], ref_before)
 
 
 @pytest.mark.parametrize(
@@ -65,11 +65,11 @@ def test_plan_copies_the_first_writers_of_a_shared_block_and_counts_growth():
 )
 def test_a_declined_plan_changes_nothing(rows, kw):
     s = state()
-    before = {k: v.copy() for k, v in s.items()}
+    before = {k: v.copy() for k, v in s.items() if k != "mark"}  # mark is scratch
     need, _ = plan(s, rows, **kw)
     assert need == rowloops.DECLINED
-    for k, v in s.items():
-        assert np.array_equal(v, before[k]), k
+    for k, v in before.items():
+        assert np.array_equal(s[k], v), k
 
 
 def test_apply_hands_out_copy_then_growth_blocks_in_batch_order():
