@@ -7,7 +7,7 @@ whole free-queue order, the prefix-cache map, and the CPU pool.
 """
 
 import numpy as np
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
@@ -437,7 +437,9 @@ class WindowMachine(ManagerMachine):
     WINDOW = 2 * BS
 
 
-ManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None, database=None)
-WindowMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None, database=None)
+# Generation speed is not what these check, and a loaded 2-core CI machine is slow: no too_slow.
+_QUIET = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+ManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, **_QUIET)
+WindowMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, **_QUIET)
 TestManagerMachine = ManagerMachine.TestCase
 TestWindowMachine = WindowMachine.TestCase
