@@ -478,38 +478,35 @@ class BlockManager:
         if code == STATUS_NO_SPACE:
             return AppendResult(STATUS_NO_SPACE)
         new_ids = tuple(g.table[row, b : g.num_blocks[row]].copy() for g, b in zip(self.groups, before))
-        copies = np.concatenate(self._copies[copies_before:]) if len(self._copies) > copies_before else _EMPTY_COPIES
+        copies = self._copies_since(copies_before)
         self._debug_check()
         return AppendResult(STATUS_OK, new_ids, copies)
 
-    def _appends_look_valid(self, rows, n_new, lookahead, hash_counts):
+    def _appends_look_valid(self, rows, n_new, lookahead, hash_counts) -> bool:
         """Whole-batch checks that the usual step passes with a few array operations: int32 rows in
-        range, resident and distinct, sizes in bounds, hash counts not running ahead. Returns the
-        requests' token counts (before, after), or None when any check fails (then the caller
-        finds out which request is at fault, or lets the general path do it)."""
+        range, resident and distinct, sizes in bounds, hash counts not running ahead. False when
+        any check fails (the caller then finds out which request is at fault)."""
         if rows.dtype != np.int32 or not 0 <= lookahead <= self.max_lookahead:
-            return None
+            return False
         if rows.view(np.uint32).max() >= self.num_tokens.size or not self.appendable[rows].all():
-            return None
+            return False
         idx = self._arange[: rows.size]
         self._mark[rows] = idx
         if not (self._mark[rows] == idx).all():
-            return None  # a row named twice
-        if n_new < 0 if np.isscalar(n_new) else n_new.min() < 0:
-            return None
-        old = self.num_tokens[rows]
-        new = old + n_new
+            return False  # a row named twice
+        if n_new.min() < 0:
+            return False
+        new = self.num_tokens[rows] + n_new
         if new.max() > self.config.max_model_len:
-            return None
+            return False
         for g, counts in zip(self.groups, hash_counts):
-            if counts is not None and counts.any():
-                if counts.min() < 0 or (counts > new // g.block_size - g.num_registered[rows]).any():
-                    return None
-        return old, new
+            if counts.any() and (counts.min() < 0 or (counts > new // g.block_size - g.num_registered[rows]).any()):
+                return False
+        return True
 
     def _validate_appends(self, rows, n_new, lookahead, hash_counts, status):
         """Mark per-request misuse in ``status`` (vectorized)."""
-        if self._appends_look_valid(rows, n_new, lookahead, hash_counts) is not None:
+        if self._appends_look_valid(rows, n_new, lookahead, hash_counts):
             return
         R = self.num_tokens.size
         in_range = (rows >= 0) & (rows < R)
@@ -692,6 +689,11 @@ class BlockManager:
             self.pool.ref_cnt, g.block_size, self._copies_buf, self._changed_buf,
         )
         self._record_copies(n_copies)
+
+    def _copies_since(self, mark: int) -> np.ndarray:
+        """The (src, dst) copies recorded since ``len(self._copies)`` was ``mark``."""
+        new = self._copies[mark:]
+        return _EMPTY_COPIES if not new else new[0] if len(new) == 1 else np.concatenate(new)
 
     def _record_copies(self, n_copies: int) -> None:
         if n_copies:
@@ -1075,10 +1077,7 @@ class BlockManager:
         sched_rows, sched_start, sched_len = self._schedule(
             batch.admit, rows, n_new, old, append_status, admit_status, admit_rows, admit_cached
         )
-        copies = _EMPTY_COPIES
-        if len(self._copies) > copies_before:
-            new_copies = self._copies[copies_before:]
-            copies = new_copies[0] if len(new_copies) == 1 else np.concatenate(new_copies)
+        copies = self._copies_since(copies_before)
         if self.config.debug_checks:
             self.check_invariants(heavy=True)
         return StepResult(
@@ -1096,16 +1095,21 @@ class BlockManager:
             freed_rows=freed_rows,
         )
 
+    @staticmethod
+    def _appends_schedule(rows, n_new, old):
+        """The schedule when every append of the step succeeded and nothing was admitted."""
+        if isinstance(n_new, np.ndarray):
+            sched_len = n_new.astype(np.int32)
+        else:
+            sched_len = np.empty(rows.size, np.int32)
+            sched_len.fill(n_new)
+        return rows, old.astype(np.int32), sched_len
+
     def _schedule(self, admits, rows, n_new, old, append_status, admit_status, admit_rows, admit_cached):
         """(rows, first positions, token counts) of the step's work: successful appends, then
         admissions. ``old``: the appending requests' sizes before, when all of them succeeded."""
         if old is not None and not admit_status.size:
-            if not isinstance(n_new, np.ndarray):
-                sched_len = np.empty(rows.size, np.int32)
-                sched_len.fill(n_new)
-            else:
-                sched_len = n_new.astype(np.int32)
-            return rows, old.astype(np.int32), sched_len
+            return self._appends_schedule(rows, n_new, old)
         if not rows.size and not admit_status.size:
             return _EMPTY_I32, _EMPTY_I32, _EMPTY_I32
         ok_app = append_status == STATUS_OK
@@ -1194,21 +1198,20 @@ class BlockManager:
         if fast is None:
             return None
         old, grown = fast
-        copies = self._copies[-1] if len(self._copies) > copies_before else _EMPTY_COPIES
+        sched_rows, sched_start, sched_len = self._appends_schedule(rows, n_new, old)
         self._debug_check()
-        empty = np.zeros(0, np.int16)
         return StepResult(
-            free_status=empty,
-            fork_status=empty,
+            free_status=_EMPTY_I16,
+            fork_status=_EMPTY_I16,
             append_status=np.zeros(n, np.int16),
-            admit_status=empty,
+            admit_status=_EMPTY_I16,
             admit_rows=_EMPTY_I32,
-            admit_cached_tokens=np.zeros(0, np.int64),
-            copies=copies,
+            admit_cached_tokens=_EMPTY_I64,
+            copies=self._copies_since(copies_before),
             changed_rows=grown.copy(),
-            sched_rows=rows,
-            sched_start=old.astype(np.int32),
-            sched_len=np.full(n, n_new, np.int32) if np.isscalar(n_new) else n_new.astype(np.int32),
+            sched_rows=sched_rows,
+            sched_start=sched_start,
+            sched_len=sched_len,
         )
 
     def _step_append_sizes(self, batch: StepBatch):
