@@ -92,7 +92,7 @@ class AdmitRequest:
 
 @dataclass
 class StepBatch:
-    """One scheduler step. Applied in this order: frees, forks, appends, admissions.
+    """One scheduler step. Applied in this order: the confirmation, frees, forks, appends, admissions.
 
     Appends name their requests either by id (``append_ids``) or by manager row (``append_rows``,
     what the daemon uses). ``append_num_tokens`` is an int for all or an array, one per request.
@@ -110,6 +110,10 @@ class StepBatch:
     append_hash_counts: Sequence[np.ndarray] = ()
     num_lookahead_tokens: int = 0
     admit: Sequence[AdmitRequest] = ()
+    computed_through: int | None = None
+    """The writer's confirmation, applied before anything else: the forward passes of its calls up
+    to this tick (a ``StepResult.tick``) have finished, so the blocks they registered may become hits
+    for other writers (see ``kvd.manager``). None: nothing confirmed by this step."""
 
 
 @dataclass
@@ -135,6 +139,9 @@ class StepResult:
     sched_start: np.ndarray
     sched_len: np.ndarray
     freed_rows: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    tick: int = 0
+    """The manager's call counter after this step: what the writer confirms once the step's
+    forward pass has finished (``StepBatch.computed_through``)."""
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,26 @@ Semantics worth knowing:
   (and, as configured, decode reserves) free; appends of running requests may use every block;
 - prefix hits never cover the whole prompt: at most ``(num_tokens - 1) // block_size`` blocks hit,
   so the engine computes at least one token.
+
+Who may hit a cached block (the *computed* state). Every request has a namespace (whose cache its
+lookups read) and a *writer*: who computes its KV. Writer 0 means "computed by the time anyone else
+looks": its full blocks are registered straight into the namespace's shared map (the in-process
+manager, and sessions with private memory). A writer > 0 is one of several engines sharing a
+namespace: the blocks it registers go into its own *pending* map (``kvd.pool``), visible to its own
+later lookups only (its forward passes run in order, and within one pass K/V are written before
+attention reads them), and move into the shared map when the writer confirms with
+``mark_computed(writer, tick)`` that every step up to ``tick`` (``StepResult.tick``, ``self.tick``)
+has finished its forward pass. Until then another writer's lookup misses them and it computes the
+blocks itself; at confirmation a hash already shared keeps its first block. A writer that ends
+(``drop_writer``) forgets what it never confirmed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from collections import deque
 
 import numpy as np
 
@@ -128,7 +142,7 @@ class BlockManager:
         self.num_blocks = tuple(g.num_blocks for g in self.groups)
         self.num_tokens = np.zeros(R, np.int64)
         self.priority = np.zeros(R, np.uint8)
-        self.namespace = np.zeros(R, np.int64)
+        self.namespace = np.zeros(R, np.int64)  # the row's registration space (see _space)
         self.active = np.zeros(R, bool)
         self.swapped = np.zeros(R, bool)
         self.appendable = np.zeros(R, bool)  # active and resident: what an append may name
@@ -151,9 +165,22 @@ class BlockManager:
         self._id_of: dict[int, ReqId] = {}
         self._free_rows = list(range(R - 1, -1, -1))
         self._swapped: dict[int, _Swapped] = {}
-        self._cache_keys: dict[tuple[int, int], int] = {}
+        self._cache_keys: dict[tuple[int, int], int] = {}  # (space, group) -> pool cache key
+        self._free_key_ids: list[int] = []
+        self._next_key_id = 1
+        # Registration spaces: space id -> (namespace, writer, id of the space (namespace, 0)).
+        self._spaces: dict[tuple[int, int], int] = {(0, 0): 0}
+        self._space_info: dict[int, tuple[int, int, int]] = {0: (0, 0, 0)}
+        self._next_space = 1
+        self._key_writer: dict[int, int] = {}  # pending cache key -> its writer
+        self._unconfirmed: dict[int, deque] = {}  # writer -> (tick, pending key, [hash, ...]) in order
+        # pending key -> hash -> tick of its latest registration: a confirmation promotes a hash only
+        # for that registration (an evicted and re-registered hash waits for its own, later tick)
+        self._reg_tick: dict[int, dict[bytes, int]] = {}
+        self.tick = 0
+        """Counts the calls that may register blocks (step, allocate, append_slots, swap_in)."""
         self._copies: list[np.ndarray] = []
-        self._deferred: list[tuple[int, np.ndarray, np.ndarray]] = []
+        self._deferred: list[tuple[int, np.ndarray, np.ndarray, int]] = []
         self._watermark_blocks = int(config.watermark * config.num_gpu_blocks)
         self._no_hashes = [_EMPTY_HASHES] * len(self.groups)
         self.counters = dict(prefix_queries=0, prefix_hits=0, swaps_out=0, swaps_in=0, cow_copies=0)
@@ -183,21 +210,151 @@ class BlockManager:
     def num_requests(self) -> int:
         return len(self._row_of)
 
-    def _cache_key(self, namespace: int, group: int) -> int:
-        key = self._cache_keys.get((namespace, group))
+    def _space(self, namespace: int, writer: int) -> int:
+        """The registration space of (namespace, writer): what a row stores in ``self.namespace``."""
+        space = self._spaces.get((namespace, writer))
+        if space is None:
+            for name, value in (("namespace", namespace), ("writer", writer)):
+                if type(value) is not int and not isinstance(value, np.integer) or value < 0:
+                    raise errors.InvalidArgument(f"{name} must be a non-negative integer, got {value!r}")
+            shared = self._space(namespace, 0) if writer else self._next_space
+            space = self._next_space
+            self._next_space += 1
+            self._spaces[(namespace, writer)] = space
+            self._space_info[space] = (int(namespace), int(writer), shared)
+        return space
+
+    def _cache_key(self, space: int, group: int) -> int:
+        """The pool cache key a space registers into: the namespace's shared map for writer 0,
+        the writer's pending map otherwise."""
+        key = self._cache_keys.get((space, group))
         if key is None:
-            key = len(self._cache_keys) + 1
-            if key > np.iinfo(np.uint16).max:
-                raise errors.CapacityExceeded("too many prefix-cache namespaces")
-            self._cache_keys[(namespace, group)] = key
+            _, writer, shared = self._space_info[space]
+            shared_key = self._cache_key(shared, group) if writer else 0
+            if self._free_key_ids:
+                key = self._free_key_ids.pop()
+            else:
+                key = self._next_key_id
+                if key > np.iinfo(np.uint16).max:
+                    raise errors.CapacityExceeded("too many prefix-cache namespaces")
+                self._next_key_id += 1
+            self._cache_keys[(space, group)] = key
+            if writer:
+                self.pool.pending_of[key] = shared_key
+                self._key_writer[key] = writer
         return key
+
+    def _lookup_keys(self, space: int, group: int) -> tuple[int, int]:
+        """(shared key, pending key or 0) that lookups of a space read."""
+        _, writer, shared = self._space_info[space]
+        if not writer:
+            return self._cache_key(space, group), 0
+        return self._cache_key(shared, group), self._cache_key(space, group)
 
     def cache_key_owner(self, key: int) -> tuple[int, int]:
         """(namespace, group) of a prefix-cache key (the pool's ``cache_key``)."""
-        for owner, k in self._cache_keys.items():
+        for (space, group), k in self._cache_keys.items():
             if k == key:
-                return owner
+                return self._space_info[space][0], group
         raise errors.InvalidArgument(f"no prefix-cache key {key}")
+
+    # ================================================================== computed state
+    def _register_in(self, key: int, hashes: np.ndarray, blocks: np.ndarray, defer: bool = False) -> None:
+        """Register full blocks in cache ``key`` (now, or with ``defer`` at the next flush); what a
+        pending key stores waits for its writer's confirmation of this call's tick."""
+        if defer:
+            self._deferred.append((key, hashes, blocks, self.tick))
+        else:
+            self._store(key, hashes, blocks, self.tick)
+
+    def _store(self, key: int, hashes: np.ndarray, blocks: np.ndarray, tick: int) -> None:
+        stored = self.pool.register(key, hashes, blocks)
+        writer = self._key_writer.get(key)
+        if writer is not None and stored:
+            self._note_unconfirmed(writer, key, stored, tick)
+
+    def _note_unconfirmed(self, writer: int, key: int, hashes: list, tick: int) -> None:
+        """Queue blocks ``writer`` stored at ``tick`` for promotion when it confirms that tick. A
+        hash remembers only its latest registration: an entry evicted and stored again later must
+        not be promoted by the earlier tick's confirmation."""
+        fifo = self._unconfirmed.get(writer)
+        if fifo is None:
+            fifo = self._unconfirmed[writer] = deque()
+        fifo.append((tick, key, hashes))
+        ticks = self._reg_tick.get(key)
+        if ticks is None:
+            ticks = self._reg_tick[key] = {}
+        ticks.update(dict.fromkeys(hashes, tick))
+
+    def mark_computed(self, writer: int, through_tick: int) -> None:
+        """Writer ``writer`` has finished the forward passes of every call up to ``through_tick``:
+        the blocks it registered in them become visible to every lookup of their namespace."""
+        if type(through_tick) is not int and not isinstance(through_tick, np.integer) or not 0 <= through_tick <= self.tick:
+            raise errors.InvalidArgument(f"computed tick must be in [0, {self.tick}], got {through_tick!r}")
+        fifo = self._unconfirmed.get(writer)
+        if not fifo or fifo[0][0] > through_tick:
+            return
+        self.flush_deferred()
+        while fifo and fifo[0][0] <= through_tick:
+            tick, key, hashes = fifo.popleft()
+            ticks = self._reg_tick[key]
+            mine = [h for h in hashes if ticks.get(h) == tick]
+            for h in mine:
+                del ticks[h]
+            self.pool.promote(key, mine)
+
+    def num_unconfirmed(self, writer: int) -> int:
+        """Blocks of ``writer`` still waiting for its confirmation (still cached)."""
+        self.flush_deferred()
+        return sum(len(self.pool.caches.get(k, ())) for k, w in self._key_writer.items() if w == writer)
+
+    def drop_writer(self, writer: int) -> None:
+        """Forget a writer that has gone (its session ended): blocks it never confirmed leave the
+        cache (their KV may never have been written). It must hold no request."""
+        self._drop_spaces([s for (ns, w), s in self._spaces.items() if w == writer and w])
+
+    def drop_namespace(self, namespace: int) -> None:
+        """Forget a namespace whose KV memory is gone (e.g. a session's private one): its cached
+        blocks become fresh. No request may be in it."""
+        self._drop_spaces([s for (ns, w), s in self._spaces.items() if ns == namespace and s != 0])
+
+    def _drop_spaces(self, spaces: list[int]) -> None:
+        if not spaces:
+            return
+        self.flush_deferred()
+        held = np.isin(self.namespace[self.active], spaces)
+        if held.any():
+            raise errors.InvalidArgument("cannot drop a namespace or writer that still holds requests")
+        doomed = {(s, g): k for (s, g), k in self._cache_keys.items() if s in spaces}
+        ok = self.pool.reset_cache(set(doomed.values()))
+        assert ok, "blocks of a dropped space are still held"
+        dropped = set(doomed.values())
+        for writer in {self._key_writer[k] for k in dropped if k in self._key_writer}:
+            # Entries of dropped keys must go: a recycled key id would otherwise be promoted early.
+            kept = deque(e for e in self._unconfirmed.get(writer, ()) if e[1] not in dropped)
+            if kept:
+                self._unconfirmed[writer] = kept
+            else:
+                self._unconfirmed.pop(writer, None)
+        for owner, key in doomed.items():
+            del self._cache_keys[owner]
+            self.pool.pending_of.pop(key, None)
+            self._key_writer.pop(key, None)
+            self._reg_tick.pop(key, None)
+            self._free_key_ids.append(key)
+        for space in spaces:
+            ns, writer, _ = self._space_info.pop(space)
+            del self._spaces[(ns, writer)]
+
+    def _check_pending(self) -> None:
+        """Every unconfirmed block waits in its writer's queue under its latest registration."""
+        queued = {(key, h, tick) for w, fifo in self._unconfirmed.items() for tick, key, hashes in fifo
+                  for h in hashes if self._key_writer.get(key) == w}
+        for key, writer in self._key_writer.items():
+            assert key in self.pool.pending_of
+            ticks = self._reg_tick.get(key, {})
+            for h in self.pool.caches.get(key, ()):
+                assert (key, h, ticks.get(h)) in queued, "an unconfirmed block would never be promoted"
 
     # ================================================================== validation helpers
     def _hash_lists(self, block_hashes, num_tokens: int) -> list[np.ndarray]:
@@ -259,8 +416,9 @@ class BlockManager:
             raise errors.InvalidArgument(f"max_new_tokens must not be negative, got {max_new_tokens}")
 
     # ================================================================== prefix cache
-    def _cached_prefix(self, hash_lists: list[np.ndarray], num_tokens: int | None, namespace: int):
-        """(cached tokens, per-group hit blocks for positions [skip, hit)) agreed by every group."""
+    def _cached_prefix(self, hash_lists: list[np.ndarray], num_tokens: int | None, space: int):
+        """(cached tokens, per-group hit blocks for positions [skip, hit)) agreed by every group,
+        as the lookups of registration space ``space`` see them."""
         G = len(self.groups)
         if not self.config.enable_prefix_caching or not all(h.size for h in hash_lists):
             return 0, [_EMPTY_I32] * G
@@ -269,9 +427,10 @@ class BlockManager:
             for g, h in zip(self.groups, hash_lists)
         ]
         if G == 1 and not self.groups[0].window:
-            hits = self.pool.lookup(self._cache_key(namespace, 0), hash_lists[0][: limits[0]].tolist())
+            key, pending_key = self._lookup_keys(space, 0)
+            hits = self.pool.lookup(key, hash_lists[0][: limits[0]].tolist(), pending_key)
             return hits.size * self.groups[0].block_size, [hits]
-        found = [self._hit_mask(gi, hash_lists[gi][: limits[gi]], namespace) for gi in range(G)]
+        found = [self._hit_mask(gi, hash_lists[gi][: limits[gi]], space) for gi in range(G)]
         length = min(lim * g.block_size for lim, g in zip(limits, self.groups))
         while True:
             new_length = length
@@ -286,10 +445,12 @@ class BlockManager:
             hits.append(blocks[int(g.skip_for(length)) : end].astype(np.int32))
         return length, hits
 
-    def _hit_mask(self, g: int, hashes: np.ndarray, namespace: int):
+    def _hit_mask(self, g: int, hashes: np.ndarray, space: int):
         """Per-block hit flags and block ids (every block looked up: windows need no leading run)."""
-        cache = self.pool.caches.get(self._cache_key(namespace, g), {})
-        blocks = np.array([cache.get(h, -1) for h in hashes.tolist()], np.int64)
+        key, pending_key = self._lookup_keys(space, g)
+        cache = self.pool.caches.get(key, {})
+        pending = self.pool.caches.get(pending_key, {})
+        blocks = np.array([cache.get(h, pending.get(h, -1)) for h in hashes.tolist()], np.int64)
         if not self.groups[g].window:
             miss = np.flatnonzero(blocks < 0)
             if miss.size:
@@ -309,11 +470,11 @@ class BlockManager:
             end -= 1
         return 0
 
-    def lookup(self, block_hashes, namespace: int = 0) -> int:
-        """Leading blocks (of group 0) already cached; changes nothing."""
+    def lookup(self, block_hashes, namespace: int = 0, writer: int = 0) -> int:
+        """Leading blocks (of group 0) already cached for ``writer`` in ``namespace``; changes nothing."""
         self.flush_deferred()
         hash_lists = self._hash_lists(block_hashes, 1 << 62)
-        tokens, _ = self._cached_prefix(hash_lists, None, namespace)
+        tokens, _ = self._cached_prefix(hash_lists, None, self._space(namespace, writer))
         return tokens // self.groups[0].block_size
 
     # ================================================================== admission
@@ -326,12 +487,12 @@ class BlockManager:
             reserve += int(np.count_nonzero(running & (self.num_tokens % g.block_size == 0)))
         return self.pool.num_free - reserve
 
-    def _plan_admission(self, num_tokens, hash_lists, lookahead, namespace, max_new_tokens, num_encoder_tokens):
+    def _plan_admission(self, num_tokens, hash_lists, lookahead, space, max_new_tokens, num_encoder_tokens):
         """The admission decision: (AllocStatus, cached tokens, hit blocks per group, new blocks
         per group). Changes nothing."""
         if self._never_fits(num_tokens, lookahead, max_new_tokens, num_encoder_tokens):
             return AllocStatus.NEVER, 0, None, None
-        cached, hits = self._cached_prefix(hash_lists, num_tokens, namespace)
+        cached, hits = self._cached_prefix(hash_lists, num_tokens, space)
         new = [_cdiv(num_tokens + lookahead, g.block_size) - cached // g.block_size for g in self.groups]
         need = sum(new) + _cdiv(num_encoder_tokens, self.config.encoder_block_size)
         need += sum(int(np.count_nonzero(self.pool.ref_cnt[h] == 0)) for h in hits)  # revived hits
@@ -358,6 +519,7 @@ class BlockManager:
         num_lookahead_tokens: int = 0,
         *,
         namespace: int = 0,
+        writer: int = 0,
         max_new_tokens: int = 0,
         num_encoder_tokens: int = 0,
     ) -> AllocStatus:
@@ -369,7 +531,8 @@ class BlockManager:
             return AllocStatus.NEVER
         hash_lists = self._hash_lists(block_hashes, num_tokens)
         status, *_ = self._plan_admission(
-            num_tokens, hash_lists, num_lookahead_tokens, namespace, max_new_tokens, num_encoder_tokens
+            num_tokens, hash_lists, num_lookahead_tokens, self._space(namespace, writer), max_new_tokens,
+            num_encoder_tokens,
         )
         return status
 
@@ -381,24 +544,29 @@ class BlockManager:
         num_lookahead_tokens: int = 0,
         *,
         namespace: int = 0,
+        writer: int = 0,
         priority: int = DEFAULT_PRIORITY,
         num_encoder_tokens: int = 0,
         max_new_tokens: int = 0,
     ) -> AllocResult:
+        """Admit a request. ``namespace``: whose prefix cache it reads and fills; ``writer``: who
+        computes its KV (0: visible to every lookup at once; see the module doc)."""
         self.flush_deferred()
+        space = self._space(namespace, writer)
+        self.tick += 1
         result = self._admit(
             AdmitRequest(req_id, num_tokens, block_hashes, num_lookahead_tokens, priority, num_encoder_tokens, max_new_tokens),
-            namespace,
+            space,
         )
         self._debug_check()
         return result
 
-    def _admit(self, req: AdmitRequest, namespace: int) -> AllocResult:
+    def _admit(self, req: AdmitRequest, space: int) -> AllocResult:
         num_tokens, lookahead = req.num_tokens, req.num_lookahead_tokens
         self._check_new_request(req.req_id, num_tokens, lookahead, req.priority, req.num_encoder_tokens, req.max_new_tokens)
         hash_lists = self._hash_lists(req.block_hashes, num_tokens)
         status, cached, hits, new = self._plan_admission(
-            num_tokens, hash_lists, lookahead, namespace, req.max_new_tokens, req.num_encoder_tokens
+            num_tokens, hash_lists, lookahead, space, req.max_new_tokens, req.num_encoder_tokens
         )
         if status != AllocStatus.OK:
             return AllocResult(STATUS_NO_SPACE)
@@ -411,7 +579,7 @@ class BlockManager:
         self.swapped[row] = False
         self.num_tokens[row] = num_tokens
         self.priority[row] = req.priority
-        self.namespace[row] = namespace
+        self.namespace[row] = space
         out = []
         for gi, g in enumerate(self.groups):
             hit = hits[gi]
@@ -447,9 +615,7 @@ class BlockManager:
             return
         blocks = g.table[row, start:stop]
         present = blocks != NULL_BLOCK
-        self.pool.register(
-            self._cache_key(int(self.namespace[row]), gi), hashes[start:stop][present], blocks[present]
-        )
+        self._register_in(self._cache_key(int(self.namespace[row]), gi), hashes[start:stop][present], blocks[present])
         g.num_registered[row] = stop
 
     # ================================================================== appends
@@ -457,6 +623,7 @@ class BlockManager:
         self, req_id: ReqId, num_new_tokens: int, new_block_hashes=(), num_lookahead_tokens: int = 0
     ) -> AppendResult:
         self.flush_deferred()
+        self.tick += 1
         row = self.row_of(req_id)
         self._check_sizes(num_new_tokens, num_lookahead_tokens, "num_new_tokens")
         if self.swapped[row]:
@@ -702,7 +869,7 @@ class BlockManager:
 
     def _register_one_each(self, gi: int, rows, hashes, counts, defer: bool = False) -> bool:
         """Registration when each request filled at most one block (a decode step): a few array
-        operations. False when the requests span several namespaces (the general path then)."""
+        operations. False when the requests span several registration spaces (the general path then)."""
         g = self.groups[gi]
         sel = rows[counts.astype(bool)]
         ns = self.namespace[sel]
@@ -713,11 +880,7 @@ class BlockManager:
         present = blocks != NULL_BLOCK
         if not present.all():
             blocks, hashes = blocks[present], hashes[present]
-        key = self._cache_key(int(ns[0]), gi)
-        if defer:
-            self._deferred.append((key, hashes, blocks))
-        else:
-            self.pool.register(key, hashes, blocks)
+        self._register_in(self._cache_key(int(ns[0]), gi), hashes, blocks, defer)
         g.num_registered[sel] = reg + 1
         return True
 
@@ -743,12 +906,11 @@ class BlockManager:
             ns = self.namespace[srows]
             present = blocks != NULL_BLOCK
             if np.all(ns == ns[0]):
-                key = self._cache_key(int(ns[0]), gi)
-                self.pool.register(key, hashes[hash_idx][present], blocks[present])
+                self._register_in(self._cache_key(int(ns[0]), gi), hashes[hash_idx][present], blocks[present])
             else:
                 for ns_value in np.unique(ns).tolist():
                     m = present & (ns[rep] == ns_value)
-                    self.pool.register(self._cache_key(ns_value, gi), hashes[hash_idx][m], blocks[m])
+                    self._register_in(self._cache_key(ns_value, gi), hashes[hash_idx][m], blocks[m])
             g.num_registered[srows] += counts[sel]
 
     def _release_out_of_window(self, g: _Group, rows, num_computed) -> None:
@@ -888,8 +1050,8 @@ class BlockManager:
         """Finish prefix-cache registrations a decode step left for later (see
         ``ManagerConfig.defer_cache_registration``)."""
         if self._deferred:
-            for key, hashes, blocks in self._deferred:
-                self.pool.register(key, hashes, blocks)
+            for key, hashes, blocks, tick in self._deferred:
+                self._store(key, hashes, blocks, tick)
             self._deferred.clear()
 
     def take_copies(self) -> np.ndarray:
@@ -1002,6 +1164,7 @@ class BlockManager:
         copy. Returns ``(cpu_block, gpu_block)`` pairs to copy."""
         self.flush_deferred()
         rows = self._check_swap_in(req_ids)
+        self.tick += 1
         cpu, counts, found, need = self._swap_in_plan(rows)
         if need > self._admission_headroom():
             return SwapResult(STATUS_NO_SPACE)
@@ -1019,7 +1182,7 @@ class BlockManager:
         keys = self._cpu_carry_key[cpu[miss]]
         for key in np.unique(keys[keys != 0]).tolist():
             sel = miss[keys == key]
-            self.pool.register(key, self.cpu_pool.block_hash[cpu[sel]], gpu[sel])
+            self._register_in(key, self.cpu_pool.block_hash[cpu[sel]], gpu[sel])
         records = [self._swapped.pop(row) for row in rows.tolist()]
         tables = [(g.table, g.num_blocks, [r.cpu_blocks[gi] for r in records], [r.num_skipped[gi] for r in records])
                   for gi, g in enumerate(self.groups)]
@@ -1048,14 +1211,20 @@ class BlockManager:
         self._cpu_carry_key[gone] = 0
 
     # ================================================================== step
-    def step(self, batch: StepBatch, namespace: int = 0) -> StepResult:
-        """Apply one scheduler step: frees, forks, appends, admissions (in that order). Misuse of
-        one request is reported in its status and does not stop the others."""
+    def step(self, batch: StepBatch, namespace: int = 0, writer: int = 0) -> StepResult:
+        """Apply one scheduler step: the writer's confirmation (``batch.computed_through``), then
+        frees, forks, appends, admissions (in that order). ``namespace`` and ``writer`` apply to
+        the step's admissions (see ``allocate``). Misuse of one request is reported in its status
+        and does not stop the others."""
         if self._deferred:
             self.flush_deferred()
         la = batch.num_lookahead_tokens
         if type(la) is not int and (not isinstance(la, np.integer) or isinstance(la, bool)) or not 0 <= la <= self.max_lookahead:
             raise errors.InvalidArgument(f"num_lookahead_tokens must be an integer in [0, {self.max_lookahead}]")
+        space = self._space(namespace, writer) if batch.admit else 0
+        if batch.computed_through is not None:
+            self.mark_computed(writer, batch.computed_through)
+        self.tick += 1
         if (
             self._simple
             and batch.append_rows is not None
@@ -1072,7 +1241,7 @@ class BlockManager:
         copies_before = len(self._copies)
         append_status, old = self._append_rows(rows, n_new, hash_lists, hash_counts, la)
         admit_status, admit_rows, admit_cached = (
-            self._step_admits(batch.admit, namespace) if len(batch.admit) else (_EMPTY_I16, _EMPTY_I32, _EMPTY_I64)
+            self._step_admits(batch.admit, space) if len(batch.admit) else (_EMPTY_I16, _EMPTY_I32, _EMPTY_I64)
         )
         sched_rows, sched_start, sched_len = self._schedule(
             batch.admit, rows, n_new, old, append_status, admit_status, admit_rows, admit_cached
@@ -1093,6 +1262,7 @@ class BlockManager:
             sched_start=sched_start,
             sched_len=sched_len,
             freed_rows=freed_rows,
+            tick=self.tick,
         )
 
     @staticmethod
@@ -1212,6 +1382,7 @@ class BlockManager:
             sched_rows=sched_rows,
             sched_start=sched_start,
             sched_len=sched_len,
+            tick=self.tick,
         )
 
     def _step_append_sizes(self, batch: StepBatch):
@@ -1259,7 +1430,7 @@ class BlockManager:
                 raise errors.BadHashes("append_hash_counts must be one non-negative count per request summing to the hashes given")
         return hashes, counts
 
-    def _step_admits(self, admits, namespace: int):
+    def _step_admits(self, admits, space: int):
         m = len(admits)
         if not m:
             return _EMPTY_I16, _EMPTY_I32, _EMPTY_I64
@@ -1268,11 +1439,11 @@ class BlockManager:
         cached = np.zeros(m, np.int64)
         first = 0
         if m > 1 and self._simple and not self.config.admit_full_sequence and not self.config.reserve_decode_blocks:
-            first = _BatchAdmission(self, namespace).run(admits, status, rows, cached)
+            first = _BatchAdmission(self, space).run(admits, status, rows, cached)
         for i in range(first, m):
             req = admits[i]
             try:
-                result = self._admit(req, namespace)
+                result = self._admit(req, space)
             except errors.KvdError as exc:
                 status[i] = exc.code
                 continue
@@ -1308,7 +1479,9 @@ class BlockManager:
 
     def reset_prefix_cache(self, namespace: int | None = None) -> bool:
         self.flush_deferred()
-        keys = None if namespace is None else {k for (ns, _), k in self._cache_keys.items() if ns == namespace}
+        keys = None if namespace is None else {
+            k for (space, _), k in self._cache_keys.items() if self._space_info[space][0] == namespace
+        }
         return self.pool.reset_cache(keys)
 
     @property
@@ -1337,6 +1510,7 @@ class BlockManager:
             "num_requests": self.num_requests,
             "num_cpu_blocks": self.config.num_cpu_blocks,
             "num_free_cpu_blocks": self.cpu_pool.num_free if self.config.num_cpu_blocks else 0,
+            "num_pending_blocks": sum(len(self.pool.caches.get(k, ())) for k in self._key_writer),
         }
 
     # ================================================================== invariants
@@ -1365,6 +1539,7 @@ class BlockManager:
         cross, _ = _row_blocks(self.cross_table, resident, np.zeros_like(resident), self.cross_num_blocks[resident], False)
         np.add.at(expected, cross, 1)
         assert np.array_equal(expected, self.pool.ref_cnt), "GPU reference counts disagree with block tables"
+        self._check_pending()
         cpu_expected = np.zeros(self.cpu_pool.num_blocks, np.int64)
         for record in self._swapped.values():
             for blocks in (*record.cpu_blocks, record.cross):
@@ -1383,13 +1558,18 @@ class _BatchAdmission:
     cached block. The rest of the batch, from the first request that would evict, goes one by one.
     Tables, reference counts and per-block hashes are then written for the whole batch with a few
     array operations. Any unexpected exception removes the new cache entries again.
+
+    ``cache`` is the map the batch registers into: the shared one for writer 0, else the writer's
+    pending map, consulted after the shared one (``shared``) by lookups.
     """
 
-    def __init__(self, mgr: BlockManager, namespace: int) -> None:
+    def __init__(self, mgr: BlockManager, space: int) -> None:
         self.mgr = mgr
-        self.namespace = namespace
-        self.key = mgr._cache_key(namespace, 0)
+        self.space = space
+        self.writer = mgr._space_info[space][1]
+        self.key = mgr._cache_key(space, 0)
         self.cache = mgr.pool.cache_map(self.key)
+        self.shared = mgr.pool.cache_map(mgr._lookup_keys(space, 0)[0]) if self.writer else None
         self.inserted: list[list[bytes]] = []
 
     def run(self, admits, status, rows_out, cached_out) -> int:
@@ -1423,9 +1603,9 @@ class _BatchAdmission:
 
     def _register(self, keys: list, hashes: np.ndarray, blocks: np.ndarray, reg_hashes, reg_blocks) -> None:
         """Cache ``keys`` -> ``blocks`` unless a key is cached already (the first block keeps it)."""
-        cache = self.cache
+        cache, shared = self.cache, self.shared
         before = len(cache)
-        if cache.keys().isdisjoint(keys):
+        if cache.keys().isdisjoint(keys) and (shared is None or shared.keys().isdisjoint(keys)):
             cache.update(zip(keys, blocks.tolist()))
             if len(cache) - before == len(keys):
                 self.inserted.append(keys)
@@ -1437,7 +1617,7 @@ class _BatchAdmission:
         mask = np.zeros(len(keys), bool)
         mine = []
         for j, (h, b) in enumerate(zip(keys, blocks.tolist())):
-            if h not in cache:
+            if h not in cache and (shared is None or h not in shared):
                 cache[h] = b
                 mine.append(h)
                 mask[j] = True
@@ -1453,6 +1633,7 @@ class _BatchAdmission:
         max_len, max_la = mgr.config.max_model_len, mgr.max_lookahead
         max_blocks = pool.num_blocks - 1 - mgr._watermark_blocks
         cache_get = self.cache.get
+        shared_get = self.shared.get if self.shared is not None else None
         ref = pool.ref_cnt
         check_revived = pool.num_evictable > 0
         revived: set[int] = set()
@@ -1490,11 +1671,18 @@ class _BatchAdmission:
                 continue
             keys = hashes.tolist() if (caching and hashes.size) else []
             hits = []
-            for h in keys[: (n - 1) // bs]:
-                b = cache_get(h)
-                if b is None:
-                    break
-                hits.append(b)
+            if shared_get is None:
+                for h in keys[: (n - 1) // bs]:
+                    b = cache_get(h)
+                    if b is None:
+                        break
+                    hits.append(b)
+            else:  # the shared map, then the writer's own unconfirmed blocks
+                for h in keys[: (n - 1) // bs]:
+                    b = shared_get(h)
+                    if b is None and (b := cache_get(h)) is None:
+                        break
+                    hits.append(b)
             nhit = len(hits)
             new = total_blocks - nhit
             extra = 0
@@ -1558,11 +1746,16 @@ class _BatchAdmission:
             reg = np.concatenate(reg_blocks)
             pool.block_hash[reg] = np.concatenate(reg_hashes)
             pool.cache_key[reg] = self.key
+            for keys in self.inserted:
+                if keys:
+                    pool.log_stored(self.key, keys)
+            if self.writer:
+                mgr._note_unconfirmed(self.writer, self.key, [h for keys in self.inserted for h in keys], mgr.tick)
         tokens = np.fromiter((admits[i].num_tokens for i in admitted), np.int64, count=k)
         g.num_registered[rows] = reg_ends
         mgr.num_tokens[rows] = tokens
         mgr.priority[rows] = np.fromiter((admits[i].priority for i in admitted), np.int64, count=k)
-        mgr.namespace[rows] = self.namespace
+        mgr.namespace[rows] = self.space
         mgr.active[rows] = True
         mgr.appendable[rows] = True
         mgr.swapped[rows] = False

@@ -4,7 +4,7 @@ Per block (numpy arrays, no Python object per block):
 
     ref_cnt     int32   holders of the block (requests, forks, swap copies)
     block_hash  S16     its prefix-cache hash; meaningful only while cache_key != 0
-    cache_key   uint16  which prefix-cache map holds it (a (namespace, group) id); 0 = not cached
+    cache_key   uint16  which prefix-cache map holds it; 0 = not cached
     evict_prio  uint8   eviction priority it was freed with
     queue_pos   int32   its index in an eviction queue's buffer, or -1
 
@@ -20,6 +20,13 @@ The free queue, front to back, is two array-backed parts:
 This is the order vLLM's doubly linked free list gives (uncached blocks at the head, cached blocks
 appended at the tail), but every operation works on arrays of blocks at once: popping k blocks is a
 slice, not k pointer hops. Block 0 is the null block: never free, never handed out, never counted.
+
+Prefix-cache maps (``caches``, hash -> block, one per cache key) come in two kinds. A *shared* map is
+what lookups of a namespace see. A *pending* map holds blocks one writer registered whose KV that
+writer has not yet confirmed as written (``pending_of[key]`` = its shared map): only that writer's
+own lookups consult it, and ``promote`` moves confirmed entries into the shared map. A pending block
+is cached in every other respect (it has a hash, sits in an eviction queue when free, is evicted
+like any other); only shared maps produce KV events.
 
 Conservation, always: fresh + evictable + in use == num_blocks - 1.
 """
@@ -127,6 +134,7 @@ class BlockPool:
         self._queues: dict[int, _EvictionQueue] = {}
         self._queue_order: list[int] = []
         self.caches: dict[int, dict[bytes, int]] = {}
+        self.pending_of: dict[int, int] = {}  # pending map's key -> its shared map's key
         self.num_evictions = 0
         # Prefix-cache changes, recorded only when a KV events publisher (kvd.events) asks for them:
         # ("stored" | "removed", cache key, [hash, ...]) or ("cleared", cache key, []).
@@ -218,7 +226,8 @@ class BlockPool:
         if self.event_log is not None:
             removed: dict[int, list[bytes]] = {}
             for key, h in pairs:
-                removed.setdefault(key, []).append(h)
+                if key not in self.pending_of:
+                    removed.setdefault(key, []).append(h)
             self.event_log.extend(("removed", key, hashes) for key, hashes in removed.items())
 
     def touch(self, blocks: np.ndarray) -> None:
@@ -292,57 +301,109 @@ class BlockPool:
             cache = self.caches[key] = {}
         return cache
 
-    def lookup(self, key: int, hashes: list[bytes]) -> np.ndarray:
-        """Blocks of the leading run of ``hashes`` found in cache ``key``."""
+    def lookup(self, key: int, hashes: list[bytes], pending_key: int = NO_CACHE_KEY) -> np.ndarray:
+        """Blocks of the leading run of ``hashes`` found in cache ``key`` or, when given, in the
+        pending map ``pending_key`` (the looking writer's own unconfirmed blocks)."""
         cache = self.caches.get(key)
-        if not cache:
+        pending = self.caches.get(pending_key) if pending_key else None
+        if not cache and not pending:
             return np.empty(0, np.int32)
+        get = (cache or {}).get
+        pget = pending.get if pending else None
         hits = []
         for h in hashes:
-            block = cache.get(h)
+            block = get(h)
+            if block is None and pget is not None:
+                block = pget(h)
             if block is None:
                 break
             hits.append(block)
         return np.array(hits, np.int32)
 
-    def register(self, key: int, hashes: np.ndarray, blocks: np.ndarray) -> None:
-        """Put full blocks in cache ``key`` under their hashes. A hash already cached keeps its
-        block, and a block already cached keeps its hash (forks share blocks, and each sharer may
-        register them), so the new entry is dropped in both cases."""
+    def register(self, key: int, hashes: np.ndarray, blocks: np.ndarray) -> list[bytes]:
+        """Put full blocks in cache ``key`` under their hashes; returns the hashes it stored. A
+        hash already cached (for a pending map: or in its shared map) keeps its block, and a block
+        already cached keeps its hash (forks share blocks, and each sharer may register them), so
+        the new entry is dropped in both cases."""
         if not blocks.size:
-            return
+            return []
         uncached = self.cache_key[blocks] == NO_CACHE_KEY
         if not uncached.all():
             blocks, hashes = blocks[uncached], hashes[uncached]
             if not blocks.size:
-                return
+                return []
         cache = self.cache_map(key)
+        shared = self.caches.get(self.pending_of.get(key, NO_CACHE_KEY))  # a pending map defers to it
         keys = hashes.tolist()
         before = len(cache)
-        if cache.keys().isdisjoint(keys):
+        if cache.keys().isdisjoint(keys) and (shared is None or shared.keys().isdisjoint(keys)):
             cache.update(zip(keys, blocks.tolist()))
             if len(cache) - before == len(keys):
                 self.block_hash[blocks] = hashes
                 self.cache_key[blocks] = key
-                if self.event_log is not None:
-                    self.event_log.append(("stored", key, keys))
-                return
+                self.log_stored(key, keys)
+                return keys
             for h in keys:  # a hash repeated within the batch: redo it one by one
                 cache.pop(h, None)
         mask = np.zeros(blocks.size, bool)
         for i, (h, b) in enumerate(zip(keys, blocks.tolist())):
-            if h not in cache and self.cache_key[b] == NO_CACHE_KEY:
+            if h not in cache and (shared is None or h not in shared) and self.cache_key[b] == NO_CACHE_KEY:
                 cache[h] = b
                 self.cache_key[b] = key
                 mask[i] = True
         self.block_hash[blocks[mask]] = hashes[mask]
-        if self.event_log is not None and mask.any():
-            self.event_log.append(("stored", key, hashes[mask].tolist()))
+        stored = hashes[mask].tolist()
+        if stored:
+            self.log_stored(key, stored)
+        return stored
+
+    def log_stored(self, key: int, keys: list[bytes]) -> None:
+        if self.event_log is not None and key not in self.pending_of:
+            self.event_log.append(("stored", key, keys))
+
+    def promote(self, pending_key: int, hashes: list[bytes]) -> None:
+        """Move confirmed entries of a pending map into its shared map, in the given (chain)
+        order. A hash the shared map already holds keeps that block: the pending duplicate stops
+        being cached (a free one goes to the front of the free queue, like any uncached block)."""
+        pending = self.caches.get(pending_key)
+        if not pending:
+            return
+        key = self.pending_of[pending_key]
+        shared = self.cache_map(key)
+        moved_hashes, moved, dropped = [], [], []
+        for h in hashes:
+            b = pending.pop(h, None)
+            if b is None:
+                continue  # evicted meanwhile, or promoted by an earlier confirmation
+            if h in shared:
+                dropped.append(b)
+            else:
+                shared[h] = b
+                moved_hashes.append(h)
+                moved.append(b)
+        if moved:
+            self.cache_key[moved] = key
+            self.log_stored(key, moved_hashes)
+        if dropped:
+            self._forget(np.array(dropped, np.int32))
+
+    def _forget(self, blocks: np.ndarray) -> None:
+        """Uncache blocks no map holds any more; free ones leave their eviction queue."""
+        self.cache_key[blocks] = NO_CACHE_KEY
+        free = blocks[self.ref_cnt[blocks] == 0]
+        if free.size:
+            self.queue_pos[free] = -1
+            for prio, count in zip(*np.unique(self.evict_prio[free], return_counts=True)):
+                self._queues[int(prio)].live -= int(count)
+            self._num_evictable -= free.size
+            self._push_fresh(free)
 
     def cached_in(self, key: int, hashes: np.ndarray) -> np.ndarray:
-        """Block per hash (or -1) in cache ``key`` — used to revive swapped-in content."""
+        """Block per hash (or -1) in cache ``key`` (a pending map: or in its shared map, where a
+        confirmation may have moved it) — used to revive swapped-in content."""
         cache = self.caches.get(key, {})
-        return np.array([cache.get(h, -1) for h in hashes.tolist()], np.int64)
+        shared = self.caches.get(self.pending_of.get(key, NO_CACHE_KEY), {})
+        return np.array([cache.get(h, shared.get(h, -1)) for h in hashes.tolist()], np.int64)
 
     def reset_cache(self, keys: set[int] | None = None) -> bool:
         """Forget cached hashes (of ``keys`` only, if given) provided no request holds any such
@@ -357,7 +418,7 @@ class BlockPool:
         cached = evictable[np.isin(evictable, cached)]
         for key in keys if keys is not None else list(self.caches):
             self.caches.pop(key, None)
-            if self.event_log is not None:
+            if self.event_log is not None and key not in self.pending_of:
                 self.event_log.append(("cleared", key, []))
         self.cache_key[cached] = NO_CACHE_KEY
         self.queue_pos[cached] = -1

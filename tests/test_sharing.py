@@ -1,0 +1,129 @@
+"""The computed state of shared prefix caches (issue 14), exact: which writer's lookup hits which
+block when, what a confirmation promotes, what a duplicate or a dropped writer leaves behind."""
+
+import numpy as np
+import pytest
+
+from kvd import errors
+from kvd.api import STATUS_OK, AdmitRequest, GroupSpec, ManagerConfig, StepBatch
+from kvd.hashing import hash_prompt
+from kvd.manager import BlockManager
+
+BS = 4
+
+
+@pytest.fixture
+def m():
+    return BlockManager(ManagerConfig(num_gpu_blocks=16, max_model_len=64, max_num_reqs=8, groups=(GroupSpec(BS),),
+                                      debug_checks=True))
+
+
+PROMPT = np.arange(13, dtype=np.int32)  # three full blocks and one token
+HASHES = hash_prompt(PROMPT, BS)
+
+
+def test_a_block_is_a_hit_for_another_writer_only_after_its_writer_confirms(m):
+    a = m.allocate("a", 13, HASHES, writer=1)
+    assert a.block_ids.tolist() == [1, 2, 3, 4] and m.tick == 1
+    # Writer 1's own later lookups see its blocks (its passes run in order) ...
+    assert m.lookup(HASHES, writer=1) == 3
+    # ... nobody else does: B computes the prompt again, into blocks of its own.
+    b = m.allocate("b", 13, HASHES, writer=2)
+    assert b.num_cached_tokens == 0 and b.block_ids.tolist() == [5, 6, 7, 8]
+    assert m.lookup(HASHES) == 0 and m.lookup(HASHES, writer=3) == 0
+    assert m.stats()["num_pending_blocks"] == 6
+    m.mark_computed(1, 1)
+    assert m.lookup(HASHES, writer=2) == 3 and m.lookup(HASHES) == 3
+    c = m.allocate("c", 13, HASHES, writer=3)
+    assert c.num_cached_tokens == 12 and c.block_ids.tolist() == [1, 2, 3, 9]
+    assert m.pool.ref_cnt[1:10].tolist() == [2, 2, 2, 1, 1, 1, 1, 1, 1]
+    # B's confirmation finds A's copies shared: its duplicates stop being cached.
+    m.mark_computed(2, m.tick)
+    assert m.pool.cache_key[5:8].tolist() == [0, 0, 0]
+    assert m.pool.cache_key[1:4].tolist() == [1, 1, 1] and m.stats()["num_pending_blocks"] == 0
+    m.free("b")
+    assert m.pool.free_queue_order()[:4].tolist() == [5, 6, 7, 8]  # uncached: front of the queue
+
+
+def test_a_freed_unconfirmed_duplicate_goes_to_the_front_of_the_free_queue_when_promoted(m):
+    m.allocate("a", 13, HASHES, writer=1)
+    m.allocate("b", 13, HASHES, writer=2)
+    m.mark_computed(1, m.tick)
+    m.free("b")  # B's blocks are cached in its pending map: evictable, at the back
+    assert m.pool.free_queue_order().tolist() == [8, 9, 10, 11, 12, 13, 14, 15, 7, 6, 5]
+    m.mark_computed(2, m.tick)
+    assert m.pool.free_queue_order().tolist() == [7, 6, 5, 8, 9, 10, 11, 12, 13, 14, 15]  # leaf first
+    assert m.pool.cache_key[5:9].tolist() == [0, 0, 0, 0]
+
+
+def test_confirmation_is_per_tick_and_per_writer(m):
+    m.allocate("a", 13, HASHES, writer=1)  # tick 1
+    other = hash_prompt(PROMPT + 100, BS)
+    m.allocate("x", 13, other, writer=1)  # tick 2
+    m.allocate("y", 13, other, writer=2)  # tick 3: writer 2's, unaffected below
+    m.mark_computed(1, 1)
+    assert m.lookup(HASHES) == 3 and m.lookup(other) == 0
+    m.mark_computed(2, 3)
+    assert m.lookup(other) == 3  # writer 2's copy of `other`
+    assert m.block_table("y")[:3].tolist() == m.pool.lookup(m._cache_key(0, 0), other.tolist()).tolist()
+    m.mark_computed(1, 2)  # writer 1's copy now duplicates writer 2's: dropped
+    assert m.pool.cache_key[m.block_table("x")[:3]].tolist() == [0, 0, 0]
+
+
+def test_an_entry_evicted_and_stored_again_waits_for_the_later_tick(m):
+    m.allocate("a", 13, HASHES, writer=1)  # tick 1: blocks 1-4
+    m.free("a")
+    filler = hash_prompt(np.arange(100, 160, dtype=np.int32), BS)
+    m.allocate("f", 60, filler)  # tick 2: takes every free block, evicting a's
+    assert m.stats()["num_pending_blocks"] == 0
+    m.free("f")
+    m.reset_prefix_cache()
+    m.allocate("a2", 13, HASHES, writer=1)  # tick 3: stored again
+    m.mark_computed(1, 1)
+    assert m.lookup(HASHES) == 0, "tick 1's confirmation must not promote tick 3's blocks"
+    m.mark_computed(1, 3)
+    assert m.lookup(HASHES) == 3
+
+
+def test_drop_writer_forgets_what_it_never_confirmed(m):
+    m.allocate("a", 13, HASHES, writer=1)
+    before = m.pool.cache_key.copy()
+    with pytest.raises(errors.InvalidArgument):
+        m.drop_writer(1)  # it still holds a request
+    assert np.array_equal(m.pool.cache_key, before)
+    m.free("a")
+    m.drop_writer(1)
+    assert m.pool.cache_key[1:5].tolist() == [0, 0, 0, 0]
+    assert m.pool.free_queue_order().tolist() == list(range(1, 16))
+    assert m.lookup(HASHES, writer=1) == 0 and m.stats()["num_pending_blocks"] == 0
+    m.check_invariants(heavy=True)
+
+
+def test_mark_computed_rejects_a_tick_from_the_future(m):
+    m.allocate("a", 13, HASHES, writer=1)
+    for bad in (2, -1, "1", 1.0):
+        with pytest.raises(errors.InvalidArgument):
+            m.mark_computed(1, bad)
+    assert m.lookup(HASHES) == 0 and m.stats()["num_pending_blocks"] == 3
+
+
+def test_namespaces_never_see_each_other(m):
+    m.allocate("a", 13, HASHES, namespace=1)
+    m.allocate("b", 13, HASHES, namespace=2, writer=1)
+    m.mark_computed(1, m.tick)
+    assert m.lookup(HASHES, namespace=1) == 3 and m.lookup(HASHES, namespace=2) == 3
+    assert m.lookup(HASHES) == 0
+    assert m.block_table("a")[:3].tolist() == [1, 2, 3] and m.block_table("b")[:3].tolist() == [5, 6, 7]
+
+
+def test_steps_confirm_the_previous_step_and_batched_admissions_stay_pending(m):
+    r1 = m.step(StepBatch(admit=[AdmitRequest("a", 13, HASHES)]), writer=1)
+    assert r1.admit_status.tolist() == [STATUS_OK] and r1.tick == m.tick
+    log = m.pool.event_log = []
+    r2 = m.step(StepBatch(admit=[AdmitRequest("b", 13, HASHES)]), writer=2)
+    assert r2.admit_cached_tokens.tolist() == [0] and log == []  # pending stores publish nothing
+    m.step(StepBatch(computed_through=r1.tick), writer=1)
+    assert [e[0] for e in log] == ["stored"] and log[0][2] == HASHES.tolist()
+    r4 = m.step(StepBatch(admit=[AdmitRequest("c", 13, HASHES)], computed_through=r2.tick), writer=2)
+    assert r4.admit_cached_tokens.tolist() == [12]
+    assert m.block_table("c")[:3].tolist() == m.block_table("a")[:3].tolist() == [1, 2, 3]

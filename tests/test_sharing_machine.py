@@ -1,0 +1,288 @@
+"""Model-based test of the computed state: several writers of one namespace against a list model.
+
+The model keeps one shared map and one pending map per writer, the tick each pending hash was last
+stored at, and each writer's confirmation queue; requests admit (one by one or in a step), grow,
+fork, free; writers confirm any tick up to now and go away. After every rule the manager and the
+model agree on every reference count, the whole free-queue order, every map, every block table, and
+what each writer's lookup finds.
+"""
+
+from collections import deque
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from kvd.api import STATUS_NO_SPACE, STATUS_OK, AdmitRequest, GroupSpec, ManagerConfig, StepBatch
+from kvd.hashing import hash_prompt
+from kvd.manager import BlockManager
+
+BS = 4
+NUM_BLOCKS = 10
+MAX_LEN = 40
+MAX_REQS = 6
+WRITERS = (0, 1, 2)
+SHARED = "S"
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+class Pool:
+    """Free queue as lists (fresh blocks front-inserted, cached ones appended), maps per writer."""
+
+    def __init__(self):
+        self.ref = [0] * NUM_BLOCKS
+        self.where = [None] * NUM_BLOCKS  # (map, hash) of a cached block
+        self.fresh = list(range(1, NUM_BLOCKS))
+        self.evict: list[int] = []
+        self.maps = {SHARED: {}, 1: {}, 2: {}}
+
+    def num_free(self):
+        return len(self.fresh) + len(self.evict)
+
+    def take(self, k):
+        out = []
+        for _ in range(k):
+            b = self.fresh.pop(0) if self.fresh else self.evict.pop(0)
+            if self.where[b] is not None:
+                m, h = self.where[b]
+                del self.maps[m][h]
+                self.where[b] = None
+            self.ref[b] = 1
+            out.append(b)
+        return out
+
+    def touch(self, b):
+        if self.ref[b] == 0:
+            self.evict.remove(b)
+        self.ref[b] += 1
+
+    def release(self, b):
+        self.ref[b] -= 1
+        if self.ref[b] == 0:
+            (self.evict.append if self.where[b] is not None else lambda x: self.fresh.insert(0, x))(b)
+
+    def forget(self, b):
+        self.where[b] = None
+        if self.ref[b] == 0:
+            self.evict.remove(b)
+            self.fresh.insert(0, b)
+
+
+class Model:
+    def __init__(self):
+        self.pool = Pool()
+        self.tick = 0
+        self.reg_tick = {1: {}, 2: {}}
+        self.fifo = {1: deque(), 2: deque()}
+        self.reqs = {}  # id -> dict(tokens, blocks, reg, writer)
+
+    def lookup(self, w, hashes):
+        maps = self.pool.maps
+        hits = []
+        for h in hashes:
+            b = maps[SHARED].get(h)
+            if b is None and w:
+                b = maps[w].get(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def register(self, w, hashes, blocks):
+        pool, stored = self.pool, []
+        for h, b in zip(hashes, blocks):
+            if not b or pool.where[b] is not None or h in pool.maps[SHARED] or (w and h in pool.maps[w]):
+                continue
+            pool.maps[w or SHARED][h] = b
+            pool.where[b] = (w or SHARED, h)
+            stored.append(h)
+        if w and stored:
+            self.fifo[w].append((self.tick, stored))
+            self.reg_tick[w].update(dict.fromkeys(stored, self.tick))
+
+    def allocate(self, rid, w, n, hashes):
+        hits = self.lookup(w, hashes[: (n - 1) // BS])
+        new = cdiv(n, BS) - len(hits)
+        revived = len({b for b in hits if self.pool.ref[b] == 0})
+        if len(self.reqs) >= MAX_REQS or new + revived > self.pool.num_free():
+            return STATUS_NO_SPACE, 0
+        for b in hits:
+            self.pool.touch(b)
+        blocks = hits + self.pool.take(new)
+        end = min(len(hashes), n // BS)
+        self.register(w, hashes[len(hits):end], blocks[len(hits):end])
+        self.reqs[rid] = dict(tokens=n, blocks=blocks, reg=max(len(hits), end), writer=w)
+        return STATUS_OK, len(hits) * BS
+
+    def append(self, rid, k, hashes):
+        r = self.reqs[rid]
+        old, new = r["tokens"], r["tokens"] + k
+        grow = max(cdiv(new, BS) - len(r["blocks"]), 0)
+        cow = k > 0 and old % BS and self.pool.ref[r["blocks"][old // BS]] > 1
+        if grow + cow > self.pool.num_free():
+            return STATUS_NO_SPACE
+        if cow:
+            src = r["blocks"][old // BS]
+            r["blocks"][old // BS] = self.pool.take(1)[0]
+            self.pool.release(src)
+        r["blocks"] += self.pool.take(grow)
+        r["tokens"] = new
+        self.register(r["writer"], hashes, r["blocks"][r["reg"]: r["reg"] + len(hashes)])
+        r["reg"] += len(hashes)
+        return STATUS_OK
+
+    def free(self, rid):
+        for b in reversed(self.reqs.pop(rid)["blocks"]):
+            self.pool.release(b)
+
+    def fork(self, p, c):
+        r = self.reqs[p]
+        n = cdiv(r["tokens"], BS)
+        for b in r["blocks"][:n]:
+            self.pool.ref[b] += 1
+        self.reqs[c] = dict(tokens=r["tokens"], blocks=r["blocks"][:n], reg=min(r["reg"], n), writer=r["writer"])
+
+    def confirm(self, w, through):
+        fifo, ticks, pool = self.fifo[w], self.reg_tick[w], self.pool
+        while fifo and fifo[0][0] <= through:
+            tick, hashes = fifo.popleft()
+            for h in hashes:
+                if ticks.get(h) != tick:
+                    continue  # stored again later: that tick's confirmation promotes it
+                del ticks[h]
+                b = pool.maps[w].pop(h, None)
+                if b is None:
+                    continue  # evicted meanwhile
+                if h in pool.maps[SHARED]:
+                    pool.forget(b)
+                else:
+                    pool.maps[SHARED][h] = b
+                    pool.where[b] = (SHARED, h)
+
+    def drop_writer(self, w):
+        pool = self.pool
+        for b in [b for b in pool.evict if pool.where[b] is not None and pool.where[b][0] == w]:
+            pool.forget(b)
+        pool.maps[w] = {}
+        self.fifo[w].clear()
+        self.reg_tick[w].clear()
+
+
+tokens_st = st.lists(st.integers(0, 1), min_size=1, max_size=24)
+
+
+class SharingMachine(RuleBasedStateMachine):
+    reqs = Bundle("reqs")
+
+    def __init__(self):
+        super().__init__()
+        self.mgr = BlockManager(ManagerConfig(num_gpu_blocks=NUM_BLOCKS, max_model_len=MAX_LEN, groups=(GroupSpec(BS),),
+                                              max_num_reqs=MAX_REQS, defer_cache_registration=True, debug_checks=True))
+        self.model = Model()
+        self.tokens = {}
+        self.next_id = 0
+
+    def _hashes(self, rid, start, end):
+        return hash_prompt(np.array(self.tokens[rid][: end * BS], np.int32), BS)[start:end]
+
+    def _new(self, toks):
+        rid = self.next_id
+        self.next_id += 1
+        self.tokens[rid] = list(toks)
+        return rid, self._hashes(rid, 0, len(toks) // BS)
+
+    def _ticked(self):
+        assert self.mgr.tick == self.model.tick + 1
+        self.model.tick = self.mgr.tick
+
+    @rule(target=reqs, w=st.sampled_from(WRITERS), toks=tokens_st)
+    def allocate(self, w, toks):
+        rid, hashes = self._new(toks)
+        res = self.mgr.allocate(rid, len(toks), hashes, writer=w)
+        self._ticked()
+        status, cached = self.model.allocate(rid, w, len(toks), hashes.tolist())
+        assert (res.status, res.num_cached_tokens) == (status, cached)
+        return rid if status == STATUS_OK else -1
+
+    @rule(target=reqs, w=st.sampled_from(WRITERS), toks=tokens_st, data=st.data())
+    def step_admit(self, w, toks, data):
+        """A step's batched admission, carrying the writer's confirmation of some earlier tick."""
+        through = data.draw(st.one_of(st.none(), st.integers(0, self.mgr.tick)))
+        rid, hashes = self._new(toks)
+        res = self.mgr.step(StepBatch(admit=[AdmitRequest(rid, len(toks), hashes)], computed_through=through),
+                            writer=w)
+        if w and through is not None:
+            self.model.confirm(w, through)
+        self._ticked()
+        status, cached = self.model.allocate(rid, w, len(toks), hashes.tolist())
+        assert res.tick == self.mgr.tick
+        assert (res.admit_status[0], res.admit_cached_tokens[0]) == (status, cached if status == STATUS_OK else 0)
+        return rid if status == STATUS_OK else -1
+
+    @rule(rid=reqs, more=st.lists(st.integers(0, 1), max_size=9))
+    def append(self, rid, more):
+        r = self.model.reqs.get(rid)
+        if r is None or r["tokens"] + len(more) > MAX_LEN:
+            return
+        self.tokens[rid] = self.tokens[rid][: r["tokens"]] + list(more)
+        hashes = self._hashes(rid, r["reg"], (r["tokens"] + len(more)) // BS)
+        res = self.mgr.append_slots(rid, len(more), hashes)
+        self._ticked()
+        assert res.status == self.model.append(rid, len(more), hashes.tolist())
+        self.mgr.take_copies()
+
+    @rule(rid=consumes(reqs))
+    def free(self, rid):
+        if rid in self.model.reqs:
+            self.mgr.free(rid)
+            self.model.free(rid)
+
+    @rule(rid=reqs, target=reqs)
+    def fork(self, rid):
+        if rid not in self.model.reqs or len(self.model.reqs) >= MAX_REQS:
+            return -1
+        child = self.next_id
+        self.next_id += 1
+        self.mgr.fork(rid, child)
+        self.model.fork(rid, child)
+        self.tokens[child] = list(self.tokens[rid])
+        return child
+
+    @rule(w=st.sampled_from(WRITERS[1:]), data=st.data())
+    def confirm(self, w, data):
+        through = data.draw(st.integers(0, self.mgr.tick))
+        self.mgr.mark_computed(w, through)
+        self.model.confirm(w, through)
+
+    @rule(w=st.sampled_from(WRITERS[1:]))
+    def drop_writer(self, w):
+        if any(r["writer"] == w for r in self.model.reqs.values()):
+            return
+        self.mgr.drop_writer(w)
+        self.model.drop_writer(w)
+
+    @invariant()
+    def agree(self):
+        mgr, model = self.mgr, self.model
+        mgr.check_invariants(heavy=True)
+        assert mgr.pool.ref_cnt.tolist() == model.pool.ref
+        assert mgr.pool.free_queue_order().tolist() == model.pool.fresh + model.pool.evict
+        key = mgr._cache_keys.get((mgr._spaces.get((0, 0)), 0))
+        assert mgr.pool.caches.get(key, {}) == model.pool.maps[SHARED]
+        for w in WRITERS[1:]:
+            key = mgr._cache_keys.get((mgr._spaces.get((0, w)), 0))
+            assert mgr.pool.caches.get(key, {}) == model.pool.maps[w], w
+        for rid, r in model.reqs.items():
+            assert mgr.block_table(rid).tolist() == r["blocks"], rid
+        probe = hash_prompt(np.zeros(MAX_LEN, np.int32), BS).tolist()
+        for w in WRITERS:
+            assert mgr.lookup(probe, writer=w) == len(model.lookup(w, probe))
+
+
+SharingMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None, database=None,
+                                            suppress_health_check=[HealthCheck.too_slow])
+TestSharingMachine = SharingMachine.TestCase
