@@ -26,6 +26,7 @@ import os
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ import numpy as np
 import orjson
 import zmq
 
+from kvd import errors
 from kvd import protocol as P
 from kvd.api import (
     DEFAULT_PRIORITY,
@@ -134,13 +136,36 @@ def _open_cuda_storage(info: dict):
     return storage, torch.device("cuda", dev)
 
 
+def check_endpoint_access(endpoint: str) -> None:
+    """Fail at once, naming the path, when this user may not connect to an ipc socket (ZeroMQ
+    would only retry silently until the hello times out). A socket not there yet is fine."""
+    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+        return
+    path = endpoint[len("ipc://"):]
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return
+    except PermissionError:
+        raise errors.PermissionDenied(f"cannot reach the daemon's socket {path}: permission denied on its "
+                                      "directory (is this user in the daemon's group?)") from None
+    if not os.access(path, os.R_OK | os.W_OK):
+        raise errors.PermissionDenied(f"cannot open the daemon's socket {path}: permission denied "
+                                      "(is this user in the daemon's group?)")
+
+
 def _map_kv_cache(info: dict):
     """The daemon-owned KV cache (see kvd.memory): numpy over shared memory, or a torch CUDA tensor."""
     shape = [int(x) for x in info["shape"]]
     if info["kind"] == "shm":
         from kvd.memory import DTYPES, SHM_DIR
 
-        return np.memmap(os.path.join(SHM_DIR, info["name"]), DTYPES[info["dtype"]], "r+", shape=tuple(shape))
+        path = os.path.join(SHM_DIR, info["name"])
+        try:
+            return np.memmap(path, DTYPES[info["dtype"]], "r+", shape=tuple(shape))
+        except PermissionError:
+            raise errors.PermissionDenied(f"cannot map the KV cache {path} read-write: permission denied "
+                                          "(is this user in the daemon's group?)") from None
     import torch
 
     storage, device = _open_cuda_storage(info)
@@ -209,8 +234,18 @@ class _Core:
 
     def __init__(self, endpoint: str | None = None, *, tenant: str = "", name: str = "",
                  timeout_s: float = 2.0, retries: int = 2, heartbeat: bool = True,
-                 gpu: bool | None = None):
+                 gpu: bool | None = None, kv_shared: bool = False, confirm: str = "auto",
+                 steps_in_flight: int = 1):
+        if confirm not in ("auto", "explicit"):
+            raise InvalidArgument(f"confirm must be 'auto' or 'explicit', got {confirm!r}")
+        if type(steps_in_flight) is not int or steps_in_flight < 0:
+            raise InvalidArgument(f"steps_in_flight must be a non-negative int, got {steps_in_flight!r}")
         self.endpoint = endpoint or default_endpoint()
+        self.kv_shared = bool(kv_shared)
+        self._auto_confirm = confirm == "auto"
+        # ticks of the last steps: the oldest is the one whose forward pass has surely finished
+        self._step_ticks: deque[int] = deque(maxlen=steps_in_flight + 1)
+        self.tick = 0  # the manager tick of the last reply that carried one
         # map the daemon's GPU buffers: None = when it has a GPU pool and torch can map them,
         # True = required (raise if it cannot), False = never (CPU shared memory only)
         self._want_gpu = gpu
@@ -337,14 +372,39 @@ class _Core:
         return self._seq
 
     def _hello_msg(self) -> tuple[str, dict, list]:
-        return P.HELLO, {"tenant": self.tenant, "name": self.name, "pid": os.getpid(),
-                         "nonce": secrets.token_hex(8)}, []
+        fields = {"tenant": self.tenant, "name": self.name, "pid": os.getpid(), "nonce": secrets.token_hex(8)}
+        if self.kv_shared:
+            fields["kv_shared"] = True
+        return P.HELLO, fields, []
+
+    @property
+    def shared(self) -> bool:
+        """Whether this session's prefix cache is its tenant's shared one (else its own)."""
+        return bool(self.info.get("shared"))
+
+    def _confirmation(self, explicit: int | None) -> int | None:
+        """The ``c`` of a step: the caller's, or in auto mode the tick of the step ``steps_in_flight``
+        steps before the last (whose forward pass has finished when this step is scheduled)."""
+        if explicit is not None:
+            return int(explicit)
+        ticks = self._step_ticks
+        if self._auto_confirm and len(ticks) == ticks.maxlen and self.info.get("shared"):
+            return ticks[0]
+        return None
+
+    def _on_reply(self, op: str, h: dict) -> None:
+        t = h.get("t")
+        if t is not None:
+            self.tick = t
+            if op == P.STEP:
+                self._step_ticks.append(t)
 
     def _on_session(self, h: dict) -> None:
         old = self.shm
         self.sid = int(h["sid"])
         self.epoch = h["e"]
         self.info = h
+        self._step_ticks.clear()
         if old is None or old.name != h["shm"]:
             self.shm = SessionBuffers.attach(h["shm"])
             self._reset_rows(int(h["max_reqs"]))
@@ -394,18 +454,18 @@ class _Core:
         return [P.hashes_frame(x) for x in block_hashes]
 
     # ---- requests: (op, header fields, frames, post-processing) -----------------------------------
-    def _req_lookup(self, block_hashes, namespace=None):
+    def _req_lookup(self, block_hashes):
         """Number of leading blocks of ``block_hashes`` (group 0) cached in this session's namespace."""
         return P.LOOKUP, {}, [P.hashes_frame(block_hashes)], lambda h, f: int(h["n"])
 
     def _req_can_allocate(self, num_tokens, block_hashes=(), num_lookahead_tokens=0, *,
-                          max_new_tokens=0, num_encoder_tokens=0, namespace=None):
+                          max_new_tokens=0, num_encoder_tokens=0):
         return (P.CAN_ALLOCATE, {"nt": int(num_tokens), "la": int(num_lookahead_tokens),
                                  "mnt": int(max_new_tokens), "net": int(num_encoder_tokens)},
                 self._hashes(block_hashes), lambda h, f: AllocStatus(int(h["status"])))
 
     def _req_allocate(self, req_id, num_tokens, block_hashes=(), num_lookahead_tokens=0, *,
-                      priority=DEFAULT_PRIORITY, num_encoder_tokens=0, max_new_tokens=0, namespace=None):
+                      priority=DEFAULT_PRIORITY, num_encoder_tokens=0, max_new_tokens=0):
         frames = self._hashes(block_hashes)
         row = self._new_row(req_id)
 
@@ -470,7 +530,7 @@ class _Core:
     def _req_swap_in(self, req_ids):
         return P.SWAP_IN, {}, [self._swap_rows(req_ids)], _swap_result
 
-    def _req_reset_prefix_cache(self, namespace=None):
+    def _req_reset_prefix_cache(self):
         """Clear this session's namespace of the prefix cache (other tenants are untouched)."""
         return P.RESET_PREFIX_CACHE, {}, [], lambda h, f: bool(h["done"])
 
@@ -480,7 +540,13 @@ class _Core:
     def _req_heartbeat(self):
         return P.HEARTBEAT, {}, [], lambda h, f: None
 
-    def _req_step(self, batch: StepBatch, namespace=None):
+    def _req_mark_computed(self, tick: int | None = None):
+        """Confirm that the forward passes of this session's calls up to ``tick`` (default: the
+        last reply's) have finished: the blocks they filled become prefix hits for the tenant's
+        other sessions. Steps confirm on their own in ``confirm="auto"`` mode."""
+        return P.COMPUTED, {"c": int(self.tick if tick is None else tick)}, [], lambda h, f: None
+
+    def _req_step(self, batch: StepBatch):
         """Apply one scheduler step (frees, forks, appends, admissions; see kvd.api.StepBatch).
         Returns a StepResult whose rows are session rows; the block tables and the step's slot
         mapping are in ``tables`` / ``slot_mappings`` when it returns."""
@@ -488,7 +554,8 @@ class _Core:
         rows = batch.append_rows
         if (rows is not None and G == 1 and not batch.admit and not batch.free and not batch.forks
                 and not batch.append_hashes and type(batch.append_num_tokens) is int):
-            return self._req_decode(rows, batch.append_num_tokens, batch.num_lookahead_tokens)
+            return self._req_decode(rows, batch.append_num_tokens, batch.num_lookahead_tokens,
+                                    batch.computed_through)
         new_rows: list[int] = []
         try:
             free_ids = batch.free
@@ -515,6 +582,9 @@ class _Core:
             na = app_rows.shape[0]
             ant = batch.append_num_tokens
             fields = {"la": int(batch.num_lookahead_tokens), "nf": nf, "nk": nk, "na": na}
+            c = self._confirmation(batch.computed_through)
+            if c is not None:
+                fields["c"] = c
             if isinstance(ant, (int, np.integer)):
                 fields["an"] = int(ant)
                 ant_b = P.EMPTY
@@ -581,7 +651,7 @@ class _Core:
                 admit_rows=admit_rows, admit_cached_tokens=cached, copies=copies,
                 changed_rows=changed,
                 sched_rows=_EMPTY_I32, sched_start=_EMPTY_I32, sched_len=_EMPTY_I32,
-                freed_rows=freed,
+                freed_rows=freed, tick=h["t"],
             )
             res.num_scheduled_tokens = h.get("nt", [])  # type: ignore[attr-defined]
             return res
@@ -593,13 +663,16 @@ class _Core:
         return P.STEP, fields, frames, post, undo
 
 
-    def _req_decode(self, rows, num_tokens: int, lookahead: int):
+    def _req_decode(self, rows, num_tokens: int, lookahead: int, computed_through: int | None = None):
         """The decode fast path of ``step``: appends by row, one token count for all, no hashes,
         nothing else (one array copy each way, no per-request Python)."""
         if type(rows) is not np.ndarray or rows.dtype != np.int32 or not rows.flags.c_contiguous:
             rows = np.ascontiguousarray(rows, np.int32)
         na = rows.shape[0]
         fields = {"la": int(lookahead), "nf": 0, "nk": 0, "na": na, "an": num_tokens, "nd": 0}
+        c = self._confirmation(computed_through)
+        if c is not None:
+            fields["c"] = c
         return P.STEP, fields, [P.EMPTY, P.EMPTY, P.EMPTY, rows.tobytes()], functools.partial(_decode_post, na)
 
     def _release_local(self) -> None:
@@ -637,7 +710,7 @@ def _decode_post(na: int, h: dict, f: list) -> StepResult:
         admit_rows=_EMPTY_I32_RO, admit_cached_tokens=_EMPTY_I32_RO, copies=copies,
         changed_rows=np.frombuffer(body, P.I32, nch, 2 * na + 8 * nc) if nch else _EMPTY_I32_RO,
         sched_rows=_EMPTY_I32_RO, sched_start=_EMPTY_I32_RO, sched_len=_EMPTY_I32_RO,
-        freed_rows=_EMPTY_I32_RO,
+        freed_rows=_EMPTY_I32_RO, tick=h["t"],
     )
     res.num_scheduled_tokens = h.get("nt", [])  # type: ignore[attr-defined]
     return res
@@ -649,7 +722,7 @@ def _swap_result(h, f) -> SwapResult:
 
 
 _API = ("lookup", "can_allocate", "allocate", "append_slots", "free", "fork", "can_swap_out",
-        "swap_out", "can_swap_in", "swap_in", "reset_prefix_cache", "stats", "step")
+        "swap_out", "can_swap_in", "swap_in", "reset_prefix_cache", "stats", "step", "mark_computed")
 
 
 # ---- blocking client ----------------------------------------------------------------------------
@@ -671,6 +744,7 @@ class Client(_Core):
             raise
 
     def _open(self) -> None:
+        check_endpoint_access(self.endpoint)
         s = self._ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDHWM, 64)
@@ -740,6 +814,7 @@ class Client(_Core):
             if len(spec) > 4:
                 spec[4]()
             raise
+        self._on_reply(op, h)
         return post(h, f)
 
     def heartbeat(self) -> None:
@@ -831,6 +906,7 @@ class AsyncClient(_Core):
         return self
 
     def _open(self) -> None:
+        check_endpoint_access(self.endpoint)
         s = self._ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDHWM, 64)
@@ -889,6 +965,7 @@ class AsyncClient(_Core):
             if len(spec) > 4:
                 spec[4]()
             raise
+        self._on_reply(op, h)
         return post(h, f)
 
     async def heartbeat(self) -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -451,8 +450,8 @@ def run(endpoint: str | None = None, daemon: KvdDaemon | None = None, seed: int 
         if endpoint is None:
             daemon.start()
             endpoint = daemon.endpoint
-        # a tenant of our own: a fresh prefix-cache namespace, whatever else uses the daemon
-        client = Client(endpoint, tenant=f"paged-engine-{secrets.token_hex(4)}", name="paged_engine")
+        # this engine owns its KV memory: the daemon gives it a prefix-cache namespace of its own
+        client = Client(endpoint, name="paged_engine")
         try:
             report = run_scenario(client, int(client.stats()["num_blocks"]) + 1, seed)
         finally:

@@ -34,6 +34,7 @@ from typing import Any
 
 from kvd.errors import InvalidArgument
 from kvd.memory import parse_kv_cache
+from kvd.tenancy import parse_tenants
 
 __all__ = [
     "ConfigError",
@@ -120,6 +121,14 @@ class ServeConfig:
     """Prometheus endpoint port (0: off)."""
     metrics_host: str = "127.0.0.1"
     """Address of the Prometheus endpoint."""
+    tenants: str = ""
+    """Who may take which tenant: "NAME=PRINCIPAL[,PRINCIPAL...] ..." with principals uid:N, gid:N,
+    user:NAME, group:NAME (kvd.tenancy). A client that names no tenant gets its own, uid:<uid>."""
+    socket_mode: str = "0660"
+    """Octal mode of the ipc socket (the runtime directory gets 0750 when the daemon creates it)."""
+    group: str = ""
+    """Group (name or gid) of the socket, the runtime directory and the shared-memory segments:
+    engines must be in it. Empty: "kvd" if that group exists, else the daemon's own group."""
     log_level: str = "info"
     """debug, info, warning, error or critical."""
     status_interval_s: float = 5.0
@@ -221,7 +230,7 @@ def _parses(parse, what: str):
             return None
         try:
             parse(v)
-        except ValueError as exc:
+        except (ValueError, InvalidArgument) as exc:
             return f"is not {what}: {exc}"
         return None
 
@@ -279,6 +288,9 @@ _CHECKS = {
     "max_message_bytes": _in_range(1024, 2**31 - 1),
     "metrics_port": _in_range(0, 65535),
     "metrics_host": lambda v: None if v.strip() else "must not be empty",
+    "tenants": _parses(parse_tenants, "a tenant list"),
+    "socket_mode": lambda v: None if re.fullmatch(r"0?[0-7]{3}", v.strip()) else "must be an octal mode like 0660",
+    "group": lambda v: None,
     "log_level": _one_of(LOG_LEVELS, fold=True),
     "status_interval_s": _finite(_positive),
 }

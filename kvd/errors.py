@@ -87,6 +87,18 @@ class ServerBusy(KvdError):
     code = 24
 
 
+class Unauthorized(KvdError):
+    """The connecting process may not do this: e.g. take a tenant its uid/gids are not allowed."""
+
+    code = 25
+
+
+class PermissionDenied(KvdError):
+    """The client may not open the daemon's socket or a shared-memory segment (the path is named)."""
+
+    code = 26
+
+
 ERROR_BY_CODE: dict[int, type[KvdError]] = {
     cls.code: cls
     for cls in (
@@ -103,5 +115,7 @@ ERROR_BY_CODE: dict[int, type[KvdError]] = {
         DaemonRestarted,
         Timeout,
         ServerBusy,
+        Unauthorized,
+        PermissionDenied,
     )
 }

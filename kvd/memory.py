@@ -10,7 +10,8 @@ Layout, the one ``kvd_kernels``' copy and swap kernels take (``block_dim = 2``):
     kv[layer, k_or_v, block, position_in_block, kv_head, head_dim]     one array per pool
 
 * device "cpu": the GPU pool is a shared-memory segment ``/dev/shm/kvd_<pid>_<epoch>_kv`` (mode
-  0600, so engines of the daemon's user), which clients map read-write; copies are numpy copies;
+  0660 and the daemon's group: engines in that group), which clients map read-write; copies are
+  numpy copies;
 * device "cuda:N": a torch tensor on the device, exported once over CUDA IPC; copies and swaps are
   the Triton kernels, and the stream is synchronized before the reply;
 * the CPU swap pool (``num_cpu_blocks``) is the daemon's own (pinned on CUDA).
@@ -27,9 +28,38 @@ import os
 
 import numpy as np
 
+from kvd.shm import set_access
+
+KV_SEGMENT_MODE = 0o660
 #: KV dtypes and the numpy dtype of the same width that holds their bytes on CPU.
 DTYPES = {"float16": "<f2", "bfloat16": "<u2", "float32": "<f4", "float8_e4m3fn": "u1", "float8_e5m2": "u1"}
 SHM_DIR = "/dev/shm"
+
+
+def available_memory() -> int:
+    """Bytes this process may still allocate: MemAvailable, or less under a cgroup v2 limit."""
+    available = 1 << 62
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/proc/self/cgroup") as fh:
+            path = next((ln.split(":", 2)[2].strip() for ln in fh if ln.startswith("0::")), None)
+        if path is not None:
+            base = os.path.join("/sys/fs/cgroup", path.lstrip("/"))
+            with open(os.path.join(base, "memory.max")) as fh:
+                limit = fh.read().strip()
+            if limit != "max":
+                with open(os.path.join(base, "memory.current")) as fh:
+                    available = min(available, int(limit) - int(fh.read()))
+    except (OSError, ValueError):
+        pass
+    return available
 
 
 def parse_kv_cache(text: str) -> tuple[int, int, int, str]:
@@ -57,7 +87,8 @@ def pool_shape(spec: tuple[int, int, int, str], num_blocks: int, block_size: int
 class KvMemory:
     """The daemon's KV cache: the GPU pool (shared with the engines) and the CPU swap pool."""
 
-    def __init__(self, spec, num_blocks: int, num_cpu_blocks: int, block_size: int, device: str, name: str):
+    def __init__(self, spec, num_blocks: int, num_cpu_blocks: int, block_size: int, device: str, name: str,
+                 gid: int = -1):
         self.spec = spec
         self.dtype = spec[3]
         self.shape = pool_shape(spec, num_blocks, block_size)
@@ -73,7 +104,7 @@ class KvMemory:
             self.cpu = torch.zeros(cpu_shape, dtype=tdt, pin_memory=True)
             self.info = self._export_cuda()
         else:
-            self.gpu = self._create_shm(name)
+            self.gpu = self._create_shm(name, gid)
             self.cpu = np.zeros(cpu_shape, DTYPES[self.dtype])
             self.info = {"kind": "shm", "name": name, "shape": self.shape, "dtype": self.dtype}
 
@@ -81,13 +112,14 @@ class KvMemory:
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(DTYPES[self.dtype]).itemsize
 
-    def _create_shm(self, name: str) -> np.ndarray:
+    def _create_shm(self, name: str, gid: int) -> np.ndarray:
         path = os.path.join(SHM_DIR, name)
         st = os.statvfs(SHM_DIR)
         if st.f_bavail * st.f_frsize < self.nbytes:  # a sparse file past it would SIGBUS on first touch
             raise MemoryError(f"the KV cache needs {self.nbytes} bytes, {SHM_DIR} has {st.f_bavail * st.f_frsize} free")
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            set_access(self._fd, KV_SEGMENT_MODE, gid)  # engines of the daemon's group write K/V
             os.ftruncate(self._fd, self.nbytes)
             self._mm = mmap.mmap(self._fd, self.nbytes)
         except BaseException:

@@ -44,10 +44,16 @@ requests in one message a parallel int32 "counts" frame says how many hashes bel
 
 Ops and their frames (G = number of KV-cache groups of the pool; "hdr" = extra header keys)
 ===========================================================================================
-hello      hdr: tenant (str, <= 256 chars), name (str), pid (int), nonce (str, <= 64 chars).
+hello      hdr: tenant (str, <= 256 chars; "" = the peer's own, see kvd.tenancy), name (str),
+           pid (int), nonce (str, <= 64 chars), kv_shared (bool, default false: this engine's KV
+           memory is shared with the tenant's other sessions, so their prefix caches may be one).
            frames: none. reply hdr: sid, epoch, shm (segment name), layout (dict, see kvd.shm),
-           block_sizes, max_reqs, max_blocks, max_tokens, lease_s, hb_s (heartbeat interval).
-           A retried hello (same nonce) returns the same session.
+           block_sizes, max_reqs, max_blocks, max_tokens, lease_s, hb_s (heartbeat interval),
+           tenant (the tenant granted), shared (bool: the session's prefix cache is its tenant's
+           shared one; false: a namespace of its own), topic (of its KV events: the tenant, or
+           "tenant#N" for a namespace of its own), t (the manager tick).
+           A retried hello (same nonce, same peer uid) returns the same session. A tenant the
+           peer's credentials do not open -> Unauthorized.
            With a GPU pool (daemon ``--device cuda:N``, kvd.gpu_session) the reply also carries
            ``gpu``: the CUDA IPC export of the session's device arena, made once per session with
            torch's ``UntypedStorage._share_cuda_()`` (bytes as lowercase hex strings):
@@ -72,9 +78,12 @@ hello      hdr: tenant (str, <= 256 chars), name (str), pid (int), nonce (str, <
            sz, off, rc, rco, ev, evs; the whole storage is the pool, row-major) for "cuda".
            Copy-on-write copies and swaps are then done in it before the reply that reports them.
 attach     hdr: s (existing sid), epoch. Re-binds a live session (e.g. after the client rebuilt
-           its socket). Wrong epoch -> DaemonRestarted; unknown/expired sid -> SessionError.
+           its socket). Wrong epoch -> DaemonRestarted; unknown/expired sid -> SessionError; a
+           peer of another uid than the session's -> Unauthorized.
 step       hdr: la (lookahead tokens, int), an (uniform append token count used when the
-           append-counts frame is empty), nf, nk, na, nd (counts of frees, forks, appends, admits).
+           append-counts frame is empty), nf, nk, na, nd (counts of frees, forks, appends, admits),
+           c (optional int: the session's confirmation, applied first: the forward passes of its
+           calls up to manager tick c have finished; see kvd.manager, the computed state).
            frames after the header (6 + 4G; trailing empty frames may be left out, at least 4 sent),
            in this order:
              0  free rows            int32[nf]
@@ -86,8 +95,9 @@ step       hdr: la (lookahead tokens, int), an (uniform append token count used 
              5+2G  admissions        int64[nd, ADMIT_COLS]  (row, num_tokens, lookahead, priority,
                                       num_encoder_tokens, max_new_tokens, tag as int64)
              6+2G .. 6+4G-1  per group g: admit hashes S16[*], admit hash counts int32[nd]
-           reply hdr: nt (slot-mapping tokens written per group, list), nc (copies), nch (changed
-           rows), nfr (freed rows). ONE reply frame, the concatenation of:
+           reply hdr: t (the manager tick of this step: what a later ``c`` confirms), nt
+           (slot-mapping tokens written per group, list), nc (copies), nch (changed rows), nfr
+           (freed rows). ONE reply frame, the concatenation of:
              free status int16[nf], fork status int16[nk], append status int16[na],
              admit status int16[nd], admit cached tokens int32[nd], copies int32[nc, 2],
              changed rows int32[nch] (session rows whose block-table rows / counts changed),
@@ -100,13 +110,14 @@ step       hdr: la (lookahead tokens, int), an (uniform append token count used 
 lookup     frames: hashes S16[n] (group 0). reply hdr: n (leading cached blocks).
 can_alloc  hdr: nt, la, mnt, net. frames: per group hashes S16. reply hdr: status (AllocStatus).
 allocate   hdr: row, tag, nt, la, pri, net, mnt. frames: per group hashes S16.
-           reply hdr: status, cached. reply frames: per group new block ids int32 (the row's table).
+           reply hdr: status, cached, t (tick). reply frames: per group new block ids int32.
 append     hdr: row, n, la. frames: per group new hashes S16.
-           reply hdr: status. frames: per group new block ids int32, copies int32[k, 2].
+           reply hdr: status, t. frames: per group new block ids int32, copies int32[k, 2].
+computed   hdr: c (tick). The session's confirmation on its own (see step). reply: ok.
 free       frames: rows int32[n]. reply: ok.
 fork       hdr: parent, child, tag. reply: ok.
 can_swap_out / swap_out / can_swap_in / swap_in
-           frames: rows int32[n]. reply hdr: ok (bool for can_*), status (swap). frames (swap):
+           frames: rows int32[n]. reply hdr: ok (bool for can_*), status and t (swap). frames (swap):
            mapping int32[k, 2].
 reset_prefix_cache   resets the session's own namespace. reply hdr: done (bool).
 stats      reply hdr: stats (the manager's stats dict plus "sessions").
@@ -143,11 +154,12 @@ RESET_PREFIX_CACHE = "reset_prefix_cache"
 STATS = "stats"
 HEARTBEAT = "heartbeat"
 GOODBYE = "goodbye"
+COMPUTED = "computed"
 
 OPS = frozenset(
     {
         HELLO, ATTACH, STEP, LOOKUP, CAN_ALLOCATE, ALLOCATE, APPEND, FREE, FORK, CAN_SWAP_OUT,
-        SWAP_OUT, CAN_SWAP_IN, SWAP_IN, RESET_PREFIX_CACHE, STATS, HEARTBEAT, GOODBYE,
+        SWAP_OUT, CAN_SWAP_IN, SWAP_IN, RESET_PREFIX_CACHE, STATS, HEARTBEAT, GOODBYE, COMPUTED,
     }
 )
 SESSIONLESS_OPS = frozenset({HELLO})
@@ -337,6 +349,20 @@ def send_frames(sock, frames: list, flags: int = 0) -> None:
     more = flags | SNDMORE
     for i, f in enumerate(frames):
         _csend(sock, f, more if i < last else flags)
+
+
+def recv_message(sock, flags: int = 0) -> tuple[list[bytes], Any]:
+    """Like ``recv_frames``, plus the first frame as a ``zmq.Frame``: on a ROUTER that is the peer
+    identity, whose ``Peer-Address`` property carries an ipc peer's credentials (kvd.tenancy)."""
+    if _crecv is None:
+        frames = sock.recv_multipart(flags, copy=False)
+        return [f.bytes for f in frames], frames[0]
+    first = f = _crecv(sock, flags, False)
+    parts = [f.bytes]
+    while f.more:
+        f = _crecv(sock, flags, False)
+        parts.append(f.bytes)
+    return parts, first
 
 
 def recv_frames(sock, flags: int = 0) -> list[bytes]:

@@ -5,8 +5,11 @@ loop thread (no ``await`` between receiving a message and sending its reply), so
 single-threaded and every step is applied atomically. See ``kvd.protocol`` for the wire format and
 ``kvd.shm`` for the shared-memory layout.
 
-Sessions: ``hello`` creates one (a shared-memory segment, a row map, a namespace from the tenant
-salt). Every message renews its lease; a session silent for ``lease_s`` (or silent for two heartbeat
+Sessions: ``hello`` creates one (a shared-memory segment, a row map, a tenant decided by the peer's
+credentials, kvd.tenancy). Its prefix-cache namespace is its tenant's shared one when the KV memory
+is shared (the daemon owns it, ``kv_cache``, or the client says so with ``kv_shared``), each session
+then being one *writer* of the manager's computed state (kvd.manager); otherwise a namespace of its
+own, dropped when it ends: a block's K/V then lives only in that engine's memory. Every message renews its lease; a session silent for ``lease_s`` (or silent for two heartbeat
 intervals when ZeroMQ reports a peer disconnect) is ended: all its requests are freed and its segment
 unlinked. Manager request ids are ints ``sid << 32 | session_row``, so sessions never collide and a
 client can only name its own requests.
@@ -53,8 +56,11 @@ from kvd.errors import (
     SessionError,
     UnknownRequest,
     DaemonRestarted,
+    Unauthorized,
 )
+from kvd.memory import available_memory
 from kvd.shm import SessionBuffers, segment_name, sweep_stale
+from kvd.tenancy import Peer, parse_tenants, peer_of, tenant_for
 from kvd_kernels import slot_mapping_from_ranges_ref
 
 log = logging.getLogger("kvd.server")
@@ -73,15 +79,17 @@ _PROF = [] if os.environ.get("KVDSRV_PROF") else None
 
 class Session:
     __slots__ = (
-        "sid", "tenant", "namespace", "name", "pid", "nonce", "shm", "mrow", "last_seen",
+        "sid", "tenant", "namespace", "writer", "uid", "name", "pid", "nonce", "shm", "mrow", "last_seen",
         "last_seq", "last_reply", "ident", "slots_written", "base", "gpu",
     )
 
-    def __init__(self, sid: int, tenant: str, namespace: int, name: str, pid: int, nonce: str,
-                 shm: SessionBuffers, max_reqs: int, num_groups: int, ident: bytes):
+    def __init__(self, sid: int, tenant: str, namespace: int, writer: int, uid: int | None, name: str, pid: int,
+                 nonce: str, shm: SessionBuffers, max_reqs: int, num_groups: int, ident: bytes):
         self.sid = sid
         self.tenant = tenant
-        self.namespace = namespace
+        self.namespace = namespace  # the manager namespace of its prefix cache
+        self.writer = writer  # its writer id in a shared namespace; 0 in a private one
+        self.uid = uid  # the peer's uid (None: no credentials)
         self.name = name
         self.pid = pid
         self.nonce = nonce
@@ -96,8 +104,44 @@ class Session:
         self.gpu = None  # kvd.gpu_session.GpuSession with a GPU pool
 
 
+def _peer(identity_frame: Any) -> Peer | None:
+    if identity_frame is None:
+        return None
+    try:
+        return peer_of(identity_frame.get("Peer-Address"))
+    except (zmq.ZMQError, AttributeError, UnicodeDecodeError):
+        return None
+
+
 def _opt(config: Any, name: str, default: Any) -> Any:
     return getattr(config, name, default)
+
+
+SOCKET_MODE = "0660"
+SEGMENT_MODE = 0o640  # session segments: the daemon writes, the group's engines read
+RUNTIME_DIR_MODE = 0o750
+DEFAULT_GROUP = "kvd"
+
+
+def resolve_group(name: str) -> int:
+    """The gid for the ``group`` config: a name or a number; "" is "kvd" when that group exists and
+    the daemon may use it, else -1 (the daemon's own group). An explicit group the daemon cannot
+    give its files raises InvalidArgument."""
+    import grp
+
+    explicit = bool(name)
+    try:
+        gid = int(name) if name.isdigit() else grp.getgrnam(name or DEFAULT_GROUP).gr_gid
+    except KeyError:
+        if explicit:
+            raise InvalidArgument(f"config key 'group': no group named {name!r}") from None
+        return -1
+    if os.geteuid() != 0 and gid != os.getegid() and gid not in os.getgroups():
+        if explicit:
+            raise InvalidArgument(f"config key 'group': the daemon (uid {os.geteuid()}) is not in group {name!r}")
+        log.info("group %r exists but this daemon is not in it: files keep the daemon's own group", DEFAULT_GROUP)
+        return -1
+    return gid
 
 
 class Daemon:
@@ -119,6 +163,11 @@ class Daemon:
             # the reply goes out first; drain() flushes right after sending it
             defer_cache_registration=True,
         )
+        need, available = BlockManager.estimate_bytes(self.mcfg), available_memory()
+        if need > available:
+            raise CapacityExceeded(f"the block pool needs {need} bytes of memory, {available} are available "
+                                   "(MemAvailable, or the cgroup's limit): lower num_gpu_blocks, max_num_reqs or "
+                                   "max_model_len")
         self.manager = BlockManager(self.mcfg)
         rowloops.warm_up()  # compile now, not on the first step served
         self.gpu_pool = None
@@ -143,20 +192,24 @@ class Daemon:
 
             self.gpu_pool = GpuPool(device, self.block_sizes, self.max_blocks, self.max_reqs,
                                     self.max_tokens)
+        self.tenant_rules = parse_tenants(str(_opt(config, "tenants", "") or ""))
+        self.gid = resolve_group(str(_opt(config, "group", "") or ""))
         self.kv = None
         kv_spec = str(_opt(config, "kv_cache", "") or "")
         if kv_spec:  # the daemon owns the KV cache itself (kvd.memory)
             from kvd.memory import KvMemory, parse_kv_cache
 
             self.kv = KvMemory(parse_kv_cache(kv_spec), self.mcfg.num_gpu_blocks, self.mcfg.num_cpu_blocks,
-                               self.block_sizes[0], device, segment_name(self.pid, self.epoch, "kv"))
+                               self.block_sizes[0], device, segment_name(self.pid, self.epoch, "kv"), self.gid)
         n = int(config.max_num_reqs)
         self.owner_sid = np.zeros(n, np.int64)  # manager row -> session id (0: none)
         self.owner_srow = np.full(n, -1, np.int32)  # manager row -> session row
         self.sessions: dict[int, Session] = {}
         self.by_nonce: dict[str, int] = {}
-        self.namespaces: dict[str, int] = {"": 0}
-        self.tenant_of: list[str] = [""]  # namespace -> tenant
+        self.namespaces: dict[str, int] = {}  # tenant -> its shared namespace
+        self.topic_of: dict[int, str] = {}  # namespace -> topic of its KV events
+        self.next_namespace = 1  # 0 is the in-process manager's default; no session uses it
+        self._retired: dict[int, tuple[str, int]] = {}  # keys of a namespace being dropped
         self.events = None  # kvd.events.KvEventPublisher, when kv_events_endpoint is set
         self.next_sid = 1
         self.stopping = False
@@ -173,12 +226,13 @@ class Daemon:
             P.FORK: self.op_fork, P.CAN_SWAP_OUT: self.op_swap, P.SWAP_OUT: self.op_swap,
             P.CAN_SWAP_IN: self.op_swap, P.SWAP_IN: self.op_swap,
             P.RESET_PREFIX_CACHE: self.op_reset, P.STATS: self.op_stats,
-            P.HEARTBEAT: self.op_heartbeat, P.GOODBYE: self.op_goodbye,
+            P.HEARTBEAT: self.op_heartbeat, P.GOODBYE: self.op_goodbye, P.COMPUTED: self.op_computed,
         }
 
     # ---- message dispatch -------------------------------------------------------------------------
-    def handle(self, msg: list[bytes]) -> list[bytes] | None:
-        """One message (identity first) -> reply frames (without identity), or None to drop."""
+    def handle(self, msg: list[bytes], identity_frame: Any = None) -> list[bytes] | None:
+        """One message (identity first) -> reply frames (without identity), or None to drop.
+        ``identity_frame``: the zmq.Frame of the identity, whose properties name an ipc peer."""
         ident = msg[0]
         frames = msg[1:]
         seq = None
@@ -197,12 +251,12 @@ class Daemon:
             if fn is None:
                 raise ProtocolError(f"unknown op {op!r}")
             if op == P.HELLO:
-                return fn(None, h, frames[1:], ident, seq)
+                return self.op_hello(h, frames[1:], ident, seq, _peer(identity_frame))
             sid = P.get_int(h, "s", None, 1, (1 << 62) - 1)
             sess = self.sessions.get(sid)
+            if op == P.ATTACH:
+                return self.op_attach(sess, h, frames[1:], ident, seq, _peer(identity_frame))
             if sess is None:
-                if op == P.ATTACH:
-                    return fn(None, h, frames[1:], ident, seq)
                 raise SessionError(f"unknown or expired session {sid}")
             sess.last_seen = time.monotonic()
             if op == P.HEARTBEAT:
@@ -238,9 +292,18 @@ class Daemon:
 
     # ---- helpers ------------------------------------------------------------------------------------
     def describe_cache_key(self, key: int) -> tuple[str, int]:
-        """(tenant, block size) of a prefix-cache key: the topic and block size of its KV events."""
+        """(topic, block size) of a prefix-cache key: its tenant (a private namespace: "tenant#session")
+        and block size, for its KV events."""
+        retired = self._retired.get(key)
+        if retired is not None:
+            return retired
         ns, group = self.manager.cache_key_owner(key)
-        return self.tenant_of[ns], self.block_sizes[group]
+        return self.topic_of[ns], self.block_sizes[group]
+
+    def publish_events(self) -> None:
+        """Send what the pool's event log holds (kvd.events), if events are on."""
+        if self.events is not None and self.manager.pool.event_log:
+            self.events.publish(self.manager.pool.event_log)
 
     def _do_copies(self) -> None:
         """The copy-on-write copies the op decided, done now when the daemon owns the KV cache
@@ -371,68 +434,103 @@ class Daemon:
         return sess.slots_written
 
     # ---- ops --------------------------------------------------------------------------------------
-    def op_hello(self, _sess, h, frames, ident, seq):
-        tenant = P.get_str(h, "tenant", "")
+    def op_hello(self, h, frames, ident, seq, peer: Peer | None):
+        claimed = P.get_str(h, "tenant", "")
         name = P.get_str(h, "name", "")
         nonce = P.get_str(h, "nonce", "", 64)
         pid = P.get_int(h, "pid", 0)
+        kv_shared = h.get("kv_shared", False)
         if frames:
             raise ProtocolError("hello carries no frames")
+        if type(kv_shared) is not bool:
+            raise ProtocolError("hello: kv_shared must be a boolean")
+        tenant = tenant_for(claimed, peer, self.tenant_rules)
+        uid = peer.uid if peer is not None else None
         if nonce and nonce in self.by_nonce and self.by_nonce[nonce] in self.sessions:
             sess = self.sessions[self.by_nonce[nonce]]  # a retried hello
+            if sess.uid != uid or sess.tenant != tenant:
+                raise Unauthorized("hello: that nonce belongs to another peer's session")
         else:
             if len(self.sessions) >= self.max_sessions:
                 raise ServerBusy(f"{len(self.sessions)} sessions: max_sessions reached")
-            ns = self.namespaces.get(tenant)
-            if ns is None:
-                ns = self.namespaces[tenant] = len(self.namespaces)
-                self.tenant_of.append(tenant)
-            # session ids are unguessable: they are the only credential of a session on the socket
-            sid = secrets.randbits(62) | 1
-            while sid in self.sessions:
-                sid = secrets.randbits(62) | 1
-            index = self.next_sid
-            self.next_sid += 1
-            shm = SessionBuffers.create(
-                segment_name(self.pid, self.epoch, index), max_reqs=self.max_reqs,
-                max_blocks=self.max_blocks, max_tokens=self.max_tokens,
-                block_sizes=self.block_sizes, epoch=self.epoch, sid=sid,
-            )
-            sess = Session(sid, tenant, ns, name, pid, nonce, shm, self.max_reqs, self.G, ident)
-            if self.gpu_pool is not None:
-                try:
-                    sess.gpu = self.gpu_pool.new_session()
-                except Exception as e:
-                    shm.unlink()
-                    shm.close()
-                    log.error("session %d: GPU buffers failed: %s", index, e)
-                    raise CapacityExceeded(f"cannot allocate the session's GPU buffers: {e}") from None
-            self.sessions[sid] = sess
-            if nonce:
-                self.by_nonce[nonce] = sid
-            log.info("session %d hello: name=%r pid=%d tenant namespace=%d", index, name, pid, ns)
+            sess = self._new_session(tenant, kv_shared or self.kv is not None, uid, name, pid, nonce, ident)
         sess.last_seq = seq
         sess.last_reply = None
         return [self._session_reply(sess, seq)]
+
+    def _new_session(self, tenant: str, shared: bool, uid, name: str, pid: int, nonce: str, ident: bytes) -> Session:
+        # session ids are unguessable: they are the only credential of a session on the socket
+        sid = secrets.randbits(62) | 1
+        while sid in self.sessions:
+            sid = secrets.randbits(62) | 1
+        index = self.next_sid
+        self.next_sid += 1
+        if shared:  # one prefix cache per tenant, this session one of its writers
+            ns = self.namespaces.get(tenant)
+            if ns is None:
+                ns = self.namespaces[tenant] = self._new_namespace(tenant)
+            writer = index
+        else:  # the K/V live in this engine's memory only: a prefix cache of its own
+            ns, writer = self._new_namespace(f"{tenant}#{index}"), 0
+        shm = SessionBuffers.create(
+            segment_name(self.pid, self.epoch, index), max_reqs=self.max_reqs,
+            max_blocks=self.max_blocks, max_tokens=self.max_tokens,
+            block_sizes=self.block_sizes, epoch=self.epoch, mode=SEGMENT_MODE, gid=self.gid,
+        )
+        sess = Session(sid, tenant, ns, writer, uid, name, pid, nonce, shm, self.max_reqs, self.G, ident)
+        if self.gpu_pool is not None:
+            try:
+                sess.gpu = self.gpu_pool.new_session()
+            except Exception as e:
+                shm.unlink()
+                shm.close()
+                log.error("session %d: GPU buffers failed: %s", index, e)
+                raise CapacityExceeded(f"cannot allocate the session's GPU buffers: {e}") from None
+        self.sessions[sid] = sess
+        if nonce:
+            self.by_nonce[nonce] = sid
+        log.info("session %d hello: name=%r pid=%d uid=%s tenant=%r namespace=%d%s", index, name, pid, uid,
+                 tenant, ns, f" (writer {writer})" if writer else " (private)")
+        return sess
+
+    def _new_namespace(self, topic: str) -> int:
+        ns = self.next_namespace
+        self.next_namespace += 1
+        self.topic_of[ns] = topic
+        return ns
 
     def _session_reply(self, sess: Session, seq: int) -> bytes:
         return P.ok_reply(
             seq, self.epoch, sid=sess.sid, shm=sess.shm.name, block_sizes=self.block_sizes,
             max_reqs=self.max_reqs, max_blocks=self.max_blocks, max_tokens=self.max_tokens,
             lease_s=self.lease_s, hb_s=self.hb_s, hash_algo=self.hash_algo,
-            num_groups=self.G, max_model_len=self.max_model_len,
+            num_groups=self.G, max_model_len=self.max_model_len, tenant=sess.tenant,
+            shared=bool(sess.writer), topic=self.topic_of[sess.namespace], t=self.manager.tick,
             **({"gpu": sess.gpu.handle} if sess.gpu is not None and sess.gpu.handle else {}),
             **({"kv": self.kv.info} if self.kv is not None else {}),
         )
 
-    def op_attach(self, sess, h, frames, ident, seq):
+    def op_attach(self, sess, h, frames, ident, seq, peer: Peer | None):
         epoch = P.get_str(h, "epoch", "")
         if epoch != self.epoch:
             raise DaemonRestarted(f"daemon epoch is {self.epoch}, session was made by {epoch}")
         if sess is None:
             raise SessionError(f"unknown or expired session {h.get('s')}")
+        if sess.uid != (peer.uid if peer is not None else None):
+            raise Unauthorized("attach: the session belongs to another uid")
+        sess.last_seen = time.monotonic()
         sess.ident = ident
         return [self._session_reply(sess, seq)]
+
+    def op_computed(self, sess, h, frames, ident, seq):
+        self._confirm(sess, h)
+        return [P.ok_reply(seq, self.epoch)]
+
+    def _confirm(self, sess: Session, h: dict) -> None:
+        """The session's confirmation ``c`` (see kvd.manager): a no-op in a private namespace."""
+        c = h.get("c")
+        if c is not None and sess.writer:
+            self.manager.mark_computed(sess.writer, P.get_int(h, "c", None, 0, (1 << 62)))
 
     def op_heartbeat(self, sess, h, frames, ident, seq):
         return [P.ok_reply(seq, self.epoch)]
@@ -460,7 +558,7 @@ class Daemon:
         if len(frames) != 1:
             raise ProtocolError("lookup: expected 1 frame")
         hs = P.frame_hashes(frames[0], "hashes", self.max_model_len)
-        n = self.manager.lookup(hs, namespace=sess.namespace)
+        n = self.manager.lookup(hs, namespace=sess.namespace, writer=sess.writer)
         return [P.ok_reply(seq, self.epoch, n=int(n))]
 
     def op_can_allocate(self, sess, h, frames, ident, seq):
@@ -469,7 +567,7 @@ class Daemon:
         hs = self._group_hashes(frames, 0)
         st = self.manager.can_allocate(
             P.get_int(h, "nt", None, 0, P.MAX_COUNT), self._hash_arg(hs),
-            P.get_int(h, "la", 0, 0, P.MAX_COUNT), namespace=sess.namespace,
+            P.get_int(h, "la", 0, 0, P.MAX_COUNT), namespace=sess.namespace, writer=sess.writer,
             max_new_tokens=P.get_int(h, "mnt", 0, 0, P.MAX_COUNT),
             num_encoder_tokens=P.get_int(h, "net", 0, 0, P.MAX_COUNT),
         )
@@ -483,16 +581,17 @@ class Daemon:
         hs = self._group_hashes(frames, 0)
         res = self.manager.allocate(
             sess.base | srow, P.get_int(h, "nt", None, 0, P.MAX_COUNT), self._hash_arg(hs),
-            P.get_int(h, "la", 0, 0, P.MAX_COUNT), namespace=sess.namespace,
+            P.get_int(h, "la", 0, 0, P.MAX_COUNT), namespace=sess.namespace, writer=sess.writer,
             priority=P.get_int(h, "pri", 50, 0, 100),
             num_encoder_tokens=P.get_int(h, "net", 0, 0, P.MAX_COUNT),
             max_new_tokens=P.get_int(h, "mnt", 0, 0, P.MAX_COUNT),
         )
+        t = self.manager.tick
         if res.status != STATUS_OK:
-            return [P.ok_reply(seq, self.epoch, status=int(res.status), cached=0)]
+            return [P.ok_reply(seq, self.epoch, status=int(res.status), cached=0, t=t)]
         self._map(sess, srow, int(res.row), tag)
         self._sync_row(sess, srow)
-        return [P.ok_reply(seq, self.epoch, status=STATUS_OK, cached=int(res.num_cached_tokens))]
+        return [P.ok_reply(seq, self.epoch, status=STATUS_OK, cached=int(res.num_cached_tokens), t=t)]
 
     def op_append(self, sess, h, frames, ident, seq):
         if len(frames) != self.G:
@@ -505,10 +604,11 @@ class Daemon:
             sess.base | srow, P.get_int(h, "n", None, 0, P.MAX_COUNT), self._hash_arg(hs),
             P.get_int(h, "la", 0, 0, P.MAX_COUNT),
         )
+        t = self.manager.tick
         if res.status != STATUS_OK:
-            return [P.ok_reply(seq, self.epoch, status=int(res.status))]
+            return [P.ok_reply(seq, self.epoch, status=int(res.status), t=t)]
         self._sync_row(sess, srow)
-        out = [P.ok_reply(seq, self.epoch, status=STATUS_OK)]
+        out = [P.ok_reply(seq, self.epoch, status=STATUS_OK, t=t)]
         for g in range(self.G):
             ids = res.group_new_block_ids[g] if g < len(res.group_new_block_ids) else ()
             out.append(P.arr(ids, P.I32))
@@ -558,7 +658,7 @@ class Daemon:
             if self.kv is not None:
                 (self.kv.swap_out if op == P.SWAP_OUT else self.kv.swap_in)(res.mapping)
             self._sync_rows(sess, sess.mrow[srows].copy())
-        return [P.ok_reply(seq, self.epoch, status=int(res.status)), P.arr(res.mapping, P.I32)]
+        return [P.ok_reply(seq, self.epoch, status=int(res.status), t=m.tick), P.arr(res.mapping, P.I32)]
 
     def _decode_step(self, sess: Session, h: dict, rows_b: bytes, na: int, la: int, seq: int,
                      hashes_b: bytes = P.EMPTY, counts_b: bytes = P.EMPTY) -> list[bytes]:
@@ -585,13 +685,15 @@ class Daemon:
                               append_hashes=(hs,), append_hash_counts=(cnt,))
         else:
             batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la)
-        res = self.manager.step(batch, namespace=sess.namespace)
+        if "c" in h:
+            self._confirm(sess, h)
+        res = self.manager.step(batch, namespace=sess.namespace, writer=sess.writer)
         changed = self._sync_rows(sess, res.changed_rows, full=res.copies.size > 0)
         nt = self._write_slots(sess, res.sched_rows, res.sched_start, res.sched_len, uniform=an)
         self.was_step = True
         copies = res.copies
         return [
-            P.ok_reply(seq, self.epoch, nt=nt, nc=len(copies), nch=len(changed), nfr=0),
+            P.ok_reply(seq, self.epoch, t=res.tick, nt=nt, nc=len(copies), nch=len(changed), nfr=0),
             b"".join((res.append_status.astype(P.I16, copy=False).tobytes(),
                       copies.astype(P.I32, copy=False).tobytes(), changed.tobytes())),
         ]
@@ -686,7 +788,9 @@ class Daemon:
             admit=admits, **app,
         )
         m = self.manager
-        res = m.step(batch, namespace=sess.namespace)
+        if "c" in h:
+            self._confirm(sess, h)
+        res = m.step(batch, namespace=sess.namespace, writer=sess.writer)
 
         # -- publish: unmap freed rows, map forks and admissions, copy changed rows, slot mapping
         freed_s = np.empty(0, np.int32)
@@ -716,7 +820,7 @@ class Daemon:
         append_status = res.append_status
         copies = res.copies
         return [
-            P.ok_reply(seq, self.epoch, nt=nt, nc=len(copies), nch=len(changed), nfr=len(freed_s)),
+            P.ok_reply(seq, self.epoch, t=res.tick, nt=nt, nc=len(copies), nch=len(changed), nfr=len(freed_s)),
             b"".join((
                 P.arr(res.free_status, P.I16), P.arr(res.fork_status, P.I16),
                 P.arr(append_status, P.I16), P.arr(res.admit_status, P.I16),
@@ -743,6 +847,15 @@ class Daemon:
         self.owner_sid[mrows] = 0
         self.owner_srow[mrows] = -1
         sess.mrow[:] = -1
+        if sess.writer:  # what it never confirmed may never have been written
+            self.manager.drop_writer(sess.writer)
+        else:  # its K/V memory goes with it
+            ns = sess.namespace
+            self._retired = {k: (self.topic_of[ns], self.block_sizes[g]) for k, g in self.manager.cache_keys_of(ns)}
+            self.manager.drop_namespace(ns)
+            self.publish_events()  # now: the dropped keys' ids may be given to a new namespace next
+            self._retired = {}
+            del self.topic_of[ns]
         if sess.gpu is not None:
             sess.gpu.close()  # torch keeps the arena in its IPC limbo while the client maps it
             sess.gpu = None
@@ -804,13 +917,24 @@ def _lock_path(runtime_dir: str, endpoint: str, default_endpoint: bool) -> str:
     return os.path.join(runtime_dir, f"kvd-{hashlib.sha1(endpoint.encode()).hexdigest()[:12]}.lock")
 
 
-def _prepare_runtime_dir(path: str) -> None:
+def _prepare_runtime_dir(path: str, gid: int) -> None:
+    """The socket's directory: 0750 and the daemon's group (systemd's RuntimeDirectoryMode does
+    the same under the units), so the group's engines can reach the socket and nobody else."""
     under_systemd = bool(os.environ.get("RUNTIME_DIRECTORY")) and path == os.environ["RUNTIME_DIRECTORY"].split(":")[0]
     os.makedirs(path, mode=0o700, exist_ok=True)
     if not under_systemd:
         st = os.stat(path)
-        if st.st_uid == os.getuid() and (st.st_mode & 0o777) != 0o700:
-            os.chmod(path, 0o700)
+        if st.st_uid == os.getuid():
+            if gid >= 0 and st.st_gid != gid:
+                os.chown(path, -1, gid)
+            if (st.st_mode & 0o777) != RUNTIME_DIR_MODE:
+                os.chmod(path, RUNTIME_DIR_MODE)
+
+
+def _set_socket_access(path: str, mode: int, gid: int) -> None:
+    if gid >= 0:
+        os.chown(path, -1, gid)
+    os.chmod(path, mode)
 
 
 def _group_specs(config: Any) -> tuple[tuple[int, int], ...]:
@@ -850,11 +974,20 @@ def _resolve(config: Any) -> tuple[str, str]:
     return rd, ep
 
 
+EXIT_CONFIG = 78  # EX_CONFIG: the unit files do not restart on it
+
+
 async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
     runtime_dir, endpoint = _resolve(config)
     default_ep = not getattr(config, "endpoint", "")
     try:
-        _prepare_runtime_dir(runtime_dir)
+        gid = resolve_group(str(_opt(config, "group", "") or ""))
+        socket_mode = int(str(_opt(config, "socket_mode", SOCKET_MODE)), 8)
+    except InvalidArgument as e:
+        print(f"kvd: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        _prepare_runtime_dir(runtime_dir, gid)
     except OSError as e:
         print(f"kvd: cannot create runtime directory {runtime_dir}: {e}", file=sys.stderr)
         return 1
@@ -886,6 +1019,9 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
             log.info("removed %d stale shared-memory segments of dead daemons", len(removed))
         try:
             d = Daemon(config)
+        except (InvalidArgument, CapacityExceeded) as e:
+            print(f"kvd: {e}", file=sys.stderr)
+            return EXIT_CONFIG
         except (ImportError, RuntimeError, MemoryError, OSError) as e:
             print(f"kvd: cannot start on device {getattr(config, 'device', 'cpu')}: {e}", file=sys.stderr)
             return 1
@@ -916,7 +1052,7 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
             print(f"kvd: cannot bind {endpoint}: {e}", file=sys.stderr)
             return 1
         if ipc_path is not None:
-            os.chmod(ipc_path, 0o600)
+            _set_socket_access(ipc_path, socket_mode, gid)
         d.sock = sock
         mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         d.monitor = mon
@@ -942,7 +1078,7 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
         fd = sock.getsockopt(zmq.FD)
         mon_fd = mon.getsockopt(zmq.FD)
 
-        send_frames, recv_frames, NB = P.send_frames, P.recv_frames, P.NOBLOCK
+        send_frames, recv_message, NB = P.send_frames, P.recv_message, P.NOBLOCK
 
         has_input = P.has_input
 
@@ -951,12 +1087,12 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
             handle = d.handle
             while has_input(s):  # ZMQ_EVENTS re-arms the edge-triggered FD without an EAGAIN
                 try:
-                    msg = recv_frames(s, NB)
+                    msg, identity_frame = recv_message(s, NB)
                 except zmq.Again:
                     break
                 t0 = time.perf_counter()
                 c0 = time.thread_time() if _PROF is not None else 0.0
-                reply = handle(msg)
+                reply = handle(msg, identity_frame)
                 if reply is not None:
                     try:
                         send_frames(s, [msg[0], *reply], NB)
@@ -967,8 +1103,7 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                 # Prefix-cache entries a decode step left for after its reply (also flushed by
                 # the manager itself before anything reads the cache).
                 d.manager.flush_deferred()
-                if d.events is not None and d.manager.pool.event_log:
-                    d.events.publish(d.manager.pool.event_log)
+                d.publish_events()
                 if d.was_step:
                     if _PROF is not None:
                         _PROF.append((t0, time.perf_counter(), c0, time.thread_time()))

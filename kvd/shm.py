@@ -13,13 +13,14 @@ attaching a ``SharedMemory`` registers it with the process's resource_tracker, w
 that process exits — a client exiting (or being killed, the tracker survives it) would destroy the
 daemon's segment. Opening the file ourselves involves no tracker, lets the client map the segment
 ``PROT_READ`` (so a client bug cannot corrupt its own tables, let alone anyone else's), and the
-segment is created ``O_EXCL`` with mode 0600.
+segment is created ``O_EXCL`` with mode 0600, then given the daemon's group and mode 0640 (config
+``group``): clients in the group may read it, nobody but the daemon may write it.
 
 Layout (all little-endian; every array starts on a 64-byte boundary)::
 
     offset 0       8 bytes   magic b"KVDSHM01"
     offset 8       uint32    length L of the JSON layout that follows
-    offset 12      L bytes   JSON: {"epoch", "sid", "num_groups", "max_reqs", "max_blocks": [..],
+    offset 12      L bytes   JSON: {"epoch", "num_groups", "max_reqs", "max_blocks": [..],
                              "max_tokens", "block_sizes": [..], "arrays": {name: [offset, dtype, shape]}}
     offset 4096    arrays, in this order:
         row_tags       uint64[max_reqs]                   tag of the request in each session row
@@ -47,6 +48,7 @@ import struct
 import numpy as np
 
 from kvd.api import PAD_SLOT_ID
+from kvd.errors import PermissionDenied
 
 SHM_DIR = "/dev/shm"
 PREFIX = "kvd_"
@@ -100,7 +102,6 @@ class SessionBuffers:
         self.max_reqs = int(meta["max_reqs"])
         self.max_tokens = int(meta["max_tokens"])
         self.epoch = meta.get("epoch")
-        self.sid = meta.get("sid")
 
         def view(key: str) -> np.ndarray:
             off, dt, shape = meta["arrays"][key]
@@ -119,11 +120,15 @@ class SessionBuffers:
     # -- daemon side --------------------------------------------------------------------------------
     @classmethod
     def create(cls, name: str, *, max_reqs: int, max_blocks: list[int], max_tokens: int,
-               block_sizes: list[int] | None = None, epoch: str = "", sid: int = 0) -> "SessionBuffers":
+               block_sizes: list[int] | None = None, epoch: str = "", mode: int = 0o600,
+               gid: int = -1) -> "SessionBuffers":
+        """A new segment with permissions ``mode`` and group ``gid`` (-1: the daemon's own). Its
+        header names no session id: the id is the session's credential on the socket, and a
+        group-readable segment must not give it away."""
         num_groups = len(max_blocks)
         arrays, size = _layout(num_groups, max_reqs, list(max_blocks), max_tokens)
         meta = {
-            "epoch": epoch, "sid": sid, "num_groups": num_groups, "max_reqs": max_reqs,
+            "epoch": epoch, "num_groups": num_groups, "max_reqs": max_reqs,
             "max_blocks": list(max_blocks), "max_tokens": max_tokens,
             "block_sizes": list(block_sizes or []), "arrays": arrays,
         }
@@ -133,6 +138,7 @@ class SessionBuffers:
         path = _path(name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            set_access(fd, mode, gid)
             os.ftruncate(fd, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
@@ -159,7 +165,11 @@ class SessionBuffers:
     # -- client side --------------------------------------------------------------------------------
     @classmethod
     def attach(cls, name: str) -> "SessionBuffers":
-        fd = os.open(_path(name), os.O_RDONLY)
+        try:
+            fd = os.open(_path(name), os.O_RDONLY)
+        except PermissionError:
+            raise PermissionDenied(f"cannot read the session segment {_path(name)}: permission denied "
+                                   "(is this user in the daemon's group?)") from None
         try:
             size = os.fstat(fd).st_size
             if size < HEADER_BYTES:
@@ -184,6 +194,13 @@ class SessionBuffers:
                 mm.close()
             except BufferError:
                 pass  # someone still holds a view; the mapping goes when it does
+
+
+def set_access(fd: int, mode: int, gid: int) -> None:
+    """Give a new segment its group and mode (the group first: until then only the owner can open it)."""
+    if gid >= 0 and gid != os.fstat(fd).st_gid:
+        os.fchown(fd, -1, gid)
+    os.fchmod(fd, mode)
 
 
 def _pid_alive(pid: int) -> bool:

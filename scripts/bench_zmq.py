@@ -4,8 +4,10 @@
 Starts a daemon (``python -m kvd serve`` in a private temporary runtime directory, always stopped
 and cleaned up, even on Ctrl-C or failure) or connects to one (``--endpoint``), then replays the
 standard workload with ``--clients N`` client processes (multiprocessing spawn). Every client has its
-own R requests over the same pool and the same namespace (one tenant per run), so the system prompt
-is shared across clients: only the very first sharer of the very first client misses.
+own R requests over the same pool and the same namespace (the user's own tenant, every client saying
+``kv_shared``, and reset after each run), so the system prompt is shared across clients. The clients
+admit at the same moment, before any of them has confirmed a forward pass (kvd's computed state), so
+each client's first sharer computes the system prompt once; every other sharer hits.
 
 Phases, each timed on its own and separated by barriers (all clients run a phase together):
   1. admission: prompt hashing (client side), then one step that admits every request;
@@ -49,7 +51,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -116,12 +117,12 @@ def spec_of(args) -> WorkloadSpec:
 def expected_figures(spec: WorkloadSpec, nclients: int) -> dict:
     """What an honest run of ``nclients`` clients over one namespace must show."""
     w = make_workload(spec, 0)
-    sharers = w.num_sharers * nclients
+    hitting = max(w.num_sharers - 1, 0) * nclients  # each client's first sharer computes the prompt
     sys_blocks = spec.system_len // spec.block_size
     per_request = -(-(spec.prompt_len + spec.decode_steps) // spec.block_size)
     return dict(
-        prefix_hit_tokens=max(sharers - 1, 0) * sys_blocks * spec.block_size,
-        blocks_after_decode=nclients * spec.num_requests * per_request - max(sharers - 1, 0) * sys_blocks,
+        prefix_hit_tokens=hitting * sys_blocks * spec.block_size,
+        blocks_after_decode=nclients * spec.num_requests * per_request - hitting * sys_blocks,
     )
 
 
@@ -256,7 +257,7 @@ def daemon_stats(endpoint: str, tenant: str = "") -> dict:
 def reset_namespace(endpoint: str, tenant: str) -> None:
     from kvd_client import Client
 
-    c = Client(endpoint, tenant=tenant, name="bench-reset", heartbeat=False, timeout_s=10.0)
+    c = Client(endpoint, tenant=tenant, name="bench-reset", heartbeat=False, timeout_s=10.0, kv_shared=True)
     try:
         c.reset_prefix_cache()
     finally:
@@ -472,7 +473,7 @@ def _client_main(index: int, endpoint: str, tenant: str, spec: WorkloadSpec, war
     c = None
     try:
         work = make_workload(spec, index)
-        c = Client(endpoint, tenant=tenant, name=f"bench-{index}", timeout_s=30.0)
+        c = Client(endpoint, tenant=tenant, name=f"bench-{index}", timeout_s=30.0, kv_shared=True)
 
         def sync(_name: str) -> None:
             barrier.wait(BARRIER_TIMEOUT_S)
@@ -511,7 +512,7 @@ def _micro_main(index: int, endpoint: str, tenant: str, args_d: dict, barrier, r
     max_len = max(8192, a.prompt + a.decode + 64)
     c = None
     try:
-        c = Client(endpoint, tenant=tenant, name=f"micro-{index}", timeout_s=30.0)
+        c = Client(endpoint, tenant=tenant, name=f"micro-{index}", timeout_s=30.0, kv_shared=True)
         barrier.wait(BARRIER_TIMEOUT_S)
         lat = {"allocate": [], "append": [], "free": []}
         status = {"allocate_ok": 0, "allocate_later": 0, "allocate_never": 0, "append_ok": 0,
@@ -624,7 +625,7 @@ def _stop_procs(procs) -> None:
 
 def run_clients(args, spec: WorkloadSpec, endpoint: str, daemon_pid: int | None, nclients: int,
                 label: str) -> dict:
-    tenant = f"bench-{uuid.uuid4().hex[:12]}"
+    tenant = ""  # the user's own: one shared namespace, reset after the run
     procs, barrier, results, progress = _spawn(
         _client_main, nclients, lambda i, b, r, p: (i, endpoint, tenant, spec, args.warmup, b, r, p))
     fatal = None
@@ -801,7 +802,7 @@ def run_inproc(args, spec: WorkloadSpec) -> dict:
 # ---- micro mode -----------------------------------------------------------------------------------
 
 def run_micro(args, endpoint: str, nclients: int, label: str) -> dict:
-    tenant = f"micro-{uuid.uuid4().hex[:12]}"
+    tenant = ""
     args_d = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
     st0 = _gpu_stats(daemon_stats(endpoint))
     procs, barrier, results, progress = _spawn(

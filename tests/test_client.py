@@ -122,22 +122,27 @@ def test_typed_errors_and_row_bookkeeping(daemon):
     assert shm_segments(daemon.pid) == []
 
 
-def test_tenants_are_isolated(daemon):
-    a = Client(daemon.endpoint, tenant="alice")
-    b = Client(daemon.endpoint, tenant="bob")
-    a2 = Client(daemon.endpoint, tenant="alice")
+def test_tenants_are_isolated_and_shared_blocks_are_hits_once_confirmed(daemon):
+    a = Client(daemon.endpoint, tenant="alice", kv_shared=True)
+    b = Client(daemon.endpoint, tenant="bob", kv_shared=True)
+    a2 = Client(daemon.endpoint, tenant="alice", kv_shared=True)
+    own = Client(daemon.endpoint, tenant="alice")  # its KV memory is its own: a private namespace
     try:
+        assert (a.shared, own.shared) == (True, False) and a.info["tenant"] == "alice"
         toks = np.arange(64, dtype=np.int32)
         hs = hash_prompt(toks, BS)
         a.allocate("x", 64, hs)
-        assert b.lookup(hs) == 0
-        assert a2.lookup(hs) == 4
+        assert a.lookup(hs) == 4  # its own blocks: at once
+        assert a2.lookup(hs) == 0  # a's forward pass has not confirmed them yet
+        a.mark_computed()
+        assert a2.lookup(hs) == 4 and b.lookup(hs) == 0 and own.lookup(hs) == 0
         assert b.allocate("y", 64, hs).num_cached_tokens == 0
         assert a2.allocate("z", 64, hs).num_cached_tokens == 48
+        assert a2.block_table("z")[:3].tolist() == a.block_table("x")[:3].tolist()
         b.reset_prefix_cache()  # only bob's namespace
         assert a2.lookup(hs) == 4
     finally:
-        for x in (a, b, a2):
+        for x in (a, b, a2, own):
             x.close()
 
 

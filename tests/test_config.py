@@ -57,6 +57,9 @@ def test_every_key_is_a_flag_an_env_var_and_a_file_key(tmp_path):
         "kv_groups": ("16,32:64", "16,32:64"),
         "kv_cache": ("2,4,8,bfloat16", "2,4,8,bfloat16"),
         "kv_events_endpoint": ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5557"),
+        "tenants": ("alice=uid:1000,gid:2000", "alice=uid:1000,gid:2000"),
+        "socket_mode": ("0640", "0640"),
+        "group": ("video", "video"),
     }
     for key, f in FIELDS.items():
         text, value = overrides[key] if key in overrides else (str(f.default + 3), f.default + 3)

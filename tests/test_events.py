@@ -56,7 +56,9 @@ def test_a_router_sees_stored_removed_and_cleared_blocks_per_tenant(daemon_facto
             sub.recv_multipart()
         assert c.reset_prefix_cache()
         topic, seq, (ts, events) = _recv(sub)
-        assert topic == "alice" and isinstance(ts, float) and events == [["AllBlocksCleared"]]
+        # engine-owned KV memory: the session's own namespace, and a topic of its own
+        assert c.info["topic"] == "alice#1" and not c.shared
+        assert topic == "alice#1" and isinstance(ts, float) and events == [["AllBlocksCleared"]]
 
         c.allocate("a", 40, hs)  # blocks 1, 2 full and registered, 3 partial
         topic, seq2, (_, events) = _recv(sub)
@@ -65,7 +67,7 @@ def test_a_router_sees_stored_removed_and_cleared_blocks_per_tenant(daemon_facto
         c.free("a")
         c.allocate("b", 15 * 16)  # every block of the pool: both cached blocks are evicted
         topic, _, (_, events) = _recv(sub)
-        assert topic == "alice" and events[0][0] == "BlockRemoved"
+        assert topic == "alice#1" and events[0][0] == "BlockRemoved"
         assert sorted(events[0][1]) == sorted(bytes(x) for x in hs) and events[0][2] == "GPU"
     finally:
         c.close()

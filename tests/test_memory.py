@@ -72,6 +72,7 @@ def test_engines_share_one_kv_cache_and_the_daemon_does_the_copies(daemon_factor
         blocks = a.block_table("x").copy()
         for i, blk in enumerate(blocks.tolist()):  # engine A computes the prompt's KV
             kv_a[:, :, blk] = 10 + i
+        a.mark_computed()  # ... and says so: its blocks become hits for the other engines
         # engine B's prefix hit reads A's KV through its own mapping, no copy anywhere
         r = b.allocate("y", 40, hash_prompt(prompt, 16))
         assert r.num_cached_tokens == 32 and b.block_table("y")[:2].tolist() == blocks[:2].tolist()

@@ -51,10 +51,12 @@ def wait_until(fn, timeout: float, interval: float = 0.02):
 
 SHARER = """
 tenant = ARGS[0]
-c = Client(EP, tenant=tenant, name="sharer")
+c = Client(EP, tenant=tenant, name="sharer", kv_shared=True)
 prompt = np.arange(100, dtype=np.int32) + 1000
 hs = c.hash_prompt(prompt)
 r = c.allocate("req", 100, hs)
+# (the engine's forward pass writes the K/V here)
+c.mark_computed()
 print(r.status, r.num_cached_tokens, flush=True)
 c.free("req")
 c.close()

@@ -15,7 +15,7 @@ from kvd.api import PAD_SLOT_ID
 def seg():
     name = S.segment_name(os.getpid(), "test" + os.urandom(3).hex(), 1)
     b = S.SessionBuffers.create(name, max_reqs=8, max_blocks=[5, 3], max_tokens=16, block_sizes=[16, 32],
-                                epoch="e", sid=1)
+                                epoch="e", mode=0o640)
     yield b
     b.unlink()
     b.close()
@@ -80,3 +80,13 @@ def test_sweep_stale():
         for b in (stale, live):
             b.unlink()
             b.close()
+
+
+def test_segment_mode_and_no_session_id_in_the_header(seg):
+    st = os.stat(os.path.join(S.SHM_DIR, seg.name))
+    assert st.st_mode & 0o777 == 0o640
+    c = S.SessionBuffers.attach(seg.name)
+    try:
+        assert "sid" not in c.meta and c.meta["epoch"] == "e"
+    finally:
+        c.close()
