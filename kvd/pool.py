@@ -232,13 +232,16 @@ class BlockPool:
 
     def touch(self, blocks: np.ndarray) -> None:
         """Take a reference on blocks found in the prefix cache (unique ids), reviving free ones."""
-        revived = blocks[self.ref_cnt[blocks] == 0]
-        if revived.size:
-            self.queue_pos[revived] = -1
-            for prio, count in zip(*np.unique(self.evict_prio[revived], return_counts=True)):
-                self._queues[int(prio)].live -= int(count)
-            self._num_evictable -= revived.size
+        self._dequeue(blocks[self.ref_cnt[blocks] == 0])
         self.ref_cnt[blocks] += 1
+
+    def _dequeue(self, free: np.ndarray) -> None:
+        """Take free cached blocks out of their eviction queues (tombstones: O(1) each)."""
+        if free.size:
+            self.queue_pos[free] = -1
+            for prio, count in zip(*np.unique(self.evict_prio[free], return_counts=True)):
+                self._queues[int(prio)].live -= int(count)
+            self._num_evictable -= free.size
 
     def incref(self, blocks: np.ndarray) -> None:
         """Another holder of blocks already in use (fork, shared swap copy); ids may repeat."""
@@ -392,10 +395,7 @@ class BlockPool:
         self.cache_key[blocks] = NO_CACHE_KEY
         free = blocks[self.ref_cnt[blocks] == 0]
         if free.size:
-            self.queue_pos[free] = -1
-            for prio, count in zip(*np.unique(self.evict_prio[free], return_counts=True)):
-                self._queues[int(prio)].live -= int(count)
-            self._num_evictable -= free.size
+            self._dequeue(free)
             self._push_fresh(free)
 
     def cached_in(self, key: int, hashes: np.ndarray) -> np.ndarray:
