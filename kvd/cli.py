@@ -174,8 +174,8 @@ def _status(cfg: ServeConfig, *, as_json: bool) -> int:
         return 1
     client = None
     try:
-        client = Client(endpoint)
-        stats = client.stats()
+        client = Client(endpoint, name=STATUS_SESSION_NAME, heartbeat=False)
+        status = client.daemon_status()
     except Exception as exc:  # noqa: BLE001 - any failure to talk to the daemon is "unreachable"
         print(f"kvd status: no answer from {endpoint}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
@@ -186,12 +186,35 @@ def _status(cfg: ServeConfig, *, as_json: bool) -> int:
                 close()
             except Exception:  # noqa: BLE001
                 pass
-    stats = normalize_stats(stats)
+    status = status_view(status)
     if as_json:
-        print(json.dumps(stats, indent=2, sort_keys=True, default=_json_default))
+        print(json.dumps(status, indent=2, sort_keys=True, default=_json_default))
     else:
-        print(format_status_table(stats, endpoint))
+        print(format_status_table(status, endpoint))
     return 0
+
+
+STATUS_SESSION_NAME = "kvd status"
+"""The name of the session ``kvd status`` opens to ask; left out of the sessions it lists."""
+
+
+def status_view(status: dict[str, Any]) -> dict[str, Any]:
+    """The daemon's ``status`` answer as ``kvd status`` shows it: pools split (``normalize_stats``),
+    sessions and tenants as lists, this command's own session left out."""
+    if "pool" not in status:
+        return normalize_stats(status)
+    view = normalize_stats(dict(status["pool"]))
+    mine = os.getpid()
+    sessions, own = [], []
+    for s in status.get("sessions", ()):
+        (own if s.get("name") == STATUS_SESSION_NAME and s.get("pid") == mine else sessions).append(s)
+    tenants = []
+    for t in status.get("tenants", ()):
+        t = dict(t, sessions=t.get("sessions", 0) - sum(s.get("tenant") == t.get("tenant") for s in own))
+        if t["sessions"] > 0 or t.get("requests", 0):
+            tenants.append(t)
+    view.update(daemon=status.get("daemon", {}), sessions=sessions, tenants=tenants)
+    return view
 
 
 POOL_KEYS = (
@@ -237,6 +260,9 @@ def format_status_table(stats: dict[str, Any], endpoint: str = "") -> str:
         head += f" {stats['version']}"
     if endpoint:
         head += f" at {endpoint}"
+    daemon = stats.get("daemon") or {}
+    if daemon:
+        head += " (" + ", ".join(f"{k} {_short(daemon[k])}" for k in ("pid", "epoch", "steps") if k in daemon) + ")"
     lines.append(head)
     pools = stats.get("pools") or {}
     cols = ("pool", "blocks", "free", "used", "cached", "usage", "hit rate", "evictions", "swaps out/in", "cow")
@@ -268,14 +294,34 @@ def format_status_table(stats: dict[str, Any], endpoint: str = "") -> str:
         if isinstance(sessions, dict):
             items = [{"id": k, **v} if isinstance(v, dict) else {"id": k, "value": v} for k, v in sessions.items()]
         lines.append(f"sessions: {len(items)}")
-        for s in items:
-            if isinstance(s, dict):
-                lines.append("  " + " ".join(f"{k}={_short(v)}" for k, v in s.items()))
-            else:
-                lines.append(f"  {_short(s)}")
-    for key in sorted(set(stats) - {"pools", "sessions", "version"}):
+        lines += _table(items, (("name", "name"), ("pid", "pid"), ("tenant", "tenant"),
+                                ("requests", "requests"), ("idle_s", "idle s")))
+    tenants = stats.get("tenants")
+    if tenants is not None:
+        lines.append(f"tenants: {len(tenants)}")
+        lines += _table(tenants, (("tenant", "tenant"), ("sessions", "sessions"), ("requests", "requests"),
+                                  ("block_refs", "block refs")))
+    for key in sorted(set(stats) - {"pools", "sessions", "tenants", "version", "daemon"}):
         lines.append(f"{key}: {_short(stats[key])}")
     return "\n".join(lines)
+
+
+def _table(items: list, columns: tuple[tuple[str, str], ...]) -> list[str]:
+    """Indented, aligned rows of ``items`` (dicts); keys outside ``columns`` are appended as k=v."""
+    if not items:
+        return []
+    known = [k for k, _ in columns]
+    rows = [[title for _, title in columns] + [""]]
+    for it in items:
+        if not isinstance(it, dict):
+            rows.append([""] * len(columns) + [_short(it)])
+            continue
+        cells = ["''" if k == "tenant" and it.get(k) == "" else _short(it.get(k, "-")) for k in known]
+        extra = " ".join(f"{k}={_short(v)}" for k, v in it.items() if k not in known)
+        rows.append(cells + [extra])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + ("  " + r[-1] if r[-1] else "")
+            for r in rows]
 
 
 def _short(v: Any) -> str:
