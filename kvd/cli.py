@@ -91,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser(
         "bench",
-        help="run the ZeroMQ benchmark (scripts/bench_zmq.py); arguments are passed through",
-        description="Run scripts/bench_zmq.py with the remaining arguments (see `kvd bench --help`).",
+        help="run the ZeroMQ benchmark (kvd.bench.zmq_bench); arguments are passed through",
+        description="Run kvd.bench.zmq_bench with the remaining arguments (see `kvd bench --help`).",
         add_help=False,
     )
     return parser
@@ -336,29 +336,25 @@ def _short(v: Any) -> str:
 # bench
 
 
-def _bench_script() -> Path:
+def _bench_script() -> Path | None:
+    """``$KVD_BENCH_SCRIPT`` (another benchmark file, for development), else None: the packaged one."""
     env = os.environ.get("KVD_BENCH_SCRIPT")
-    if env:
-        return Path(env)
-    return Path(kvd.__file__).resolve().parent.parent / "scripts" / "bench_zmq.py"
+    return Path(env) if env else None
 
 
 def _bench(args: list[str]) -> int:
     path = _bench_script()
-    if not path.is_file():
-        print(f"kvd bench: {path} not found (the benchmark ships with the source tree)", file=sys.stderr)
-        return 1
-    spec = importlib.util.spec_from_file_location("kvd_bench_zmq", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
     saved_argv = sys.argv
-    sys.argv = [str(path), *args]
     try:
-        spec.loader.exec_module(module)
-        bench_main = getattr(module, "main", None)
-        if bench_main is None:
-            print(f"kvd bench: {path} has no main()", file=sys.stderr)
-            return 1
+        if path is None:
+            from kvd.bench.zmq_bench import main as bench_main
+
+            sys.argv = ["kvd bench", *args]
+        else:
+            bench_main = _load_bench(path)
+            if bench_main is None:
+                return 1
+            sys.argv = [str(path), *args]
         takes_args = bool(inspect.signature(bench_main).parameters)
         code = bench_main(args) if takes_args else bench_main()
     except SystemExit as exc:  # argparse --help / errors inside the benchmark
@@ -371,3 +367,17 @@ def _bench(args: list[str]) -> int:
         return code
     print(code, file=sys.stderr)
     return 1
+
+
+def _load_bench(path: Path):
+    if not path.is_file():
+        print(f"kvd bench: {path} not found", file=sys.stderr)
+        return None
+    spec = importlib.util.spec_from_file_location("kvd_bench_script", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    bench_main = getattr(module, "main", None)
+    if bench_main is None:
+        print(f"kvd bench: {path} has no main()", file=sys.stderr)
+    return bench_main

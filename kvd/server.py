@@ -126,6 +126,9 @@ class Daemon:
         )
         self.manager = BlockManager(self.mcfg)
         rowloops.warm_up()  # compile now, not on the first step served
+        if not rowloops.HAVE_NUMBA:
+            log.warning("numba is not installed: the per-request loops run as plain Python (decode "
+                        "steps ~10x slower, see the README); pip install 'kvd[fast]'")
         self.gpu_pool = None
         device = str(_opt(config, "device", "cpu"))
         m = self.manager
@@ -996,8 +999,12 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
             d.metrics.set_source(d.source)
             if int(getattr(config, "metrics_port", 0) or 0) > 0:
                 d.metrics.start_http(getattr(config, "metrics_host", "127.0.0.1"), int(config.metrics_port))
-        except ImportError:
+        except ImportError as e:
             d.metrics = None
+            if int(getattr(config, "metrics_port", 0) or 0) > 0:
+                print(f"kvd: metrics_port is set but the metrics extra is missing ({e}); "
+                      "pip install 'kvd[metrics]'", file=sys.stderr)
+                return 1
         except Exception as e:
             log.warning("metrics disabled: %s", e)
             d.metrics = None
@@ -1022,7 +1029,12 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
         d.monitor = mon
         events_ep = str(getattr(config, "kv_events_endpoint", "") or "")
         if events_ep:
-            from kvd.events import KvEventPublisher
+            try:
+                from kvd.events import KvEventPublisher
+            except ImportError as e:
+                print(f"kvd: kv_events_endpoint is set but the events extra is missing ({e}); "
+                      "pip install 'kvd[events]'", file=sys.stderr)
+                return 1
 
             try:
                 d.events = KvEventPublisher(ctx, events_ep, d.describe_cache_key)

@@ -1,4 +1,4 @@
-"""The standard benchmark workload (../shared/WORKLOAD.md) as data: prompts, decode tokens, and the
+"""The standard benchmark workload (docs/WORKLOAD.md) as data: prompts, decode tokens, and the
 figures an honest run must reproduce. Shared by scripts/bench_core.py and scripts/bench_zmq.py."""
 
 from __future__ import annotations

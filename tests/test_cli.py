@@ -194,13 +194,12 @@ def test_bench_without_script(monkeypatch, tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
 
 
-def test_default_bench_script_path():
-    monkey = os.environ.pop("KVD_BENCH_SCRIPT", None)
-    try:
-        assert cli._bench_script().parts[-2:] == ("scripts", "bench_zmq.py")
-    finally:
-        if monkey is not None:
-            os.environ["KVD_BENCH_SCRIPT"] = monkey
+def test_default_bench_is_the_packaged_one(monkeypatch, capsys):
+    monkeypatch.delenv("KVD_BENCH_SCRIPT", raising=False)
+    assert cli._bench_script() is None
+    assert cli.main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--clients" in out and "--endpoint" in out  # kvd.bench.zmq_bench's own parser
 
 
 # ---------------------------------------------------------------------------------------------------
