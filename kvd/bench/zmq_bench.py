@@ -56,6 +56,7 @@ import numpy as np
 
 import kvd
 from kvd.api import AdmitRequest, GroupSpec, ManagerConfig, StepBatch
+from kvd.errors import FIRST_ERROR_CODE
 from kvd.hashing import hash_prompt
 from kvd.workload import WorkloadSpec, make_workload
 
@@ -356,7 +357,7 @@ def drive(stepper, work, spec: WorkloadSpec, sync=None, progress=None, warmup: i
     admission_s = time.perf_counter() - t0
     ast = np.asarray(res.admit_status)
     admitted = ast == 0
-    errors += int(np.count_nonzero(ast >= 2))
+    errors += int(np.count_nonzero(ast >= FIRST_ERROR_CODE))
     prefix_hit_tokens = int(np.asarray(res.admit_cached_tokens)[admitted].sum())
     rows = np.ascontiguousarray(np.asarray(stepper.admit_rows(res))[admitted], np.int32)
     live = np.flatnonzero(admitted)
@@ -395,7 +396,7 @@ def drive(stepper, work, spec: WorkloadSpec, sync=None, progress=None, warmup: i
             step_s[d] = time.perf_counter() - t0
         st = out.append_status
         if st.any():
-            errors += int(np.count_nonzero(st >= 2))
+            errors += int(np.count_nonzero(st >= FIRST_ERROR_CODE))
             no_space += int(np.count_nonzero(st == 1))
         if progress is not None:
             progress[0] = d + 1
