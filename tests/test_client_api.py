@@ -209,3 +209,52 @@ def test_daemon_status_lists_sessions_and_tenants(daemon):
         assert tenants["alice"] == {"tenant": "alice", "sessions": 1, "requests": 2, "block_refs": 5}
         assert tenants[""] == {"tenant": "", "sessions": 1, "requests": 1, "block_refs": 1}
         assert st["pool"]["num_used_blocks"] == 6 and st["daemon"]["pid"] == daemon.pid
+
+
+def test_segment_without_permission_is_a_typed_error(daemon, monkeypatch):
+    import kvd_client.client as cc
+
+    def refuse(name):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(cc.SessionBuffers, "attach", staticmethod(refuse))
+    with pytest.raises(PermissionDenied, match=r"/dev/shm/kvd_\d+_"):
+        Client(daemon.endpoint)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_daemon_metrics_count_no_space_swaps_and_lease_expiries(daemon_factory):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = _free_port()
+    d = daemon_factory(num_gpu_blocks=5, metrics_port=port, lease_s=0.3)
+    with Client(d.endpoint, tenant="alice") as c:
+        c.allocate("x", 48)
+        assert c.allocate("y", 32).status == AllocStatus.LATER
+        assert c.allocate("z", 65).status == AllocStatus.NEVER
+        rows = np.array([c.row_of("x")], np.int32)
+        c.step(StepBatch(append_rows=rows, append_num_tokens=32))  # needs 2 blocks, 1 is free
+        assert c.swap_out("x").status == AllocStatus.NEVER  # no CPU pool
+        idle = Client(d.endpoint, heartbeat=False)
+        idle._release_local()  # goes silent without a goodbye: its lease expires
+        time.sleep(1.0)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as resp:
+            assert resp.status == 200 and resp.read() == b"ok\n"
+    s = {(x.name, tuple(sorted(x.labels.items()))): x.value
+         for fam in text_string_to_metric_families(text) for x in fam.samples}
+    assert s[("kvd_no_space_answers_total", (("tenant", "alice"),))] == 3
+    assert s[("kvd_swap_requests_total", (("direction", "out"), ("result", "never")))] == 1
+    assert s[("kvd_lease_expiries_total", ())] == 1
+    assert s[("kvd_tenant_requests", (("tenant", "alice"),))] == 1
+    assert s[("kvd_tenant_block_refs", (("tenant", "alice"),))] == 3
