@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest_daemon import daemon, daemon_factory, short_tmp  # noqa: F401
+from conftest_daemon import DaemonProc, daemon_factory, short_tmp  # noqa: F401
 from kvd.api import PAD_SLOT_ID, AllocStatus, StepBatch
 from kvd.errors import (
     FIRST_ERROR_CODE,
@@ -25,6 +25,22 @@ from kvd.hashing import hash_prompt
 from kvd_client import AsyncClient, Client
 
 BS = 16
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    """One default daemon for this module's tests (each test closes its sessions)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    rd = Path(tempfile.mkdtemp(prefix="kvdapi", dir="/tmp"))
+    d = DaemonProc(rd / "rt")
+    try:
+        yield d.start()
+    finally:
+        d.cleanup()
+        shutil.rmtree(rd, ignore_errors=True)
 
 
 def expected_slots(table: np.ndarray, start: int, n: int) -> list[int]:
@@ -154,7 +170,22 @@ def test_socket_without_permission_is_a_typed_error(short_tmp, monkeypatch):
         Client("ipc://" + str(path))
 
 
+def test_readme_links_point_into_the_repo():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text()
+    assert "../shared" not in text
+    links = re.findall(r"\]\(([^)#]+)\)", text)
+    assert {"docs/DESIGN.md", "docs/WORKLOAD.md"} <= set(links)
+    assert all((root / link).is_file() for link in links if not link.startswith("http")), links
+
+
 def test_public_methods_are_documented_and_typed():
+    from kvd.api import ManagerConfig
+
+    assert "num_gpu_blocks" in ManagerConfig.__doc__ and "NEVER" in AllocStatus.__doc__
     sig = inspect.signature(Client.__init__)
     assert not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
     assert {"tenant", "name", "timeout_s", "retries", "heartbeat", "gpu"} <= set(sig.parameters)

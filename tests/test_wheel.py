@@ -65,6 +65,13 @@ def test_wheel_in_a_fresh_venv_without_torch():
         base = _run([py, "-c", "import importlib.metadata as m; print(sorted(r.split('>')[0] for r in "
                                "m.requires('kvd') if 'extra ==' not in r))"], env=env, cwd=str(tmp))
         assert base.stdout.strip() == "['numpy', 'orjson', 'pyzmq']"
+        meta = _run([py, "-c", "import importlib.metadata as m, importlib.util as u, pathlib; d = m.distribution('kvd'); "
+                               "print(sorted(d.metadata.get_all('Project-URL'))[0]); "
+                               "print(any(f.name == 'LICENSE' for f in d.files)); "
+                               "print(all((pathlib.Path(u.find_spec(p).origin).parent / 'py.typed').is_file() "
+                               "for p in ('kvd', 'kvd_client', 'kvd_kernels')))"], env=env, cwd=str(tmp))
+        assert meta.stdout.split("\n")[:3] == ["Documentation, https://github.com/kvd-project/kvd/blob/main/README.md",
+                                               "True", "True"]
         help_ = _run([kvd, "bench", "--help"], env=env, cwd=str(tmp), timeout=120)
         assert "--clients" in help_.stdout
 
