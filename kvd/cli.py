@@ -1,5 +1,10 @@
 """The ``kvd`` command: ``serve``, ``status``, ``bench``.
 
+``status`` asks the daemon (its ``status`` op, through a short session it leaves out of the listing)
+and prints a table of pools, sessions (name, pid, tenant, requests, idle seconds) and tenants
+(sessions, requests, block references); ``--json`` prints the same view as JSON. ``bench`` runs the
+packaged ZeroMQ benchmark (``kvd.bench.zmq_bench``; ``$KVD_BENCH_SCRIPT`` runs another file).
+
 Exit codes: 0 ok; 1 failure; 2 bad command line; 3 ``status`` could not reach a daemon;
 78 (EX_CONFIG) invalid configuration. The unit files set ``RestartPreventExitStatus=2 78`` so a bad
 configuration fails once instead of restart-looping.
