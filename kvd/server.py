@@ -38,6 +38,8 @@ import zmq
 from kvd import protocol as P
 from kvd import rowloops
 from kvd.api import (
+    STATUS_NEVER,
+    STATUS_NO_SPACE,
     STATUS_OK,
     AdmitRequest,
     GroupSpec,
@@ -686,8 +688,8 @@ class Daemon:
 
     def _count_step_no_space(self, sess: Session, res) -> None:
         if self.metrics is not None:
-            n = int(np.count_nonzero((res.append_status == 1) | (res.append_status == 2)))
-            n += int(np.count_nonzero((res.admit_status == 1) | (res.admit_status == 2)))
+            n = sum(int(np.count_nonzero((st == STATUS_NO_SPACE) | (st == STATUS_NEVER)))
+                    for st in (res.append_status, res.admit_status))
             self._count_no_space(sess, n)
 
     def op_step(self, sess, h, frames, ident, seq):

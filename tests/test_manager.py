@@ -110,6 +110,9 @@ def test_never_when_bigger_than_the_pool_or_the_model():
     with pytest.raises(errors.InvalidArgument, match="num_tokens must be in"):
         m.allocate("a", 257)
     assert m.num_requests == 0 and m.num_free_blocks == 5
+    # a step's admissions answer the same, batched or one by one
+    res = m.step(StepBatch(admit=[AdmitRequest("n", 81), AdmitRequest("o", 80), AdmitRequest("p", 16)]))
+    assert res.admit_status.tolist() == [AllocStatus.NEVER, AllocStatus.OK, AllocStatus.LATER]
 
 
 def test_watermark_makes_admission_wait_but_not_appends():
