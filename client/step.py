@@ -168,7 +168,14 @@ class StepMessage:
             from kvd_client.client import _decode_post
 
             res = _decode_post(self.app_rows_b, int(self.batch.append_num_tokens), h, f)
+            # frees, forks and admissions the client judged bad (nothing of them was sent)
+            res.free_status = _spread(self.free_local, self.free_sent, res.free_status)
+            res.fork_status = _spread(self.fork_local, self.fork_sent, res.fork_status)
             res.append_status = _spread(self.app_local, self.app_sent, res.append_status)
+            res.admit_status = _spread(self.adm_local, self.adm_sent, res.admit_status)
+            res.admit_rows = _spread(np.full(self.adm_local.shape, -1, np.int32), self.adm_sent, res.admit_rows)
+            res.admit_cached_tokens = _spread(np.zeros(self.adm_local.shape, np.int32), self.adm_sent,
+                                              res.admit_cached_tokens)
             return res
         core = self.core
         nf, nk, na, nd = self.counts

@@ -289,3 +289,26 @@ def test_daemon_metrics_count_no_space_swaps_and_lease_expiries(daemon_factory):
     assert s[("kvd_lease_expiries_total", ())] == 1
     assert s[("kvd_tenant_requests", (("tenant", "alice"),))] == 1
     assert s[("kvd_tenant_block_refs", (("tenant", "alice"),))] == 3
+
+
+def test_async_client_has_the_same_surface(daemon):
+    import asyncio
+
+    from kvd.errors import UnknownRequest
+
+    async def run():
+        c = await AsyncClient.connect(daemon.endpoint, name="async-api")
+        try:
+            r = await c.allocate("a", 20)
+            assert r.ok and c.slot_mappings[0][:20].tolist() == expected_slots(c.block_table("a"), 0, 20)
+            res = await c.step(StepBatch(free=["nope"], append_ids=["a"], append_num_tokens=2))
+            assert res.free_status.tolist() == [UnknownRequest.code] and res.append_status.tolist() == [0]
+            assert res.sched_start.tolist() == [20] and res.sched_len.tolist() == [2]
+            assert await c.can_swap_out("a") is AllocStatus.NEVER
+            assert await c.num_common_prefix_blocks("a", 1) == 2
+            st = await c.daemon_status()
+            assert [s["requests"] for s in st["sessions"] if s["name"] == "async-api"] == [1]
+        finally:
+            await c.close()
+
+    asyncio.run(run())
