@@ -1,8 +1,14 @@
 """kvd client library: the ``BlockManager`` API over the daemon's socket and shared memory.
 
-``Client`` (blocking) and ``AsyncClient`` (asyncio) expose the manager's methods (lookup,
-can_allocate, allocate, append_slots, free, fork, can_swap_out/swap_out, can_swap_in/swap_in,
-reset_prefix_cache, stats, block_table) plus ``step`` (one whole scheduler step, one round trip).
+``Client`` (blocking) and ``AsyncClient`` (asyncio) expose the manager's methods with its
+semantics (lookup, can_allocate, allocate, append_slots, free, fork, can_swap_out/swap_out,
+can_swap_in/swap_in, reset_prefix_cache, num_common_prefix_blocks, cross_block_table, stats,
+block_table) plus ``step`` (one whole scheduler step, one round trip). Not ``take_copies``: the
+copy-on-write copies come with the result of the call that caused them (``copies``).
+
+Errors: one channel per call. Misuse of a single-request call raises a typed ``kvd.errors``
+exception (the daemon's, raised again here) and changes nothing; in a ``step`` every request gets a
+status instead (``kvd.api`` describes the code space). "No space" is a status (LATER / NEVER).
 
 Request ids are whatever the engine uses (str, int, any hashable); the client maps them to rows of
 its session (``row_of``). Block tables, block counts and slot mappings are read-only numpy views into
@@ -21,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import os
 import secrets
 import threading
@@ -48,6 +53,8 @@ from kvd.api import (
 )
 from kvd.errors import (
     ERROR_BY_CODE,
+    DaemonUnavailable,
+    PermissionDenied,
     DaemonRestarted,
     DuplicateRequest,
     InvalidArgument,
@@ -57,7 +64,9 @@ from kvd.errors import (
     Timeout,
     UnknownRequest,
 )
-from kvd.shm import SessionBuffers
+from kvd.shm import SHM_DIR, SessionBuffers
+
+from .step import StepMessage, tag_of
 
 DEFAULT_ENDPOINT_ENV = "KVD_ENDPOINT"
 _EMPTY_I32 = np.empty(0, np.int32)
@@ -75,13 +84,6 @@ def default_endpoint() -> str:
         xdg = os.environ.get("XDG_RUNTIME_DIR", "")
         rd = os.path.join(xdg, "kvd") if xdg else f"/tmp/kvd-{os.getuid()}"
     return "ipc://" + os.path.join(rd, "kvd.sock")
-
-
-def _tag(req_id: Hashable) -> int:
-    if type(req_id) is int and 0 < req_id < (1 << 63):
-        return req_id
-    d = hashlib.blake2b(repr(req_id).encode(), digest_size=8).digest()
-    return int.from_bytes(d, "little") or 1
 
 
 class GpuBuffers:
@@ -136,24 +138,6 @@ def _open_cuda_storage(info: dict):
     return storage, torch.device("cuda", dev)
 
 
-def check_endpoint_access(endpoint: str) -> None:
-    """Fail at once, naming the path, when this user may not connect to an ipc socket (ZeroMQ
-    would only retry silently until the hello times out). A socket not there yet is fine."""
-    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
-        return
-    path = endpoint[len("ipc://"):]
-    try:
-        os.stat(path)
-    except FileNotFoundError:
-        return
-    except PermissionError:
-        raise errors.PermissionDenied(f"cannot reach the daemon's socket {path}: permission denied on its "
-                                      "directory (is this user in the daemon's group?)") from None
-    if not os.access(path, os.R_OK | os.W_OK):
-        raise errors.PermissionDenied(f"cannot open the daemon's socket {path}: permission denied "
-                                      "(is this user in the daemon's group?)")
-
-
 def _map_kv_cache(info: dict):
     """The daemon-owned KV cache (see kvd.memory): numpy over shared memory, or a torch CUDA tensor."""
     shape = [int(x) for x in info["shape"]]
@@ -184,8 +168,43 @@ def _row_major(storage, device, dtype, byte_offset: int, shape):
     return torch.empty(0, dtype=dtype, device=device).set_(storage, byte_offset // item, list(shape), strides[::-1])
 
 
+def check_endpoint(endpoint: str) -> None:
+    """Fail at once, naming the path, when an ipc endpoint's socket file is missing or this user
+    may not open it (instead of a ``Timeout`` after every retry)."""
+    if not endpoint.startswith("ipc://"):
+        return
+    path = endpoint[len("ipc://"):]
+    if path.startswith("@"):  # Linux abstract socket: no file to check
+        return
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        raise DaemonUnavailable(f"no kvd daemon socket at {path} (is the daemon running? "
+                                f"endpoint {endpoint}; set $KVD_ENDPOINT or pass endpoint=)") from None
+    except PermissionError:
+        raise PermissionDenied(f"permission denied reaching the daemon socket {path}: its directory is "
+                               "open to the daemon's group only (group kvd by default); join that group "
+                               "or ask for access") from None
+    if not os.access(path, os.R_OK | os.W_OK):
+        raise PermissionDenied(f"permission denied opening the daemon socket {path}: the daemon "
+                               "makes it group-accessible (socket_mode, group kvd by default); "
+                               "join that group or ask for access")
+
+
+def _attach_segment(name: str) -> SessionBuffers:
+    path = os.path.join(SHM_DIR, name)
+    try:
+        return SessionBuffers.attach(name)
+    except PermissionError:
+        raise PermissionDenied(f"permission denied opening the session's shared memory {path} "
+                               "(the daemon's segment mode/group does not include this user)") from None
+    except FileNotFoundError:
+        raise SessionError(f"the session's shared memory {path} does not exist (the session "
+                           "ended); call reconnect()") from None
+
+
 def _raise(h: dict) -> None:
-    cls = ERROR_BY_CODE.get(int(h.get("err", 1)), KvdError)
+    cls = ERROR_BY_CODE.get(int(h.get("err", KvdError.code)), KvdError)
     raise cls(h.get("msg", ""))
 
 
@@ -406,7 +425,7 @@ class _Core:
         self.info = h
         self._step_ticks.clear()
         if old is None or old.name != h["shm"]:
-            self.shm = SessionBuffers.attach(h["shm"])
+            self.shm = _attach_segment(h["shm"])
             self._reset_rows(int(h["max_reqs"]))
             if old is not None:
                 old.close()
@@ -455,19 +474,23 @@ class _Core:
 
     # ---- requests: (op, header fields, frames, post-processing) -----------------------------------
     def _req_lookup(self, block_hashes):
-        """Number of leading blocks of ``block_hashes`` (group 0) cached in this session's namespace."""
         return P.LOOKUP, {}, [P.hashes_frame(block_hashes)], lambda h, f: int(h["n"])
 
     def _req_can_allocate(self, num_tokens, block_hashes=(), num_lookahead_tokens=0, *,
                           max_new_tokens=0, num_encoder_tokens=0):
-        return (P.CAN_ALLOCATE, {"nt": int(num_tokens), "la": int(num_lookahead_tokens),
-                                 "mnt": int(max_new_tokens), "net": int(num_encoder_tokens)},
-                self._hashes(block_hashes), lambda h, f: AllocStatus(int(h["status"])))
+        fields = {"nt": _count("num_tokens", num_tokens), "la": _count("num_lookahead_tokens", num_lookahead_tokens),
+                  "mnt": _count("max_new_tokens", max_new_tokens),
+                  "net": _count("num_encoder_tokens", num_encoder_tokens)}
+        return P.CAN_ALLOCATE, fields, self._hashes(block_hashes), _alloc_status
 
     def _req_allocate(self, req_id, num_tokens, block_hashes=(), num_lookahead_tokens=0, *,
                       priority=DEFAULT_PRIORITY, num_encoder_tokens=0, max_new_tokens=0):
+        fields = {"nt": _count("num_tokens", num_tokens), "la": _count("num_lookahead_tokens", num_lookahead_tokens),
+                  "pri": _count("priority", priority), "net": _count("num_encoder_tokens", num_encoder_tokens),
+                  "mnt": _count("max_new_tokens", max_new_tokens)}
         frames = self._hashes(block_hashes)
         row = self._new_row(req_id)
+        fields["row"], fields["tag"] = row, tag_of(req_id)
 
         def post(h, f):
             st = int(h["status"])
@@ -476,17 +499,16 @@ class _Core:
                 return AllocResult(st)
             return AllocResult(STATUS_OK, self._row_tables(row), int(h["cached"]), row)
 
-        return (P.ALLOCATE, {"row": row, "tag": _tag(req_id), "nt": int(num_tokens),
-                             "la": int(num_lookahead_tokens), "pri": int(priority),
-                             "net": int(num_encoder_tokens), "mnt": int(max_new_tokens)},
-                frames, post, lambda: self._drop_row(row))
+        return P.ALLOCATE, fields, frames, post, lambda: self._drop_row(row)
 
     def _row_tables(self, row: int) -> tuple[np.ndarray, ...]:
         shm = self.shm
         return tuple(shm.tables[g][row, : int(shm.counts[g][row])] for g in range(len(shm.tables)))
 
     def _req_append_slots(self, req_id, num_new_tokens, new_block_hashes=(), num_lookahead_tokens=0):
-        row = self.row_of(req_id)
+        fields = {"n": _count("num_new_tokens", num_new_tokens),
+                  "la": _count("num_lookahead_tokens", num_lookahead_tokens)}
+        fields["row"] = self.row_of(req_id)
 
         def post(h, f):
             st = int(h["status"])
@@ -496,8 +518,7 @@ class _Core:
             ids = tuple(np.frombuffer(f[g], np.int32) for g in range(G))
             return AppendResult(STATUS_OK, ids, np.frombuffer(f[G], np.int32).reshape(-1, 2))
 
-        return (P.APPEND, {"row": row, "n": int(num_new_tokens), "la": int(num_lookahead_tokens)},
-                self._hashes(new_block_hashes), post)
+        return P.APPEND, fields, self._hashes(new_block_hashes), post
 
     def _req_free(self, req_id):
         row = self.row_of(req_id)
@@ -510,7 +531,7 @@ class _Core:
     def _req_fork(self, parent_id, child_id):
         prow = self.row_of(parent_id)
         crow = self._new_row(child_id)
-        return (P.FORK, {"parent": prow, "child": crow, "tag": _tag(child_id)}, [],
+        return (P.FORK, {"parent": prow, "child": crow, "tag": tag_of(child_id)}, [],
                 lambda h, f: None, lambda: self._drop_row(crow))
 
     def _swap_rows(self, req_ids) -> bytes:
@@ -519,10 +540,10 @@ class _Core:
         return np.array([self.row_of(req_ids)], np.int32).tobytes()
 
     def _req_can_swap_out(self, req_ids):
-        return P.CAN_SWAP_OUT, {}, [self._swap_rows(req_ids)], lambda h, f: bool(h["ok"])
+        return P.CAN_SWAP_OUT, {}, [self._swap_rows(req_ids)], _alloc_status
 
     def _req_can_swap_in(self, req_ids):
-        return P.CAN_SWAP_IN, {}, [self._swap_rows(req_ids)], lambda h, f: bool(h["ok"])
+        return P.CAN_SWAP_IN, {}, [self._swap_rows(req_ids)], _alloc_status
 
     def _req_swap_out(self, req_ids):
         return P.SWAP_OUT, {}, [self._swap_rows(req_ids)], _swap_result
@@ -531,136 +552,36 @@ class _Core:
         return P.SWAP_IN, {}, [self._swap_rows(req_ids)], _swap_result
 
     def _req_reset_prefix_cache(self):
-        """Clear this session's namespace of the prefix cache (other tenants are untouched)."""
         return P.RESET_PREFIX_CACHE, {}, [], lambda h, f: bool(h["done"])
+
+    def _req_num_common_prefix_blocks(self, req_id, num_running):
+        fields = {"row": self.row_of(req_id), "nr": _count("num_running", num_running)}
+        return P.COMMON_PREFIX, fields, [], lambda h, f: int(h["n"])
+
+    def _req_cross_block_table(self, req_id):
+        return (P.CROSS_TABLE, {"row": self.row_of(req_id)}, [],
+                lambda h, f: np.frombuffer(f[0], np.int32) if f else _EMPTY_I32)
 
     def _req_stats(self):
         return P.STATS, {}, [], lambda h, f: h["stats"]
+
+    def _req_daemon_status(self):
+        return P.STATUS, {}, [], lambda h, f: h["status"]
 
     def _req_heartbeat(self):
         return P.HEARTBEAT, {}, [], lambda h, f: None
 
     def _req_mark_computed(self, tick: int | None = None):
-        """Confirm that the forward passes of this session's calls up to ``tick`` (default: the
-        last reply's) have finished: the blocks they filled become prefix hits for the tenant's
-        other sessions. Steps confirm on their own in ``confirm="auto"`` mode."""
         return P.COMPUTED, {"c": int(self.tick if tick is None else tick)}, [], lambda h, f: None
 
     def _req_step(self, batch: StepBatch):
-        """Apply one scheduler step (frees, forks, appends, admissions; see kvd.api.StepBatch).
-        Returns a StepResult whose rows are session rows; the block tables and the step's slot
-        mapping are in ``tables`` / ``slot_mappings`` when it returns."""
         G = int(self.info.get("num_groups", 1))
         rows = batch.append_rows
         if (rows is not None and G == 1 and not batch.admit and not batch.free and not batch.forks
                 and not batch.append_hashes and type(batch.append_num_tokens) is int):
             return self._req_decode(rows, batch.append_num_tokens, batch.num_lookahead_tokens,
                                     batch.computed_through)
-        new_rows: list[int] = []
-        try:
-            free_ids = batch.free
-            nf = len(free_ids)
-            free_rows = self.rows_of(list(free_ids)) if nf else _EMPTY_I32
-            nk = len(batch.forks)
-            if nk:
-                fr = np.empty((nk, 2), np.int32)
-                tags = np.empty(nk, np.uint64)
-                for i, (p, c) in enumerate(batch.forks):
-                    fr[i, 0] = self.row_of(p)
-                    fr[i, 1] = self._new_row(c)
-                    new_rows.append(int(fr[i, 1]))
-                    tags[i] = _tag(c)
-                fork_b, tags_b = fr.tobytes(), tags.tobytes()
-            else:
-                fork_b = tags_b = P.EMPTY
-            if batch.append_rows is not None:
-                app_rows = np.ascontiguousarray(batch.append_rows, np.int32)
-            elif len(batch.append_ids):
-                app_rows = self.rows_of(batch.append_ids)
-            else:
-                app_rows = _EMPTY_I32
-            na = app_rows.shape[0]
-            ant = batch.append_num_tokens
-            fields = {"la": int(batch.num_lookahead_tokens), "nf": nf, "nk": nk, "na": na}
-            c = self._confirmation(batch.computed_through)
-            if c is not None:
-                fields["c"] = c
-            if isinstance(ant, (int, np.integer)):
-                fields["an"] = int(ant)
-                ant_b = P.EMPTY
-            else:
-                ant_b = np.ascontiguousarray(ant, np.int32).tobytes()
-            frames = [free_rows.tobytes(), fork_b, tags_b, app_rows.tobytes(), ant_b]
-            ah = batch.append_hashes
-            ac = batch.append_hash_counts
-            for g in range(G):
-                if len(ah) > g and len(ac) > g:
-                    frames.append(P.hashes_frame(ah[g]))
-                    frames.append(np.ascontiguousarray(ac[g], np.int32).tobytes())
-                else:
-                    frames.append(P.EMPTY)
-                    frames.append(P.EMPTY)
-            nd = len(batch.admit)
-            fields["nd"] = nd
-            adm = np.empty((nd, P.ADMIT_COLS), np.int64)
-            hs: list[list[bytes]] = [[] for _ in range(G)]
-            cnts = np.empty((G, nd), np.int32)
-            for i, a in enumerate(batch.admit):
-                row = self._new_row(a.req_id)
-                new_rows.append(row)
-                adm[i] = (row, a.num_tokens, a.num_lookahead_tokens, a.priority,
-                          a.num_encoder_tokens, a.max_new_tokens, 0)
-                adm[i, 6] = np.uint64(_tag(a.req_id)).view(np.int64)
-                per_g = self._hashes(a.block_hashes)
-                for g in range(G):
-                    hs[g].append(per_g[g])
-                    cnts[g, i] = len(per_g[g]) // P.HASH_WIDTH
-            frames.append(adm.tobytes())
-            for g in range(G):
-                frames.append(b"".join(hs[g]))
-                frames.append(cnts[g].tobytes())
-        except BaseException:
-            for r in new_rows:
-                self._drop_row(r)
-            raise
-
-        while len(frames) > 4 and not frames[-1]:
-            frames.pop()  # trailing empty frames may be left out
-
-        def post(h, f):
-            (free_status, fork_status, append_status, admit_status, cached, copies, changed,
-             freed) = P.split_step_reply(f[0], nf, nk, na, nd, h["nc"], h["nch"], h["nfr"])
-            admit_rows = adm[:, 0].astype(np.int32) if nd else _EMPTY_I32
-            if nf:
-                for r, st in zip(free_rows.tolist(), free_status.tolist()):
-                    if st == STATUS_OK:
-                        self._drop_row(r)
-            if nk:
-                for i, st in enumerate(fork_status.tolist()):
-                    if st != STATUS_OK:
-                        self._drop_row(int(fr[i, 1]))
-            if nd:
-                bad = admit_status != STATUS_OK
-                if bad.any():
-                    for r in admit_rows[bad].tolist():
-                        self._drop_row(r)
-                    admit_rows = np.where(bad, -1, admit_rows).astype(np.int32)
-            res = StepResult(
-                free_status=free_status, fork_status=fork_status,
-                append_status=append_status, admit_status=admit_status,
-                admit_rows=admit_rows, admit_cached_tokens=cached, copies=copies,
-                changed_rows=changed,
-                sched_rows=_EMPTY_I32, sched_start=_EMPTY_I32, sched_len=_EMPTY_I32,
-                freed_rows=freed, tick=h["t"],
-            )
-            res.num_scheduled_tokens = h.get("nt", [])  # type: ignore[attr-defined]
-            return res
-
-        def undo():
-            for r in new_rows:
-                self._drop_row(r)
-
-        return P.STEP, fields, frames, post, undo
+        return StepMessage(self, batch, G).spec()
 
 
     def _req_decode(self, rows, num_tokens: int, lookahead: int, computed_through: int | None = None):
@@ -673,7 +594,8 @@ class _Core:
         c = self._confirmation(computed_through)
         if c is not None:
             fields["c"] = c
-        return P.STEP, fields, [P.EMPTY, P.EMPTY, P.EMPTY, rows.tobytes()], functools.partial(_decode_post, na)
+        rows_b = rows.tobytes()
+        return P.STEP, fields, [P.EMPTY, P.EMPTY, P.EMPTY, rows_b], functools.partial(_decode_post, rows_b, num_tokens)
 
     def _release_local(self) -> None:
         """Close the socket and unmap the session's buffers (never unlinks: the daemon owns them)."""
@@ -697,23 +619,63 @@ for _a in (_EMPTY_I16_RO, _EMPTY_I32_RO, _EMPTY_COPIES):
     _a.flags.writeable = False
 
 
-def _decode_post(na: int, h: dict, f: list) -> StepResult:
+def _decode_post(rows_b: bytes, an: int, h: dict, f: list) -> StepResult:
     body = f[0]
+    na = len(rows_b) >> 2
     nc = h["nc"]
     nch = h["nch"]
-    if h["nfr"] or len(body) != 2 * na + 8 * nc + 4 * nch:
+    ns = h["ns"]
+    if h["nfr"] or len(body) != 2 * na + 8 * nc + 4 * nch + 4 * ns:
         raise ProtocolError(f"step reply body of {len(body)} bytes does not match a decode step of {na} rows")
+    append_status = np.frombuffer(body, P.I16, na, 0)
     copies = np.frombuffer(body, P.I32, 2 * nc, 2 * na).reshape(nc, 2) if nc else _EMPTY_COPIES
+    off = 2 * na + 8 * nc
+    # The schedule: the append rows whose status is OK (all of them when ns == na), ``an`` tokens
+    # each; only the start positions travel.
+    sched_rows = np.frombuffer(rows_b, P.I32)
+    if ns != na:
+        sched_rows = sched_rows[append_status == STATUS_OK]
+    sched_len = _uniform_lens(ns, an)
     res = StepResult(
         free_status=_EMPTY_I16_RO, fork_status=_EMPTY_I16_RO,
-        append_status=np.frombuffer(body, P.I16, na, 0), admit_status=_EMPTY_I16_RO,
+        append_status=append_status, admit_status=_EMPTY_I16_RO,
         admit_rows=_EMPTY_I32_RO, admit_cached_tokens=_EMPTY_I32_RO, copies=copies,
-        changed_rows=np.frombuffer(body, P.I32, nch, 2 * na + 8 * nc) if nch else _EMPTY_I32_RO,
-        sched_rows=_EMPTY_I32_RO, sched_start=_EMPTY_I32_RO, sched_len=_EMPTY_I32_RO,
+        changed_rows=np.frombuffer(body, P.I32, nch, off) if nch else _EMPTY_I32_RO,
+        sched_rows=sched_rows, sched_start=np.frombuffer(body, P.I32, ns, off + 4 * nch), sched_len=sched_len,
         freed_rows=_EMPTY_I32_RO, tick=h["t"],
     )
     res.num_scheduled_tokens = h.get("nt", [])  # type: ignore[attr-defined]
     return res
+
+
+_LENS: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _uniform_lens(n: int, value: int) -> np.ndarray:
+    """A read-only int32 array of ``n`` times ``value``, shared by every decode step of that shape
+    (np.full costs ~4 µs, a dict hit ~0.1 µs)."""
+    a = _LENS.get((n, value))
+    if a is None:
+        if len(_LENS) > 256:
+            _LENS.clear()
+        a = np.empty(n, np.int32)
+        a.fill(value)
+        a.flags.writeable = False
+        _LENS[(n, value)] = a
+    return a
+
+
+def _alloc_status(h: dict, f: list) -> AllocStatus:
+    return AllocStatus(int(h["status"]))
+
+
+def _count(name: str, value: Any) -> int:
+    """A size argument checked on this side, so misuse is InvalidArgument, not a ProtocolError."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgument(f"{name} must be an integer, got {value!r}")
+    if not 0 <= value <= P.MAX_COUNT:
+        raise InvalidArgument(f"{name} must be in [0, {P.MAX_COUNT}], got {value}")
+    return int(value)
 
 
 def _swap_result(h, f) -> SwapResult:
@@ -722,17 +684,38 @@ def _swap_result(h, f) -> SwapResult:
 
 
 _API = ("lookup", "can_allocate", "allocate", "append_slots", "free", "fork", "can_swap_out",
-        "swap_out", "can_swap_in", "swap_in", "reset_prefix_cache", "stats", "step", "mark_computed")
+        "swap_out", "can_swap_in", "swap_in", "reset_prefix_cache", "num_common_prefix_blocks",
+        "cross_block_table", "stats", "daemon_status", "step", "mark_computed")
 
 
 # ---- blocking client ----------------------------------------------------------------------------
 
 class Client(_Core):
-    """Blocking client. ``Client(endpoint=None, tenant="", name="", timeout_s=2.0, retries=2)``
-    says hello at once (raises Timeout when no daemon answers)."""
+    """Blocking client of a kvd daemon: one session, opened at once."""
 
-    def __init__(self, endpoint: str | None = None, **kw: Any):
-        super().__init__(endpoint, **kw)
+    def __init__(self, endpoint: str | None = None, *, tenant: str = "", name: str = "",
+                 timeout_s: float = 2.0, retries: int = 2, heartbeat: bool = True,
+                 gpu: bool | None = None, kv_shared: bool = False, confirm: str = "auto",
+                 steps_in_flight: int = 1) -> None:
+        """Connect and say hello.
+
+        ``endpoint``: the daemon's ZeroMQ endpoint (default: ``$KVD_ENDPOINT``, else the daemon's
+        default ipc socket, see ``default_endpoint``). ``tenant``: a tenant the daemon's ``tenants``
+        config opens to this process's uid/gids ("": its own, ``uid:<uid>``). ``kv_shared``: this
+        engine's KV memory is shared with the tenant's other engines, so they may share one prefix
+        cache (implied when the daemon owns the KV cache). ``confirm``/``steps_in_flight``: when
+        blocks this session filled become hits for the tenant's other sessions ("auto": each step
+        confirms the step ``steps_in_flight`` before the last; "explicit": ``mark_computed``; see
+        the README, "Sharing"). ``name``: shown by ``kvd status``. ``timeout_s`` per attempt, ``retries`` more
+        attempts (a retried request is applied once). ``heartbeat``: renew the lease from a
+        background thread. ``gpu``: map the daemon's CUDA-IPC buffers (None: when it has a GPU
+        pool and torch can; True: required; False: never).
+
+        Raises ``DaemonUnavailable`` (no socket file), ``PermissionDenied`` (socket or segment not
+        accessible), ``Timeout`` (no answer), ``ServerBusy`` (too many sessions)."""
+        super().__init__(endpoint, tenant=tenant, name=name, timeout_s=timeout_s, retries=retries,
+                         heartbeat=heartbeat, gpu=gpu, kv_shared=kv_shared, confirm=confirm,
+                         steps_in_flight=steps_in_flight)
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
         self._hb: _Heartbeat | None = None
@@ -744,7 +727,7 @@ class Client(_Core):
             raise
 
     def _open(self) -> None:
-        check_endpoint_access(self.endpoint)
+        check_endpoint(self.endpoint)
         s = self._ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDHWM, 64)
@@ -817,9 +800,6 @@ class Client(_Core):
         self._on_reply(op, h)
         return post(h, f)
 
-    def heartbeat(self) -> None:
-        self._do(self._req_heartbeat())
-
     def reconnect(self) -> bool:
         """Re-attach to the daemon. Returns True when the old session survived (same daemon boot),
         False when a new session was opened (every request of the old one is gone)."""
@@ -855,27 +835,113 @@ class Client(_Core):
                 self.retries = saved
         self._release_local()
 
+    # ---- the manager's API (kvd.manager.BlockManager semantics, over the daemon) ---------------
+    def lookup(self, block_hashes) -> int:
+        """Number of leading blocks of ``block_hashes`` (S16 hashes of group 0's full blocks) that
+        are in this session's prefix-cache namespace now. Changes nothing."""
+        return self._do(self._req_lookup(block_hashes))
+
+    def can_allocate(self, num_tokens: int, block_hashes=(), num_lookahead_tokens: int = 0, *,
+                     max_new_tokens: int = 0, num_encoder_tokens: int = 0) -> AllocStatus:
+        """Whether ``allocate`` with these arguments would succeed now (OK), may later (LATER) or
+        never can in this pool (NEVER); invalid arguments raise what ``allocate`` raises.
+        Advisory once several engines share the pool: act on ``allocate``'s own status."""
+        return self._do(self._req_can_allocate(num_tokens, block_hashes, num_lookahead_tokens,
+                                               max_new_tokens=max_new_tokens,
+                                               num_encoder_tokens=num_encoder_tokens))
+
+    def allocate(self, req_id: Hashable, num_tokens: int, block_hashes=(), num_lookahead_tokens: int = 0, *,
+                 priority: int = DEFAULT_PRIORITY, num_encoder_tokens: int = 0,
+                 max_new_tokens: int = 0) -> AllocResult:
+        """Admit request ``req_id`` with a prompt of ``num_tokens`` tokens whose full blocks hash to
+        ``block_hashes`` (one array per group with several groups). Reuses the cached prefix; the
+        block table is in ``tables[g][row_of(req_id)]`` and the slot mapping of the prompt's
+        uncached tokens in ``slot_mappings[g]`` when it returns. ``status`` LATER / NEVER (as
+        ``can_allocate`` answers): nothing changed."""
+        return self._do(self._req_allocate(req_id, num_tokens, block_hashes, num_lookahead_tokens,
+                                           priority=priority, num_encoder_tokens=num_encoder_tokens,
+                                           max_new_tokens=max_new_tokens))
+
+    def append_slots(self, req_id: Hashable, num_new_tokens: int, new_block_hashes=(),
+                     num_lookahead_tokens: int = 0) -> AppendResult:
+        """Grow request ``req_id`` by ``num_new_tokens`` tokens (plus lookahead slots), registering
+        ``new_block_hashes`` of blocks that became full. The new tokens' slots are in
+        ``slot_mappings[g]`` when it returns; ``copies`` are the copy-on-write copies to do first.
+        ``status`` LATER: nothing changed (preempt something)."""
+        return self._do(self._req_append_slots(req_id, num_new_tokens, new_block_hashes, num_lookahead_tokens))
+
+    def free(self, req_id: Hashable) -> None:
+        """Release request ``req_id``: its blocks go back to the pool (full ones stay cached)."""
+        return self._do(self._req_free(req_id))
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """New request ``child_id`` sharing every block of ``parent_id`` (copy-on-write)."""
+        return self._do(self._req_fork(parent_id, child_id))
+
+    def can_swap_out(self, req_ids) -> AllocStatus:
+        """Whether ``swap_out(req_ids)`` fits the CPU pool now (OK), later (LATER) or never
+        (NEVER: no or too small a CPU pool). Advisory when several engines share the pool."""
+        return self._do(self._req_can_swap_out(req_ids))
+
+    def swap_out(self, req_ids) -> SwapResult:
+        """Move the requests' blocks to the CPU pool; ``mapping``: (gpu, cpu) block pairs to copy."""
+        return self._do(self._req_swap_out(req_ids))
+
+    def can_swap_in(self, req_ids) -> AllocStatus:
+        """Whether ``swap_in(req_ids)`` fits the GPU pool now (OK), later (LATER) or never (NEVER).
+        Advisory when several engines share the pool."""
+        return self._do(self._req_can_swap_in(req_ids))
+
+    def swap_in(self, req_ids) -> SwapResult:
+        """Bring swapped requests back; ``mapping``: (cpu, gpu) block pairs to copy."""
+        return self._do(self._req_swap_in(req_ids))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget this session's namespace of the prefix cache (other tenants are untouched);
+        False when blocks of it are still in use."""
+        return self._do(self._req_reset_prefix_cache())
+
+    def num_common_prefix_blocks(self, req_id: Hashable, num_running: int) -> int:
+        """Leading blocks of ``req_id`` (group 0) held by exactly ``num_running`` requests, the
+        shared prefix for cascade attention."""
+        return self._do(self._req_num_common_prefix_blocks(req_id, num_running))
+
+    def cross_block_table(self, req_id: Hashable) -> np.ndarray:
+        """The encoder-decoder cross-attention block ids of ``req_id`` (a copy)."""
+        return self._do(self._req_cross_block_table(req_id))
+
+    def stats(self) -> dict:
+        """The pool's statistics (the manager's ``stats()``) plus ``sessions`` and this session's
+        ``session_requests``."""
+        return self._do(self._req_stats())
+
+    def daemon_status(self) -> dict:
+        """The daemon-wide view ``kvd status`` prints: daemon, pool, sessions, tenants."""
+        return self._do(self._req_daemon_status())
+
+    def step(self, batch: StepBatch) -> StepResult:
+        """Apply one scheduler step in one round trip: frees, forks, appends, admissions (see
+        ``kvd.api.StepBatch``). Every request gets a status in the result (a bad id is a status,
+        not an exception); rows are session rows. Block tables and the step's slot mapping are in
+        ``tables`` / ``slot_mappings`` when it returns; ``sched_*`` say which rows' tokens they
+        hold. ``append_rows`` with one int token count takes the decode fast path."""
+        return self._do(self._req_step(batch))
+
+    def mark_computed(self, tick: int | None = None) -> None:
+        """Confirm that the forward passes of this session's calls up to ``tick`` (default: the
+        last reply's, ``self.tick``) have finished: the blocks they filled become prefix hits for
+        the tenant's other sessions. In ``confirm="auto"`` mode steps do this on their own."""
+        return self._do(self._req_mark_computed(tick))
+
+    def heartbeat(self) -> None:
+        """Renew the session's lease now (the background thread does it on its own)."""
+        self._do(self._req_heartbeat())
+
     def __enter__(self) -> "Client":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _make_sync(name: str):
-    req = getattr(_Core, "_req_" + name)
-
-    @functools.wraps(req)
-    def method(self, *a, **k):
-        return self._do(req(self, *a, **k))
-
-    method.__name__ = name
-    method.__qualname__ = "Client." + name
-    return method
-
-
-for _n in _API:
-    setattr(Client, _n, _make_sync(_n))
 
 
 # ---- asyncio client -----------------------------------------------------------------------------
@@ -884,8 +950,14 @@ class AsyncClient(_Core):
     """asyncio client: ``c = await AsyncClient.connect(endpoint, tenant=...)``; every API method is
     a coroutine. Heartbeats run on a thread (they keep the lease even if the loop is busy)."""
 
-    def __init__(self, endpoint: str | None = None, **kw: Any):
-        super().__init__(endpoint, **kw)
+    def __init__(self, endpoint: str | None = None, *, tenant: str = "", name: str = "",
+                 timeout_s: float = 2.0, retries: int = 2, heartbeat: bool = True,
+                 gpu: bool | None = None, kv_shared: bool = False, confirm: str = "auto",
+                 steps_in_flight: int = 1) -> None:
+        """Not connected yet: use ``await AsyncClient.connect(...)`` (same keywords as Client)."""
+        super().__init__(endpoint, tenant=tenant, name=name, timeout_s=timeout_s, retries=retries,
+                         heartbeat=heartbeat, gpu=gpu, kv_shared=kv_shared, confirm=confirm,
+                         steps_in_flight=steps_in_flight)
         import zmq.asyncio
 
         self._ctx = zmq.asyncio.Context()
@@ -895,8 +967,14 @@ class AsyncClient(_Core):
         self._lock = asyncio.Lock()
 
     @classmethod
-    async def connect(cls, endpoint: str | None = None, **kw: Any) -> "AsyncClient":
-        self = cls(endpoint, **kw)
+    async def connect(cls, endpoint: str | None = None, *, tenant: str = "", name: str = "",
+                      timeout_s: float = 2.0, retries: int = 2, heartbeat: bool = True,
+                      gpu: bool | None = None, kv_shared: bool = False, confirm: str = "auto",
+                      steps_in_flight: int = 1) -> "AsyncClient":
+        """Connect and say hello (see ``Client.__init__`` for the keywords and errors)."""
+        self = cls(endpoint, tenant=tenant, name=name, timeout_s=timeout_s, retries=retries,
+                   heartbeat=heartbeat, gpu=gpu, kv_shared=kv_shared, confirm=confirm,
+                   steps_in_flight=steps_in_flight)
         try:
             self._open()
             await self._hello()
@@ -906,7 +984,7 @@ class AsyncClient(_Core):
         return self
 
     def _open(self) -> None:
-        check_endpoint_access(self.endpoint)
+        check_endpoint(self.endpoint)
         s = self._ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDHWM, 64)
@@ -969,9 +1047,12 @@ class AsyncClient(_Core):
         return post(h, f)
 
     async def heartbeat(self) -> None:
+        """Renew the session's lease now (the background thread does it on its own)."""
         await self._do(self._req_heartbeat())
 
     async def reconnect(self) -> bool:
+        """Re-attach to the daemon. True when the old session survived (same daemon boot), False
+        when a new session was opened (every request of the old one is gone)."""
         old_sid, old_epoch = self.sid, self.epoch
         if self._sock is not None:
             self._sock.close(0)
@@ -988,6 +1069,7 @@ class AsyncClient(_Core):
         return False
 
     async def close(self, goodbye: bool = True) -> None:
+        """Say goodbye (the daemon frees every request of the session), stop heartbeating."""
         if self._hb is not None:
             self._hb.stop_event.set()
             self._hb.join(timeout=2)
@@ -1012,9 +1094,10 @@ class AsyncClient(_Core):
 
 
 def _make_async(name: str):
+    """The coroutine twin of ``Client.<name>`` (same arguments, docstring and result)."""
     req = getattr(_Core, "_req_" + name)
 
-    @functools.wraps(req)
+    @functools.wraps(getattr(Client, name))
     async def method(self, *a, **k):
         return await self._do(req(self, *a, **k))
 

@@ -3,9 +3,22 @@
 These are plain values shared by the core (``kvd.manager``), the daemon and the client. Arrays are
 numpy; hashes are 16-byte values (``kvd.hashing.HASH_DTYPE``, numpy ``S16``), one per full block.
 
-Per-request status codes (``STATUS_*`` below and the ``code`` of every ``kvd.errors`` class) share
-one int16 space: 0 is OK, 1 is "no space" (a value, not an error), anything >= 2 is the code of the
-typed error that request would have raised on its own.
+Status codes. Per-request statuses (the ``*_status`` arrays of a step, ``AllocResult.status`` ...)
+and the ``code`` of every ``kvd.errors`` class share one int16 space, split so they never collide:
+
+- 0..15: statuses, the values of ``AllocStatus``: 0 OK, 1 LATER (no space now: retry after
+  requests finish; nothing changed), 2 NEVER (the request can never fit this pool, however much is
+  freed: do not retry). ``STATUS_OK`` and ``STATUS_NO_SPACE`` (== LATER) name the first two.
+- 16 and up (``kvd.errors.FIRST_ERROR_CODE``): the code of the typed error the request would have
+  raised on its own (16..31 misuse, 32..63 transport and session errors).
+
+``can_allocate`` and ``allocate`` agree: for the same request in the same pool state both answer
+OK, LATER or NEVER, and both raise the same typed error for invalid arguments. ``can_swap_out`` /
+``can_swap_in`` answer ``AllocStatus`` the same way.
+
+Once several engines share one daemon's pool, every ``can_*`` answer is advisory: another engine may
+take or free blocks between the question and the call. Act on the status of the call itself
+(``allocate``, ``swap_in``, a step's ``admit_status``), which is atomic.
 """
 
 from __future__ import annotations
@@ -20,6 +33,9 @@ ReqId = Hashable
 
 STATUS_OK = 0
 STATUS_NO_SPACE = 1
+"""No space now (== ``AllocStatus.LATER``): nothing changed; may succeed after requests finish."""
+STATUS_NEVER = 2
+"""Can never fit this pool (== ``AllocStatus.NEVER``): nothing changed; retrying is useless."""
 
 NULL_BLOCK = 0
 """Block 0 of every pool: never handed out, never freed; padded rows and out-of-window slots point
@@ -36,6 +52,10 @@ one priority. Requests that never set it all share the default, which is plain L
 
 
 class AllocStatus(enum.IntEnum):
+    """Answer of ``can_allocate`` / ``can_swap_in`` / ``can_swap_out`` (vLLM v0's ``AllocStatus``)
+    and the status values of results: OK (it fits now), LATER (not now: wait for requests to
+    finish), NEVER (never in this pool: e.g. more blocks than the pool has; do not retry)."""
+
     OK = 0
     LATER = 1
     NEVER = 2
@@ -51,6 +71,14 @@ class GroupSpec:
 
 @dataclass(frozen=True)
 class ManagerConfig:
+    """Configuration of one ``BlockManager`` (the daemon builds it from ``kvd.config.ServeConfig``).
+
+    ``num_gpu_blocks`` includes the null block 0 (so ``num_gpu_blocks - 1`` are usable);
+    ``groups``: one ``GroupSpec`` per KV-cache group (a hybrid model has several);
+    ``num_cpu_blocks``: the swap space (0: no swapping); ``max_model_len``: most tokens of one
+    request; ``max_num_reqs``: most live requests (rows) at once.
+    """
+
     num_gpu_blocks: int
     groups: tuple[GroupSpec, ...] = (GroupSpec(),)
     num_cpu_blocks: int = 0
@@ -146,7 +174,8 @@ class StepResult:
 
 @dataclass(frozen=True)
 class AllocResult:
-    """Result of ``allocate``: ``ok`` or no space (then nothing changed)."""
+    """Result of ``allocate``: ``ok``, or ``status`` LATER / NEVER (then nothing changed).
+    ``group_block_ids``: the request's table per group; ``num_cached_tokens``: prefix-cache hit."""
 
     status: int
     group_block_ids: tuple[np.ndarray, ...] = ()

@@ -1,5 +1,10 @@
 """The ``kvd`` command: ``serve``, ``status``, ``bench``.
 
+``status`` asks the daemon (its ``status`` op, through a short session it leaves out of the listing)
+and prints a table of pools, sessions (name, pid, tenant, requests, idle seconds) and tenants
+(sessions, requests, block references); ``--json`` prints the same view as JSON. ``bench`` runs the
+packaged ZeroMQ benchmark (``kvd.bench.zmq_bench``; ``$KVD_BENCH_SCRIPT`` runs another file).
+
 Exit codes: 0 ok; 1 failure; 2 bad command line; 3 ``status`` could not reach a daemon;
 78 (EX_CONFIG) invalid configuration. The unit files set ``RestartPreventExitStatus=2 78`` so a bad
 configuration fails once instead of restart-looping.
@@ -91,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser(
         "bench",
-        help="run the ZeroMQ benchmark (scripts/bench_zmq.py); arguments are passed through",
-        description="Run scripts/bench_zmq.py with the remaining arguments (see `kvd bench --help`).",
+        help="run the ZeroMQ benchmark (kvd.bench.zmq_bench); arguments are passed through",
+        description="Run kvd.bench.zmq_bench with the remaining arguments (see `kvd bench --help`).",
         add_help=False,
     )
     return parser
@@ -174,8 +179,8 @@ def _status(cfg: ServeConfig, *, as_json: bool) -> int:
         return 1
     client = None
     try:
-        client = Client(endpoint)
-        stats = client.stats()
+        client = Client(endpoint, name=STATUS_SESSION_NAME, heartbeat=False)
+        status = client.daemon_status()
     except Exception as exc:  # noqa: BLE001 - any failure to talk to the daemon is "unreachable"
         print(f"kvd status: no answer from {endpoint}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
@@ -186,12 +191,35 @@ def _status(cfg: ServeConfig, *, as_json: bool) -> int:
                 close()
             except Exception:  # noqa: BLE001
                 pass
-    stats = normalize_stats(stats)
+    status = status_view(status)
     if as_json:
-        print(json.dumps(stats, indent=2, sort_keys=True, default=_json_default))
+        print(json.dumps(status, indent=2, sort_keys=True, default=_json_default))
     else:
-        print(format_status_table(stats, endpoint))
+        print(format_status_table(status, endpoint))
     return 0
+
+
+STATUS_SESSION_NAME = "kvd status"
+"""The name of the session ``kvd status`` opens to ask; left out of the sessions it lists."""
+
+
+def status_view(status: dict[str, Any]) -> dict[str, Any]:
+    """The daemon's ``status`` answer as ``kvd status`` shows it: pools split (``normalize_stats``),
+    sessions and tenants as lists, this command's own session left out."""
+    if "pool" not in status:
+        return normalize_stats(status)
+    view = normalize_stats(dict(status["pool"]))
+    mine = os.getpid()
+    sessions, own = [], []
+    for s in status.get("sessions", ()):
+        (own if s.get("name") == STATUS_SESSION_NAME and s.get("pid") == mine else sessions).append(s)
+    tenants = []
+    for t in status.get("tenants", ()):
+        t = dict(t, sessions=t.get("sessions", 0) - sum(s.get("tenant") == t.get("tenant") for s in own))
+        if t["sessions"] > 0 or t.get("requests", 0):
+            tenants.append(t)
+    view.update(daemon=status.get("daemon", {}), sessions=sessions, tenants=tenants)
+    return view
 
 
 POOL_KEYS = (
@@ -237,6 +265,9 @@ def format_status_table(stats: dict[str, Any], endpoint: str = "") -> str:
         head += f" {stats['version']}"
     if endpoint:
         head += f" at {endpoint}"
+    daemon = stats.get("daemon") or {}
+    if daemon:
+        head += " (" + ", ".join(f"{k} {_short(daemon[k])}" for k in ("pid", "epoch", "steps") if k in daemon) + ")"
     lines.append(head)
     pools = stats.get("pools") or {}
     cols = ("pool", "blocks", "free", "used", "cached", "usage", "hit rate", "evictions", "swaps out/in", "cow")
@@ -268,14 +299,34 @@ def format_status_table(stats: dict[str, Any], endpoint: str = "") -> str:
         if isinstance(sessions, dict):
             items = [{"id": k, **v} if isinstance(v, dict) else {"id": k, "value": v} for k, v in sessions.items()]
         lines.append(f"sessions: {len(items)}")
-        for s in items:
-            if isinstance(s, dict):
-                lines.append("  " + " ".join(f"{k}={_short(v)}" for k, v in s.items()))
-            else:
-                lines.append(f"  {_short(s)}")
-    for key in sorted(set(stats) - {"pools", "sessions", "version"}):
+        lines += _table(items, (("name", "name"), ("pid", "pid"), ("tenant", "tenant"),
+                                ("requests", "requests"), ("idle_s", "idle s")))
+    tenants = stats.get("tenants")
+    if tenants is not None:
+        lines.append(f"tenants: {len(tenants)}")
+        lines += _table(tenants, (("tenant", "tenant"), ("sessions", "sessions"), ("requests", "requests"),
+                                  ("block_refs", "block refs")))
+    for key in sorted(set(stats) - {"pools", "sessions", "tenants", "version", "daemon"}):
         lines.append(f"{key}: {_short(stats[key])}")
     return "\n".join(lines)
+
+
+def _table(items: list, columns: tuple[tuple[str, str], ...]) -> list[str]:
+    """Indented, aligned rows of ``items`` (dicts); keys outside ``columns`` are appended as k=v."""
+    if not items:
+        return []
+    known = [k for k, _ in columns]
+    rows = [[title for _, title in columns] + [""]]
+    for it in items:
+        if not isinstance(it, dict):
+            rows.append([""] * len(columns) + [_short(it)])
+            continue
+        cells = ["''" if k == "tenant" and it.get(k) == "" else _short(it.get(k, "-")) for k in known]
+        extra = " ".join(f"{k}={_short(v)}" for k, v in it.items() if k not in known)
+        rows.append(cells + [extra])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + ("  " + r[-1] if r[-1] else "")
+            for r in rows]
 
 
 def _short(v: Any) -> str:
@@ -290,29 +341,25 @@ def _short(v: Any) -> str:
 # bench
 
 
-def _bench_script() -> Path:
+def _bench_script() -> Path | None:
+    """``$KVD_BENCH_SCRIPT`` (another benchmark file, for development), else None: the packaged one."""
     env = os.environ.get("KVD_BENCH_SCRIPT")
-    if env:
-        return Path(env)
-    return Path(kvd.__file__).resolve().parent.parent / "scripts" / "bench_zmq.py"
+    return Path(env) if env else None
 
 
 def _bench(args: list[str]) -> int:
     path = _bench_script()
-    if not path.is_file():
-        print(f"kvd bench: {path} not found (the benchmark ships with the source tree)", file=sys.stderr)
-        return 1
-    spec = importlib.util.spec_from_file_location("kvd_bench_zmq", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
     saved_argv = sys.argv
-    sys.argv = [str(path), *args]
     try:
-        spec.loader.exec_module(module)
-        bench_main = getattr(module, "main", None)
-        if bench_main is None:
-            print(f"kvd bench: {path} has no main()", file=sys.stderr)
-            return 1
+        if path is None:
+            from kvd.bench.zmq_bench import main as bench_main
+
+            sys.argv = ["kvd bench", *args]
+        else:
+            bench_main = _load_bench(path)
+            if bench_main is None:
+                return 1
+            sys.argv = [str(path), *args]
         takes_args = bool(inspect.signature(bench_main).parameters)
         code = bench_main(args) if takes_args else bench_main()
     except SystemExit as exc:  # argparse --help / errors inside the benchmark
@@ -325,3 +372,17 @@ def _bench(args: list[str]) -> int:
         return code
     print(code, file=sys.stderr)
     return 1
+
+
+def _load_bench(path: Path):
+    if not path.is_file():
+        print(f"kvd bench: {path} not found", file=sys.stderr)
+        return None
+    spec = importlib.util.spec_from_file_location("kvd_bench_script", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    bench_main = getattr(module, "main", None)
+    if bench_main is None:
+        print(f"kvd bench: {path} has no main()", file=sys.stderr)
+    return bench_main

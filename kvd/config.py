@@ -107,6 +107,12 @@ class ServeConfig:
     """Request rows of one session."""
     max_num_batched_tokens: int = 8192
     """Tokens of one scheduler step (slot-mapping buffer length)."""
+    max_lookahead_tokens: int = 64
+    """Most lookahead (speculative-decoding) slots one request may reserve beyond its tokens."""
+    max_encoder_len: int = 0
+    """Largest encoder input (tokens) of an encoder-decoder request; 0: no cross-attention tables."""
+    encoder_block_size: int = 16
+    """Block size (tokens) of the encoder-decoder cross-attention tables."""
     enable_prefix_caching: bool = True
     """Share identical prompt prefixes between requests and sessions."""
     watermark: float = 0.0
@@ -281,6 +287,9 @@ _CHECKS = {
     "max_sessions": _in_range(1, 2**31 - 1),
     "max_reqs_per_session": _in_range(1, 2**31 - 1),
     "max_num_batched_tokens": _in_range(1, 2**31 - 1),
+    "max_lookahead_tokens": _in_range(0, 2**20),
+    "max_encoder_len": _in_range(0, 2**31 - 1),
+    "encoder_block_size": _in_range(1, 1024),
     "enable_prefix_caching": lambda v: None,
     "watermark": _finite(lambda v: None if 0.0 <= v < 1.0 else "must be in [0, 1)"),
     "hash_algo": _one_of(HASH_ALGOS),

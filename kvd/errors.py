@@ -4,6 +4,11 @@ Misuse (a caller's mistake: unknown request, bad size, wrong hash width) raises 
 leaves every piece of state exactly as it was. "No space" is not an error: it is a result value.
 Bugs are ``assert``s. Every class carries a stable ``code`` that the wire protocol sends back, so the
 client can raise the same class on its side (see ``ERROR_BY_CODE``).
+
+Code spaces (one int16 space shared with per-request statuses, see ``kvd.api``): 0..15 are
+statuses (``AllocStatus``: 0 OK, 1 LATER, 2 NEVER), 16..31 misuse of the manager, 32..63 transport
+and session errors. A per-request status >= 16 is the code of the error that request alone would
+have raised.
 """
 
 from __future__ import annotations
@@ -12,92 +17,102 @@ from __future__ import annotations
 class KvdError(Exception):
     """Base of every typed kvd error."""
 
-    code = 1
+    code = 16
 
 
 class InvalidArgument(KvdError):
     """A size, count or flag is out of its documented range."""
 
-    code = 2
+    code = 17
 
 
 class UnknownRequest(KvdError):
     """The request id is not known to this manager (or to this session)."""
 
-    code = 3
+    code = 18
 
 
 class DuplicateRequest(KvdError):
     """A request with this id already exists."""
 
-    code = 4
+    code = 19
 
 
 class BadHashes(KvdError):
     """Block hashes of the wrong width, count or type."""
 
-    code = 5
+    code = 20
 
 
 class RequestSwapped(KvdError):
     """The request is swapped out; it must be swapped in before it can grow."""
 
-    code = 6
+    code = 21
 
 
 class RequestNotSwapped(KvdError):
     """swap_in of a request that is not swapped out."""
 
-    code = 7
+    code = 22
 
 
 class CapacityExceeded(KvdError):
     """A fixed capacity (request rows, blocks per request, CPU pool) would be exceeded."""
 
-    code = 8
+    code = 23
 
 
 class ProtocolError(KvdError):
     """A malformed, oversized or out-of-order message."""
 
-    code = 20
+    code = 32
 
 
 class SessionError(KvdError):
     """The session is unknown, expired, or belongs to another daemon boot."""
 
-    code = 21
+    code = 33
 
 
 class DaemonRestarted(SessionError):
     """The daemon's boot epoch changed: every block the session held is gone; reconnect()."""
 
-    code = 22
+    code = 34
 
 
 class Timeout(KvdError):
     """No reply within the request timeout after every retry."""
 
-    code = 23
+    code = 35
 
 
 class ServerBusy(KvdError):
     """The daemon refused work it could not queue."""
 
-    code = 24
+    code = 36
 
 
-class Unauthorized(KvdError):
-    """The connecting process may not do this: e.g. take a tenant its uid/gids are not allowed."""
+class DaemonUnavailable(KvdError):
+    """No daemon listens at the endpoint (its ipc socket file does not exist)."""
 
-    code = 25
+    code = 37
 
 
 class PermissionDenied(KvdError):
-    """The client may not open the daemon's socket or a shared-memory segment (the path is named)."""
+    """The caller may not open the daemon's socket or a shared-memory segment (the path is named)."""
 
-    code = 26
+    code = 38
 
+
+class Unauthorized(KvdError):
+    """The connecting process may not do this: e.g. take a tenant its uid/gids do not open, or
+    attach to another uid's session."""
+
+    code = 39
+
+
+FIRST_ERROR_CODE = 16
+"""Codes below this are statuses (``kvd.api.AllocStatus``), never errors."""
 
 ERROR_BY_CODE: dict[int, type[KvdError]] = {
     cls.code: cls
@@ -115,6 +130,7 @@ ERROR_BY_CODE: dict[int, type[KvdError]] = {
         DaemonRestarted,
         Timeout,
         ServerBusy,
+        DaemonUnavailable,
         Unauthorized,
         PermissionDenied,
     )

@@ -72,6 +72,10 @@ _EMPTY_COPIES = np.empty((0, 2), np.int32)
 _EMPTY_HASHES = np.empty(0, HASH_DTYPE)
 
 
+_NO_REQ_ID = object()
+"""Stands for the request of ``can_allocate`` (which has no id) in the checks ``allocate`` makes."""
+
+
 def _cdiv(a, b):
     return -(-a // b)
 
@@ -538,11 +542,9 @@ class BlockManager:
         num_encoder_tokens: int = 0,
     ) -> AllocStatus:
         self.flush_deferred()
-        self._check_sizes(num_tokens, num_lookahead_tokens)
-        if num_tokens < 1 or num_encoder_tokens < 0 or max_new_tokens < 0:
-            raise errors.InvalidArgument("num_tokens must be >= 1 and other sizes >= 0")
-        if num_encoder_tokens > self.config.max_encoder_len:
-            return AllocStatus.NEVER
+        # the checks allocate makes, so that both answer alike (a request id is not needed)
+        self._check_new_request(_NO_REQ_ID, num_tokens, num_lookahead_tokens, DEFAULT_PRIORITY,
+                                num_encoder_tokens, max_new_tokens)
         hash_lists = self._hash_lists(block_hashes, num_tokens)
         status, *_ = self._plan_admission(
             num_tokens, hash_lists, num_lookahead_tokens, self._space(namespace, writer), max_new_tokens,
@@ -583,7 +585,7 @@ class BlockManager:
             num_tokens, hash_lists, lookahead, space, req.max_new_tokens, req.num_encoder_tokens
         )
         if status != AllocStatus.OK:
-            return AllocResult(STATUS_NO_SPACE)
+            return AllocResult(int(status))  # LATER or NEVER, as can_allocate answers
 
         row = self._free_rows.pop()
         self._row_of[req.req_id] = row
@@ -1097,10 +1099,15 @@ class BlockManager:
             entries.append((blocks, np.maximum(stops - starts, 0)))
         flat = np.concatenate([b for b, _ in entries])
         gpu, counts = np.unique(flat[flat != NULL_BLOCK], return_counts=True)
-        fits = self.config.num_cpu_blocks > 0 and gpu.size <= self.cpu_pool.num_free
-        return entries, gpu, counts, fits
+        if self.config.num_cpu_blocks <= 0 or gpu.size > self.cpu_pool.num_blocks - 1:
+            status = AllocStatus.NEVER
+        else:
+            status = AllocStatus.OK if gpu.size <= self.cpu_pool.num_free else AllocStatus.LATER
+        return entries, gpu, counts, status
 
-    def can_swap_out(self, req_ids) -> bool:
+    def can_swap_out(self, req_ids) -> AllocStatus:
+        """OK when the CPU pool has room for the requests' blocks now, LATER when it may after
+        other requests are swapped in or freed, NEVER when it is too small (or absent)."""
         self.flush_deferred()
         return self._swap_out_plan(self._check_swap_out(req_ids))[3]
 
@@ -1115,9 +1122,9 @@ class BlockManager:
         shared. Returns ``(gpu_block, cpu_block)`` pairs to copy."""
         self.flush_deferred()
         rows = self._check_swap_out(req_ids)
-        entries, gpu, counts, fits = self._swap_out_plan(rows)
-        if not fits:
-            return SwapResult(STATUS_NO_SPACE)
+        entries, gpu, counts, status = self._swap_out_plan(rows)
+        if status != AllocStatus.OK:
+            return SwapResult(int(status))
         cpu = self.cpu_pool.take(gpu.size)
         self.cpu_pool.ref_cnt[cpu] = counts
         self.cpu_pool.block_hash[cpu] = self.pool.block_hash[gpu]
@@ -1167,11 +1174,17 @@ class BlockManager:
         need = int(np.count_nonzero(found < 0)) + revived
         return cpu, counts, found, need
 
-    def can_swap_in(self, req_ids) -> bool:
+    def can_swap_in(self, req_ids) -> AllocStatus:
+        """OK when the GPU pool has room for the requests' blocks now (admission's headroom),
+        LATER when it may later, NEVER when they need more blocks than the pool can ever give."""
         self.flush_deferred()
         rows = self._check_swap_in(req_ids)
-        _, _, _, need = self._swap_in_plan(rows)
-        return bool(need <= self._admission_headroom())
+        return self._swap_in_status(self._swap_in_plan(rows)[3])
+
+    def _swap_in_status(self, need: int) -> AllocStatus:
+        if need > self.pool.num_blocks - 1 - self._watermark_blocks:
+            return AllocStatus.NEVER
+        return AllocStatus.OK if need <= self._admission_headroom() else AllocStatus.LATER
 
     def swap_in(self, req_ids) -> SwapResult:
         """Bring swapped requests back. Content still in the GPU prefix cache is reused without a
@@ -1180,8 +1193,9 @@ class BlockManager:
         rows = self._check_swap_in(req_ids)
         self.tick += 1
         cpu, counts, found, need = self._swap_in_plan(rows)
-        if need > self._admission_headroom():
-            return SwapResult(STATUS_NO_SPACE)
+        status = self._swap_in_status(need)
+        if status != AllocStatus.OK:
+            return SwapResult(int(status))
         hit = found >= 0
         gpu = np.empty(cpu.size, np.int32)
         if hit.any():
@@ -1680,7 +1694,7 @@ class _BatchAdmission:
             n = req.num_tokens
             total_blocks = -(-(n + req.num_lookahead_tokens) // bs)
             if total_blocks > max_blocks:
-                status[i] = STATUS_NO_SPACE
+                status[i] = AllocStatus.NEVER
                 done = i + 1
                 continue
             keys = hashes.tolist() if (caching and hashes.size) else []

@@ -20,7 +20,20 @@ at scrape time. Exported (``pool`` is "gpu" or "cpu")::
     kvd_malformed_messages_total          counter
     kvd_errors_total{code,error}          counter  typed errors returned to clients
     kvd_metrics_source_errors_total       counter  scrapes whose stats source raised
+    kvd_no_space_answers_total{tenant}    counter  LATER / NEVER answers to admissions and appends
+    kvd_swap_requests_total{direction,result}  counter  swap_out / swap_in calls by result
+                                          ("ok", "later", "never"); swap-outs that succeed are
+                                          the preemptions the daemon can see (a preemption by
+                                          recomputation is an ordinary free to it)
+    kvd_lease_expiries_total              counter  sessions ended because their lease expired
+    kvd_tenant_sessions{tenant}           gauge    sessions of each tenant
+    kvd_tenant_requests{tenant}           gauge    live requests of each tenant
+    kvd_tenant_block_refs{tenant}         gauge    block references its requests hold (a block
+                                          shared by two requests counts twice)
     kvd_build_info{version}               gauge    always 1
+
+``/healthz`` on the same port answers 200 "ok" while the daemon's loop runs (it calls
+:meth:`Metrics.beat` every tick) and 503 when it has not for ``HEALTH_STALE_S`` seconds.
 
 The endpoint listens on loopback by default; it has no authentication, so keep it there.
 
@@ -37,7 +50,10 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+import time
+from wsgiref.simple_server import make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -69,6 +85,10 @@ _POOL_COUNTERS = (
 
 StatsSource = Callable[[], dict[str, Any]]
 
+HEALTH_STALE_S = 5.0
+"""``/healthz`` answers 503 when the loop has not beaten for this long (50 ticks of 0.1 s)."""
+_SWAP_RESULTS = ("ok", "later", "never")  # AllocStatus order
+
 
 class Metrics:
     """The daemon's metrics. Create one, wire :meth:`set_source`, and :meth:`start_http` when
@@ -88,6 +108,10 @@ class Metrics:
         self.malformed = 0
         self.errors: dict[int, int] = {}
         self.source_errors = 0
+        self.no_space: dict[str, int] = {}
+        self.swaps: dict[tuple[str, str], int] = {}
+        self.lease_expiries = 0
+        self._last_beat = time.monotonic()
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self._collector = _Collector(self)
@@ -108,6 +132,26 @@ class Metrics:
         """Count a typed error (``kvd.errors`` code) sent back to a client."""
         self.errors[code] = self.errors.get(code, 0) + 1
 
+    def inc_no_space(self, tenant: str, n: int = 1) -> None:
+        """Count ``n`` LATER / NEVER answers given to ``tenant``."""
+        self.no_space[tenant] = self.no_space.get(tenant, 0) + n
+
+    def inc_swap(self, out: bool, status: int, blocks: int = 0) -> None:
+        """Count one swap_out (``out``) or swap_in call and its status (an ``AllocStatus``)."""
+        key = ("out" if out else "in", _SWAP_RESULTS[status] if 0 <= status < 3 else "error")
+        self.swaps[key] = self.swaps.get(key, 0) + 1
+
+    def inc_lease_expired(self) -> None:
+        """Count a session ended because its lease expired."""
+        self.lease_expiries += 1
+
+    def beat(self) -> None:
+        """The daemon's loop is alive (called every tick; read by ``/healthz``)."""
+        self._last_beat = time.monotonic()
+
+    def healthy(self) -> bool:
+        return time.monotonic() - self._last_beat < HEALTH_STALE_S
+
     def set_source(self, fn: StatsSource | None) -> None:
         """``fn()`` returns ``{"pools": {"gpu": {...}, "cpu": {...}}, "sessions": int}``, read at
         scrape time (from the HTTP thread)."""
@@ -124,11 +168,33 @@ class Metrics:
             from kvd.errors import InvalidArgument
 
             raise InvalidArgument(f"metrics port {port} (0 means off; pass allow_ephemeral=True for any free port)")
-        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        server, thread = self._serve(host, port)
         self._server, self._thread = server, thread
         bound = int(server.server_address[1])
         log.info("metrics endpoint on http://%s:%d/metrics", _bracket(host), bound)
         return bound
+
+    def _serve(self, host: str, port: int):
+        """prometheus_client's WSGI app behind ``/metrics``, plus ``/healthz``."""
+        from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, _SilentHandler
+
+        metrics_app = make_wsgi_app(self.registry)
+
+        def app(environ, start_response):
+            if environ.get("PATH_INFO") == "/healthz":
+                ok = self.healthy()
+                start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
+                return [b"ok\n" if ok else b"stalled\n"]
+            return metrics_app(environ, start_response)
+
+        class Server(ThreadingWSGIServer):
+            pass
+
+        Server.address_family, addr = _get_best_family(host, port)
+        httpd = make_server(addr, port, app, Server, handler_class=_SilentHandler)
+        thread = threading.Thread(target=httpd.serve_forever, name="kvd-metrics", daemon=True)
+        thread.start()
+        return httpd, thread
 
     def stop(self) -> None:
         """Stop the endpoint (idempotent)."""
@@ -201,6 +267,7 @@ class _Collector(Collector):
             sessions = stats.get("sessions", 0)
             n = sessions if isinstance(sessions, int) else len(sessions or ())
             yield GaugeMetricFamily("kvd_sessions", "Connected client sessions.", value=n)
+            yield from _tenant_gauges(stats.get("tenants") or {})
 
         buckets = list(m._buckets)  # one snapshot, so +Inf == count
         cumulative, acc = [], 0
@@ -223,6 +290,28 @@ class _Collector(Collector):
         yield CounterMetricFamily(
             "kvd_metrics_source_errors", "Scrapes whose stats source raised.", value=m.source_errors
         )
+        no_space = CounterMetricFamily("kvd_no_space_answers", "LATER / NEVER answers to admissions and appends.",
+                                       labels=["tenant"])
+        for tenant, count in sorted(dict(m.no_space).items()):
+            no_space.add_metric([tenant], count)
+        yield no_space
+        swaps = CounterMetricFamily("kvd_swap_requests", "swap_out / swap_in calls by result.",
+                                    labels=["direction", "result"])
+        for (direction, result), count in sorted(dict(m.swaps).items()):
+            swaps.add_metric([direction, result], count)
+        yield swaps
+        yield CounterMetricFamily("kvd_lease_expiries", "Sessions ended because their lease expired.",
+                                  value=m.lease_expiries)
+
+
+def _tenant_gauges(tenants: dict[str, dict[str, int]]) -> Iterator[Metric]:
+    for name, key, doc in (("kvd_tenant_sessions", "sessions", "Sessions of each tenant."),
+                           ("kvd_tenant_requests", "requests", "Live requests of each tenant."),
+                           ("kvd_tenant_block_refs", "block_refs", "Block references held by each tenant.")):
+        g = GaugeMetricFamily(name, doc, labels=["tenant"])
+        for tenant, usage in sorted(tenants.items()):
+            g.add_metric([tenant], float(usage.get(key, 0)))
+        yield g
 
 
 def _le(bound: float) -> str:

@@ -97,12 +97,19 @@ step       hdr: la (lookahead tokens, int), an (uniform append token count used 
              6+2G .. 6+4G-1  per group g: admit hashes S16[*], admit hash counts int32[nd]
            reply hdr: t (the manager tick of this step: what a later ``c`` confirms), nt
            (slot-mapping tokens written per group, list), nc (copies), nch (changed rows), nfr
-           (freed rows). ONE reply frame, the concatenation of:
+           (freed rows), ns (scheduled requests). ONE reply frame, the concatenation of:
              free status int16[nf], fork status int16[nk], append status int16[na],
              admit status int16[nd], admit cached tokens int32[nd], copies int32[nc, 2],
              changed rows int32[nch] (session rows whose block-table rows / counts changed),
-             freed rows int32[nfr]
+             freed rows int32[nfr],
+             sched rows int32[ns] (session rows), sched start int32[ns], sched len int32[ns]
            (one frame instead of eight: every ZeroMQ frame costs a few µs on each side).
+           The schedule is StepResult.sched_*: the successful appends in batch order, then the
+           admissions. Decode step (only append rows and ``an`` sent, one group): the reply frame
+           is append status int16[na], copies int32[nc, 2], changed rows int32[nch], sched start
+           int32[ns] (nfr = 0): the client already knows the schedule's rows (the append rows
+           whose status is OK, all of them when ns == na) and lengths (``an`` each), so only the
+           start positions travel (4 bytes per request).
            Block tables, counts and the step's slot mapping (padded with PAD_SLOT_ID) are written
            into shared memory before the reply is sent, and with a GPU pool into the session's GPU
            arena too (the daemon synchronizes its stream before replying). This holds for every op
@@ -110,17 +117,27 @@ step       hdr: la (lookahead tokens, int), an (uniform append token count used 
 lookup     frames: hashes S16[n] (group 0). reply hdr: n (leading cached blocks).
 can_alloc  hdr: nt, la, mnt, net. frames: per group hashes S16. reply hdr: status (AllocStatus).
 allocate   hdr: row, tag, nt, la, pri, net, mnt. frames: per group hashes S16.
-           reply hdr: status, cached, t (tick). reply frames: per group new block ids int32.
+           reply hdr: status (AllocStatus: OK, LATER or NEVER, as can_alloc answers), cached, t
+           (tick), nt (slot-mapping tokens written per group: the prompt's uncached tokens, from
+           ``cached``, written into the slot mapping like a step's). No reply frames: the table is
+           in shm.
 append     hdr: row, n, la. frames: per group new hashes S16.
-           reply hdr: status, t. frames: per group new block ids int32, copies int32[k, 2].
+           reply hdr: status, t, nt (the ``n`` new tokens' slots are written into the slot mapping).
+           frames: per group new block ids int32, copies int32[k, 2].
 computed   hdr: c (tick). The session's confirmation on its own (see step). reply: ok.
 free       frames: rows int32[n]. reply: ok.
 fork       hdr: parent, child, tag. reply: ok.
 can_swap_out / swap_out / can_swap_in / swap_in
-           frames: rows int32[n]. reply hdr: ok (bool for can_*), status and t (swap). frames (swap):
+           frames: rows int32[n]. reply hdr: status (AllocStatus; for can_* too), t (swap). frames (swap):
            mapping int32[k, 2].
+common_prefix  hdr: row, nr (num_running). reply hdr: n (leading blocks of group 0 held by
+           exactly ``nr`` requests, the manager's num_common_prefix_blocks).
+cross_table    hdr: row. reply frames: the request's encoder-decoder cross-attention block ids int32.
 reset_prefix_cache   resets the session's own namespace. reply hdr: done (bool).
-stats      reply hdr: stats (the manager's stats dict plus "sessions").
+stats      reply hdr: stats (the manager's stats dict plus "sessions", "session_requests").
+status     (daemon-wide, for ``kvd status``) reply hdr: status {"daemon": {pid, epoch, lease_s,
+           steps}, "pool": manager stats, "sessions": [{name, pid, tenant, requests, idle_s}],
+           "tenants": [{tenant, sessions, requests, blocks}]}.
 heartbeat  reply: ok. Renews the session's lease (every message does).
 goodbye    frees every request of the session, unlinks its shared memory; reply: ok.
 """
@@ -155,11 +172,15 @@ STATS = "stats"
 HEARTBEAT = "heartbeat"
 GOODBYE = "goodbye"
 COMPUTED = "computed"
+COMMON_PREFIX = "common_prefix"
+CROSS_TABLE = "cross_table"
+STATUS = "status"
 
 OPS = frozenset(
     {
         HELLO, ATTACH, STEP, LOOKUP, CAN_ALLOCATE, ALLOCATE, APPEND, FREE, FORK, CAN_SWAP_OUT,
         SWAP_OUT, CAN_SWAP_IN, SWAP_IN, RESET_PREFIX_CACHE, STATS, HEARTBEAT, GOODBYE, COMPUTED,
+        COMMON_PREFIX, CROSS_TABLE, STATUS,
     }
 )
 SESSIONLESS_OPS = frozenset({HELLO})
@@ -284,15 +305,16 @@ def frame_hashes(buf: bytes, name: str = "hashes", max_n: int | None = None) -> 
     return frame_array(buf, HASH_DTYPE, None, name, max_n)
 
 
-def split_step_reply(body: bytes, nf: int, nk: int, na: int, nd: int, nc: int, nch: int, nfr: int):
+def split_step_reply(body: bytes, nf: int, nk: int, na: int, nd: int, nc: int, nch: int, nfr: int, ns: int):
     """The step reply's body frame -> (free_st, fork_st, append_st, admit_st, cached, copies,
-    changed, freed) arrays (read-only views, no copy)."""
-    sizes = (2 * nf, 2 * nk, 2 * na, 2 * nd, 4 * nd, 8 * nc, 4 * nch, 4 * nfr)
+    changed, freed, sched_rows, sched_start, sched_len) arrays (read-only views, no copy)."""
+    sizes = (2 * nf, 2 * nk, 2 * na, 2 * nd, 4 * nd, 8 * nc, 4 * nch, 4 * nfr, 4 * ns, 4 * ns, 4 * ns)
     if sum(sizes) != len(body):
         raise ProtocolError(f"step reply body of {len(body)} bytes, expected {sum(sizes)}")
     out = []
     off = 0
-    for dt, n, size in zip((I16, I16, I16, I16, I32, I32, I32, I32), (nf, nk, na, nd, nd, 2 * nc, nch, nfr), sizes):
+    counts = (nf, nk, na, nd, nd, 2 * nc, nch, nfr, ns, ns, ns)
+    for dt, n, size in zip((I16, I16, I16, I16, I32, I32, I32, I32, I32, I32, I32), counts, sizes):
         out.append(np.frombuffer(body, dt, n, off))
         off += size
     out[5] = out[5].reshape(nc, 2)

@@ -12,19 +12,28 @@ written in place); the free queue's order and the prefix-cache maps stay in Pyth
 Functions are compiled on first use and cached on disk (``NUMBA_CACHE_DIR`` overrides where);
 ``warm_up`` loads them all, as the daemon does at start. Bounds are not checked: every index is
 validated by the plan or by the manager first. ``NUMBA_BOUNDSCHECK=1`` turns checks on and
-``NUMBA_DISABLE_JIT=1`` runs the loops as plain Python (the test suite passes both ways).
+``NUMBA_DISABLE_JIT=1`` runs the loops as plain Python (the test suite passes both ways), as does
+a daemon installed without numba (it is the optional extra ``kvd[fast]``).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+try:
+    from numba import njit
+except ImportError:  # numba is an optional extra (kvd[fast]): the same loops as plain Python
+    njit = None
+
+HAVE_NUMBA = njit is not None
+"""False when numba is not installed: every loop runs as plain Python (same results, slower;
+``kvd.bench.core`` measures both ways, see the README's packaging notes)."""
 
 #: ``plan_appends`` result when the batch is not the usual valid one (an unknown, swapped or
 #: repeated row, a bad size or hash count): the manager's general path then reports each misuse.
 DECLINED = -1
 
-_jit = njit(cache=True, nogil=True, boundscheck=False)
+_jit = njit(cache=True, nogil=True, boundscheck=False) if HAVE_NUMBA else (lambda fn: fn)
 
 
 @_jit

@@ -41,6 +41,8 @@ import zmq
 from kvd import protocol as P
 from kvd import rowloops
 from kvd.api import (
+    STATUS_NEVER,
+    STATUS_NO_SPACE,
     STATUS_OK,
     AdmitRequest,
     GroupSpec,
@@ -69,6 +71,8 @@ SID_SHIFT = 32
 RECV_HWM = 1024
 SEND_HWM = 1024
 TICK_S = 0.1
+LEASE_EXPIRED = "lease expired"
+MAX_ENDED_REMEMBERED = 4096
 _EMPTY_I32 = np.empty(0, np.int32)
 
 
@@ -160,6 +164,9 @@ class Daemon:
             max_num_reqs=int(config.max_num_reqs),
             enable_prefix_caching=bool(_opt(config, "enable_prefix_caching", True)),
             watermark=float(_opt(config, "watermark", 0.0)),
+            max_lookahead_tokens=int(_opt(config, "max_lookahead_tokens", 64)),
+            max_encoder_len=int(_opt(config, "max_encoder_len", 0)),
+            encoder_block_size=int(_opt(config, "encoder_block_size", 16)),
             # the reply goes out first; drain() flushes right after sending it
             defer_cache_registration=True,
         )
@@ -170,6 +177,9 @@ class Daemon:
                                    "max_model_len")
         self.manager = BlockManager(self.mcfg)
         rowloops.warm_up()  # compile now, not on the first step served
+        if not rowloops.HAVE_NUMBA:
+            log.warning("numba is not installed: the per-request loops run as plain Python (decode "
+                        "steps ~10x slower, see the README); pip install 'kvd[fast]'")
         self.gpu_pool = None
         device = str(_opt(config, "device", "cpu"))
         m = self.manager
@@ -212,6 +222,8 @@ class Daemon:
         self._retired: dict[int, tuple[str, int]] = {}  # keys of a namespace being dropped
         self.events = None  # kvd.events.KvEventPublisher, when kv_events_endpoint is set
         self.next_sid = 1
+        # sid -> (name, why) of recently ended sessions, so a late message learns why (bounded)
+        self.ended: dict[int, tuple[str, str]] = {}
         self.stopping = False
         self.sock: zmq.Socket | None = None
         self.monitor: zmq.Socket | None = None
@@ -227,6 +239,8 @@ class Daemon:
             P.CAN_SWAP_IN: self.op_swap, P.SWAP_IN: self.op_swap,
             P.RESET_PREFIX_CACHE: self.op_reset, P.STATS: self.op_stats,
             P.HEARTBEAT: self.op_heartbeat, P.GOODBYE: self.op_goodbye, P.COMPUTED: self.op_computed,
+            P.COMMON_PREFIX: self.op_common_prefix, P.CROSS_TABLE: self.op_cross_table,
+            P.STATUS: self.op_status,
         }
 
     # ---- message dispatch -------------------------------------------------------------------------
@@ -257,7 +271,7 @@ class Daemon:
             if op == P.ATTACH:
                 return self.op_attach(sess, h, frames[1:], ident, seq, _peer(identity_frame))
             if sess is None:
-                raise SessionError(f"unknown or expired session {sid}")
+                raise SessionError(self._why_no_session(sid))
             sess.last_seen = time.monotonic()
             if op == P.HEARTBEAT:
                 return [P.ok_reply(seq, self.epoch)]
@@ -291,6 +305,17 @@ class Daemon:
             return [P.error_reply(seq, self.epoch, KvdError.code, f"internal error: {type(e).__name__}: {e}")]
 
     # ---- helpers ------------------------------------------------------------------------------------
+    def _why_no_session(self, sid: int) -> str:
+        ended = self.ended.get(sid)
+        if ended is None:
+            return f"unknown session {sid} (never opened on this daemon, epoch {self.epoch})"
+        name, why = ended
+        if why == LEASE_EXPIRED:
+            return (f"session {sid} ({name!r}) ended: its lease expired (no message for lease_s="
+                    f"{self.lease_s:g} s, daemon option --lease-s / config lease_s); its requests "
+                    f"were freed; call reconnect()")
+        return f"session {sid} ({name!r}) ended ({why}); call reconnect()"
+
     def describe_cache_key(self, key: int) -> tuple[str, int]:
         """(topic, block size) of a prefix-cache key: its tenant (a private namespace: "tenant#session")
         and block size, for its KV events."""
@@ -433,6 +458,15 @@ class Daemon:
         sess.slots_written = [total] * self.G
         return sess.slots_written
 
+    def _write_one_range(self, sess: Session, mrow: int, start: int, n: int) -> list[int]:
+        """The slot mapping of one request's ``n`` tokens from ``start`` (allocate, append_slots)."""
+        return self._write_slots(sess, np.array([mrow], np.int32), np.array([start], np.int32),
+                                 np.array([n], np.int32))
+
+    def _count_no_space(self, sess: Session, n: int) -> None:
+        if n and self.metrics is not None:
+            self.metrics.inc_no_space(sess.tenant, n)
+
     # ---- ops --------------------------------------------------------------------------------------
     def op_hello(self, h, frames, ident, seq, peer: Peer | None):
         claimed = P.get_str(h, "tenant", "")
@@ -550,6 +584,51 @@ class Daemon:
                               "bytes": self.kv.nbytes}
         return [P.ok_reply(seq, self.epoch, stats=st)]
 
+    def _live_mrow(self, sess: Session, h: dict) -> int:
+        srow = self._row(h, "row")
+        mrow = int(sess.mrow[srow])
+        if mrow < 0:
+            raise UnknownRequest(f"row {srow} holds no request of this session")
+        return mrow
+
+    def op_common_prefix(self, sess, h, frames, ident, seq):
+        mrow = self._live_mrow(sess, h)
+        nr = P.get_int(h, "nr", None, 0, self.mcfg.max_num_reqs)
+        n = self.manager.num_common_prefix_blocks(self.manager.req_id_of_row(mrow), nr)
+        return [P.ok_reply(seq, self.epoch, n=int(n))]
+
+    def op_cross_table(self, sess, h, frames, ident, seq):
+        mrow = self._live_mrow(sess, h)
+        ids = self.manager.cross_block_table(self.manager.req_id_of_row(mrow))
+        return [P.ok_reply(seq, self.epoch), P.arr(ids, P.I32)]
+
+    def tenant_usage(self) -> dict[str, dict[str, int]]:
+        """Per tenant: sessions, live requests and block references held (all groups; a block
+        shared by two requests counts twice)."""
+        out: dict[str, dict[str, int]] = {}
+        m = self.manager
+        for s in list(self.sessions.values()):  # also read by the metrics thread: one snapshot
+            t = out.setdefault(s.tenant, {"sessions": 0, "requests": 0, "block_refs": 0})
+            live = s.mrow[s.mrow >= 0]
+            t["sessions"] += 1
+            t["requests"] += int(live.size)
+            t["block_refs"] += sum(int(m.num_blocks[g][live].sum()) for g in range(self.G))
+        return out
+
+    def op_status(self, sess, h, frames, ident, seq):
+        now = time.monotonic()
+        # the daemon's own uid and root see every tenant; anyone else only its own
+        admin = sess.uid is not None and sess.uid in (0, os.geteuid())
+        sessions = [
+            {"name": s.name, "pid": s.pid, "tenant": s.tenant, "requests": int((s.mrow >= 0).sum()),
+             "idle_s": round(now - s.last_seen, 3)}
+            for s in self.sessions.values() if admin or s.tenant == sess.tenant
+        ]
+        tenants = [{"tenant": t, **u} for t, u in sorted(self.tenant_usage().items()) if admin or t == sess.tenant]
+        st = {"daemon": {"pid": self.pid, "epoch": self.epoch, "lease_s": self.lease_s, "steps": self.n_steps},
+              "pool": dict(self.manager.stats()), "sessions": sessions, "tenants": tenants}
+        return [P.ok_reply(seq, self.epoch, status=st)]
+
     def op_reset(self, sess, h, frames, ident, seq):
         done = bool(self.manager.reset_prefix_cache(namespace=sess.namespace))
         return [P.ok_reply(seq, self.epoch, done=done)]
@@ -588,10 +667,13 @@ class Daemon:
         )
         t = self.manager.tick
         if res.status != STATUS_OK:
+            self._count_no_space(sess, 1)
             return [P.ok_reply(seq, self.epoch, status=int(res.status), cached=0, t=t)]
         self._map(sess, srow, int(res.row), tag)
         self._sync_row(sess, srow)
-        return [P.ok_reply(seq, self.epoch, status=STATUS_OK, cached=int(res.num_cached_tokens), t=t)]
+        cached = int(res.num_cached_tokens)
+        nt = self._write_one_range(sess, int(res.row), cached, int(self.manager.num_tokens[res.row]) - cached)
+        return [P.ok_reply(seq, self.epoch, status=STATUS_OK, cached=cached, nt=nt, t=t)]
 
     def op_append(self, sess, h, frames, ident, seq):
         if len(frames) != self.G:
@@ -606,9 +688,13 @@ class Daemon:
         )
         t = self.manager.tick
         if res.status != STATUS_OK:
+            self._count_no_space(sess, 1)
             return [P.ok_reply(seq, self.epoch, status=int(res.status), t=t)]
         self._sync_row(sess, srow)
-        out = [P.ok_reply(seq, self.epoch, status=STATUS_OK, t=t)]
+        mrow = int(sess.mrow[srow])
+        n = P.get_int(h, "n", None, 0, P.MAX_COUNT)
+        nt = self._write_one_range(sess, mrow, int(self.manager.num_tokens[mrow]) - n, n)
+        out = [P.ok_reply(seq, self.epoch, status=STATUS_OK, nt=nt, t=t)]
         for g in range(self.G):
             ids = res.group_new_block_ids[g] if g < len(res.group_new_block_ids) else ()
             out.append(P.arr(ids, P.I32))
@@ -650,10 +736,12 @@ class Daemon:
         op = h["op"]
         m = self.manager
         if op == P.CAN_SWAP_OUT:
-            return [P.ok_reply(seq, self.epoch, ok=bool(m.can_swap_out(ids)))]
+            return [P.ok_reply(seq, self.epoch, status=int(m.can_swap_out(ids)))]
         if op == P.CAN_SWAP_IN:
-            return [P.ok_reply(seq, self.epoch, ok=bool(m.can_swap_in(ids)))]
+            return [P.ok_reply(seq, self.epoch, status=int(m.can_swap_in(ids)))]
         res = m.swap_out(ids) if op == P.SWAP_OUT else m.swap_in(ids)
+        if self.metrics is not None:
+            self.metrics.inc_swap(op == P.SWAP_OUT, int(res.status), len(res.mapping))
         if int(res.status) == STATUS_OK:
             if self.kv is not None:
                 (self.kv.swap_out if op == P.SWAP_OUT else self.kv.swap_in)(res.mapping)
@@ -692,11 +780,21 @@ class Daemon:
         nt = self._write_slots(sess, res.sched_rows, res.sched_start, res.sched_len, uniform=an)
         self.was_step = True
         copies = res.copies
+        ns = res.sched_rows.shape[0]
+        if ns != na:
+            self._count_step_no_space(sess, res)
         return [
-            P.ok_reply(seq, self.epoch, t=res.tick, nt=nt, nc=len(copies), nch=len(changed), nfr=0),
+            P.ok_reply(seq, self.epoch, t=res.tick, nt=nt, nc=len(copies), nch=len(changed), nfr=0, ns=ns),
             b"".join((res.append_status.astype(P.I16, copy=False).tobytes(),
-                      copies.astype(P.I32, copy=False).tobytes(), changed.tobytes())),
+                      copies.astype(P.I32, copy=False).tobytes(), changed.tobytes(),
+                      res.sched_start.astype(P.I32, copy=False).tobytes())),
         ]
+
+    def _count_step_no_space(self, sess: Session, res) -> None:
+        if self.metrics is not None:
+            n = sum(int(np.count_nonzero((st == STATUS_NO_SPACE) | (st == STATUS_NEVER)))
+                    for st in (res.append_status, res.admit_status))
+            self._count_no_space(sess, n)
 
     def op_step(self, sess, h, frames, ident, seq):
         G = self.G
@@ -819,13 +917,17 @@ class Daemon:
         self.was_step = True
         append_status = res.append_status
         copies = res.copies
+        self._count_step_no_space(sess, res)
+        sched_s = self.owner_srow[res.sched_rows] if res.sched_rows.size else _EMPTY_I32
         return [
-            P.ok_reply(seq, self.epoch, t=res.tick, nt=nt, nc=len(copies), nch=len(changed), nfr=len(freed_s)),
+            P.ok_reply(seq, self.epoch, t=res.tick, nt=nt, nc=len(copies), nch=len(changed), nfr=len(freed_s),
+                       ns=len(sched_s)),
             b"".join((
                 P.arr(res.free_status, P.I16), P.arr(res.fork_status, P.I16),
                 P.arr(append_status, P.I16), P.arr(res.admit_status, P.I16),
                 P.arr(res.admit_cached_tokens, P.I32), P.arr(copies, P.I32),
                 P.arr(changed, P.I32), P.arr(freed_s, P.I32),
+                P.arr(sched_s, P.I32), P.arr(res.sched_start, P.I32), P.arr(res.sched_len, P.I32),
             )),
         ]
 
@@ -833,6 +935,11 @@ class Daemon:
     def end_session(self, sess: Session, why: str) -> None:
         if self.sessions.pop(sess.sid, None) is None:
             return
+        self.ended[sess.sid] = (sess.name, why)
+        if len(self.ended) > MAX_ENDED_REMEMBERED:
+            del self.ended[next(iter(self.ended))]
+        if why == LEASE_EXPIRED and self.metrics is not None:
+            self.metrics.inc_lease_expired()
         if sess.nonce and self.by_nonce.get(sess.nonce) == sess.sid:
             del self.by_nonce[sess.nonce]
         live = np.flatnonzero(sess.mrow >= 0)
@@ -871,12 +978,12 @@ class Daemon:
             if idle > self.lease_s or (recent_disconnect and idle > 2 * self.hb_s):
                 dead.append(s)
         for s in dead:
-            self.end_session(s, "lease expired")
+            self.end_session(s, LEASE_EXPIRED)
 
     def source(self) -> dict:
         st = dict(self.manager.stats())
         return {"pools": {"gpu": st, "cpu": {"num_blocks": int(self.mcfg.num_cpu_blocks)}},
-                "sessions": len(self.sessions)}
+                "sessions": len(self.sessions), "tenants": self.tenant_usage()}
 
     def status_line(self) -> str:
         sd = _systemd()
@@ -1032,8 +1139,12 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
             d.metrics.set_source(d.source)
             if int(getattr(config, "metrics_port", 0) or 0) > 0:
                 d.metrics.start_http(getattr(config, "metrics_host", "127.0.0.1"), int(config.metrics_port))
-        except ImportError:
+        except ImportError as e:
             d.metrics = None
+            if int(getattr(config, "metrics_port", 0) or 0) > 0:
+                print(f"kvd: metrics_port is set but the metrics extra is missing ({e}); "
+                      "pip install 'kvd[metrics]'", file=sys.stderr)
+                return 1
         except Exception as e:
             log.warning("metrics disabled: %s", e)
             d.metrics = None
@@ -1058,7 +1169,12 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
         d.monitor = mon
         events_ep = str(getattr(config, "kv_events_endpoint", "") or "")
         if events_ep:
-            from kvd.events import KvEventPublisher
+            try:
+                from kvd.events import KvEventPublisher
+            except ImportError as e:
+                print(f"kvd: kv_events_endpoint is set but the events extra is missing ({e}); "
+                      "pip install 'kvd[events]'", file=sys.stderr)
+                return 1
 
             try:
                 d.events = KvEventPublisher(ctx, events_ep, d.describe_cache_key)
@@ -1160,6 +1276,8 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                 drain()
                 on_monitor()
                 d.reap(now)
+                if d.metrics is not None:
+                    d.metrics.beat()
                 if d.gpu_pool is not None:
                     d.gpu_pool.collect(now)
                 if wd and now >= next_wd:

@@ -1,5 +1,5 @@
-"""The standard benchmark workload (../shared/WORKLOAD.md) as data: prompts, decode tokens, and the
-figures an honest run must reproduce. Shared by scripts/bench_core.py and scripts/bench_zmq.py."""
+"""The standard benchmark workload (docs/WORKLOAD.md) as data: prompts, decode tokens, and the
+figures an honest run must reproduce. Shared by kvd.bench.core and kvd.bench.zmq_bench."""
 
 from __future__ import annotations
 

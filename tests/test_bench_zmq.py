@@ -1,4 +1,5 @@
-"""Smoke test of scripts/bench_zmq.py: a tiny workload through a real daemon it starts and stops.
+"""Smoke test of scripts/bench_zmq.py (wrapper of kvd.bench.zmq_bench): a tiny workload through a
+real daemon it starts and stops.
 
 Checks the final JSON line (honesty checks pass, figures present, baselines and micro mode run) and
 that nothing is left behind: no daemon or client process, no /dev/shm kvd_* segment of the run.

@@ -95,16 +95,29 @@ STATS = {
     "sessions": [{"id": "abc", "name": "engine-0", "reqs": 7}],
 }  # fmt: skip
 
+DAEMON_STATUS = {  # the daemon's `status` answer (kvd.protocol)
+    "daemon": {"pid": 4242, "epoch": "e0e0", "lease_s": 1.5, "steps": 17},
+    "pool": dict(STATS["pools"]["gpu"], usage=0.4, hit_rate=0.4, num_requests=9, num_cpu_blocks=0,
+                 num_free_cpu_blocks=0),
+    "sessions": [
+        {"name": "engine-0", "pid": 11, "tenant": "alice", "requests": 7, "idle_s": 0.1},
+        {"name": "engine-1", "pid": 12, "tenant": "", "requests": 2, "idle_s": 0.25},
+        {"name": "kvd status", "pid": os.getpid(), "tenant": "", "requests": 0, "idle_s": 0.0},
+    ],
+    "tenants": [{"tenant": "", "sessions": 2, "requests": 2, "block_refs": 3},
+                {"tenant": "alice", "sessions": 1, "requests": 7, "block_refs": 400}],
+}  # fmt: skip
+
 
 def test_status_uses_the_resolved_endpoint(monkeypatch, capsys, tmp_path):
     calls = []
 
     class FakeClient:
-        def __init__(self, endpoint):
-            calls.append(endpoint)
+        def __init__(self, endpoint, **kw):
+            calls.append((endpoint, kw))
 
-        def stats(self):
-            return STATS
+        def daemon_status(self):
+            return DAEMON_STATUS
 
         def close(self):
             calls.append("closed")
@@ -112,11 +125,21 @@ def test_status_uses_the_resolved_endpoint(monkeypatch, capsys, tmp_path):
     fake_module(monkeypatch, "kvd_client", Client=FakeClient)
     (tmp_path / "kvd.sock").touch()
     assert cli.main(["status", "--runtime-dir", str(tmp_path)]) == 0
-    assert calls == [f"ipc://{tmp_path}/kvd.sock", "closed"]
-    out = capsys.readouterr().out
-    assert "gpu" in out and "40.0%" in out and "sessions: 1" in out and "engine-0" in out
+    assert calls == [(f"ipc://{tmp_path}/kvd.sock", {"name": "kvd status", "heartbeat": False}), "closed"]
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"kvd at ipc://{tmp_path}/kvd.sock (pid 4242, epoch e0e0, steps 17)"
+    assert out[2].split()[:7] == ["gpu", "1000", "600", "400", "100", "40.0%", "40.0%"]
+    i = out.index("sessions: 2")  # this command's own session is left out
+    assert out[i + 1].split() == ["name", "pid", "tenant", "requests", "idle", "s"]
+    assert out[i + 2].split() == ["engine-0", "11", "alice", "7", "0.1"]
+    assert out[i + 3].split() == ["engine-1", "12", "''", "2", "0.25"]
+    j = out.index("tenants: 2")
+    assert out[j + 2].split() == ["''", "1", "2", "3"] and out[j + 3].split() == ["alice", "1", "7", "400"]
     assert cli.main(["status", "--runtime-dir", str(tmp_path), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == STATS
+    js = json.loads(capsys.readouterr().out)
+    assert js["pools"]["gpu"] == STATS["pools"]["gpu"] and js["daemon"]["steps"] == 17
+    assert [s["name"] for s in js["sessions"]] == ["engine-0", "engine-1"]
+    assert js["tenants"][0] == {"tenant": "", "sessions": 1, "requests": 2, "block_refs": 3}
 
 
 def test_status_accepts_a_flat_stats_dict():
@@ -137,10 +160,10 @@ def test_status_unreachable(monkeypatch, capsys, tmp_path):
     assert "no daemon socket" in capsys.readouterr().err
 
     class DeadClient:
-        def __init__(self, endpoint):
+        def __init__(self, endpoint, **kw):
             pass
 
-        def stats(self):
+        def daemon_status(self):
             raise TimeoutError("no reply")
 
     fake_module(monkeypatch, "kvd_client", Client=DeadClient)
@@ -171,13 +194,12 @@ def test_bench_without_script(monkeypatch, tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
 
 
-def test_default_bench_script_path():
-    monkey = os.environ.pop("KVD_BENCH_SCRIPT", None)
-    try:
-        assert cli._bench_script().parts[-2:] == ("scripts", "bench_zmq.py")
-    finally:
-        if monkey is not None:
-            os.environ["KVD_BENCH_SCRIPT"] = monkey
+def test_default_bench_is_the_packaged_one(monkeypatch, capsys):
+    monkeypatch.delenv("KVD_BENCH_SCRIPT", raising=False)
+    assert cli._bench_script() is None
+    assert cli.main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--clients" in out and "--endpoint" in out  # kvd.bench.zmq_bench's own parser
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -224,7 +246,8 @@ def test_status_against_a_real_daemon():
         for key in ("num_free_blocks", "num_used_blocks", "num_cached_blocks", "prefix_queries", "prefix_hits",
                     "evictions", "swaps_out", "swaps_in", "cow_copies"):  # fmt: skip
             assert key in gpu, key
-        assert "sessions" in stats
+        assert stats["sessions"] == [] and stats["tenants"] == []  # its own session left out
+        assert stats["daemon"]["pid"] == proc.pid
         human = subprocess.run(
             [sys.executable, "-m", "kvd", "status", "--runtime-dir", runtime_dir],
             capture_output=True, text=True, timeout=60,

@@ -49,7 +49,9 @@ def test_parity_with_in_process_manager(daemon):
             assert (c.block_table(f"r{i}") == m.block_table(f"r{i}")).all()
         assert c.lookup(hash_prompt(prompts[0], BS)) == m.lookup(hash_prompt(prompts[0], BS))
         assert c.can_allocate(100) == m.can_allocate(100) == AllocStatus.OK
-        assert c.can_allocate(10**6) == m.can_allocate(10**6)
+        for ask in (c.can_allocate, m.can_allocate):  # longer than max_model_len: allocate's error
+            with pytest.raises(InvalidArgument, match="num_tokens must be in"):
+                ask(10**6)
 
         # decode steps through `step`, with frees, forks and admissions mixed in
         ids = [f"r{i}" for i in range(7)]
@@ -111,9 +113,19 @@ def test_typed_errors_and_row_bookkeeping(daemon):
         assert c.row_of("b") == res.admit_rows[0]
         assert c.id_of(int(res.admit_rows[0])) == "b"
         assert c.shm.row_tags[c.row_of("b")] != 0
-        # an unknown id in a step fails before anything is sent
-        with pytest.raises(UnknownRequest):
-            c.step(StepBatch(append_ids=["zzz"]))
+        # one error channel in a step: unknown ids are statuses, the rest of the batch applies
+        before = c.block_table("a").copy()
+        res = c.step(StepBatch(free=["zzz", "b"], append_ids=["nope", "a"], append_num_tokens=[3, 2],
+                               forks=[("ghost", "k1"), ("a", "a")], admit=[AdmitRequest("a", 5)]))
+        assert res.free_status.tolist() == [UnknownRequest.code, 0]
+        assert res.append_status.tolist() == [UnknownRequest.code, 0]
+        assert res.fork_status.tolist() == [UnknownRequest.code, DuplicateRequest.code]
+        assert res.admit_status.tolist() == [DuplicateRequest.code] and res.admit_rows.tolist() == [-1]
+        assert sorted(c.request_ids) == ["a"]
+        ra = c.row_of("a")
+        assert res.sched_rows.tolist() == [ra] and res.sched_len.tolist() == [2]
+        assert res.sched_start.tolist() == [10]  # "a" had 10 tokens
+        assert c.block_table("a").tolist() == before.tolist()  # 12 tokens still fit one block
         # the session's views are read-only
         with pytest.raises(ValueError):
             c.tables[0][0, 0] = 5
@@ -152,11 +164,11 @@ def test_swap_out_and_in(daemon_factory):
     try:
         c.allocate("s", 40)
         before = c.block_table("s").copy()
-        assert c.can_swap_out("s")
+        assert c.can_swap_out("s") is AllocStatus.OK
         r = c.swap_out(["s"])
         assert r.ok and r.mapping.shape == (3, 2)
         assert (r.mapping[:, 0] == before).all()
-        assert c.can_swap_in("s")
+        assert c.can_swap_in("s") is AllocStatus.OK
         r2 = c.swap_in("s")
         assert r2.ok and r2.mapping.shape == (3, 2)
         assert c.block_table("s").size == 3

@@ -103,17 +103,26 @@ def test_never_when_bigger_than_the_pool_or_the_model():
     m = make(num_blocks=6)
     assert m.can_allocate(80) == AllocStatus.OK
     assert m.can_allocate(81) == AllocStatus.NEVER
-    assert m.can_allocate(257) == AllocStatus.NEVER
-    assert m.allocate("a", 81).status == STATUS_NO_SPACE
+    assert m.allocate("a", 81).status == AllocStatus.NEVER  # as can_allocate said: never retry
+    # longer than the model: both raise the same typed error (an argument error, not a status)
+    with pytest.raises(errors.InvalidArgument, match="num_tokens must be in"):
+        m.can_allocate(257)
+    with pytest.raises(errors.InvalidArgument, match="num_tokens must be in"):
+        m.allocate("a", 257)
+    assert m.num_requests == 0 and m.num_free_blocks == 5
+    # a step's admissions answer the same, batched or one by one
+    res = m.step(StepBatch(admit=[AdmitRequest("n", 81), AdmitRequest("o", 80), AdmitRequest("p", 16)]))
+    assert res.admit_status.tolist() == [AllocStatus.NEVER, AllocStatus.OK, AllocStatus.LATER]
 
 
 def test_watermark_makes_admission_wait_but_not_appends():
     m = make(num_blocks=11, watermark=0.2)  # 10 usable blocks, 2 of them watermark
     assert m.can_allocate(16 * 9) == AllocStatus.NEVER
+    assert m.allocate("n", 16 * 9).status == AllocStatus.NEVER
     m.allocate("x", 16)
     assert m.can_allocate(16 * 7) == AllocStatus.OK
     assert m.can_allocate(16 * 8) == AllocStatus.LATER
-    assert m.allocate("a", 16 * 8).status == STATUS_NO_SPACE
+    assert m.allocate("a", 16 * 8).status == STATUS_NO_SPACE == AllocStatus.LATER
     m.allocate("a", 16 * 7)
     assert m.append_slots("a", 32).ok and m.num_free_blocks == 0  # appends may use the watermark
 

@@ -149,7 +149,7 @@ def test_swap_round_trip_keeps_tables_and_prefix_cache():
     m = make(num_cpu_blocks=8)
     hashes = hash_prompt(prompt(40), 16)
     m.allocate("a", 40, hashes)
-    assert m.can_swap_out("a")
+    assert m.can_swap_out("a") == AllocStatus.OK
     out = m.swap_out("a")
     assert out.ok and out.mapping.tolist() == [[1, 1], [2, 2], [3, 3]]
     assert m.num_free_blocks == 15 and m.cpu_pool.num_free == 4
@@ -162,7 +162,7 @@ def test_swap_round_trip_keeps_tables_and_prefix_cache():
     with pytest.raises(errors.RequestNotSwapped):
         m.swap_in("z")
     m.free("z")
-    assert m.can_swap_in("a")
+    assert m.can_swap_in("a") == AllocStatus.OK
     back = m.swap_in("a")
     # Blocks 1 and 2 are still cached on the GPU: revived without a copy; CPU block 3 is copied
     # into the front of the free queue (GPU block 3 again, as "z" returned it there).
@@ -204,8 +204,8 @@ def test_forked_requests_swapped_together_move_shared_blocks_once():
 def test_swap_out_without_cpu_room_is_no_space_and_changes_nothing():
     m = make(num_cpu_blocks=2)
     m.allocate("a", 40)
-    assert not m.can_swap_out("a")
-    assert m.swap_out("a").status == STATUS_NO_SPACE
+    assert m.can_swap_out("a") == AllocStatus.NEVER  # 3 blocks, a CPU pool of 1 usable
+    assert m.swap_out("a").status == AllocStatus.NEVER
     assert m.block_table("a").tolist() == [1, 2, 3] and m.cpu_pool.num_free == 1
 
 

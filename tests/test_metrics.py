@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import urllib.error
 import urllib.request
 
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvd.errors import InvalidArgument
-from kvd.metrics import STEP_BUCKETS, Metrics
+from kvd.errors import CapacityExceeded, InvalidArgument, UnknownRequest
+from kvd.metrics import HEALTH_STALE_S, STEP_BUCKETS, Metrics
 
 POOL = dict(
     num_blocks=1000, num_free_blocks=700, num_used_blocks=300, num_cached_blocks=120,
@@ -38,17 +39,24 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 
 
 def test_scrape_exact_values(metrics):
-    state = {"pools": {"gpu": dict(POOL), "cpu": dict(POOL, num_blocks=10, num_used_blocks=5)}, "sessions": 3}
+    state = {"pools": {"gpu": dict(POOL), "cpu": dict(POOL, num_blocks=10, num_used_blocks=5)}, "sessions": 3,
+             "tenants": {"alice": {"sessions": 2, "requests": 5, "block_refs": 40}}}
     metrics.set_source(lambda: state)
     for seconds in (30e-6, 30e-6, 0.002, 5.0):
         metrics.observe_step(seconds)
     metrics.observe_step(STEP_BUCKETS[0])  # on a bound: counted in that bucket (le)
     metrics.inc_malformed()
     metrics.inc_malformed()
-    metrics.inc_error(3)
-    metrics.inc_error(3)
-    metrics.inc_error(8)
+    metrics.inc_error(UnknownRequest.code)
+    metrics.inc_error(UnknownRequest.code)
+    metrics.inc_error(CapacityExceeded.code)
     metrics.inc_error(99)  # unknown code: still counted
+    metrics.inc_no_space("alice", 3)
+    metrics.inc_no_space("", 1)
+    metrics.inc_swap(True, 0)
+    metrics.inc_swap(True, 0)
+    metrics.inc_swap(False, 1)
+    metrics.inc_lease_expired()
     port = metrics.start_http("127.0.0.1", 0, allow_ephemeral=True)
     s = scrape(port)
 
@@ -67,10 +75,25 @@ def test_scrape_exact_values(metrics):
     assert s[("kvd_swaps_total", (("direction", "in"), ("pool", "gpu")))] == 3
     assert s[("kvd_sessions", ())] == 3
     assert s[("kvd_malformed_messages_total", ())] == 2
-    assert s[("kvd_errors_total", (("code", "3"), ("error", "UnknownRequest")))] == 2
-    assert s[("kvd_errors_total", (("code", "8"), ("error", "CapacityExceeded")))] == 1
+    assert s[("kvd_errors_total", (("code", "18"), ("error", "UnknownRequest")))] == 2
+    assert s[("kvd_errors_total", (("code", "23"), ("error", "CapacityExceeded")))] == 1
     assert s[("kvd_errors_total", (("code", "99"), ("error", "unknown")))] == 1
-    assert s[("kvd_errors_total", (("code", "20"), ("error", "ProtocolError")))] == 0
+    assert s[("kvd_errors_total", (("code", "32"), ("error", "ProtocolError")))] == 0
+    assert s[("kvd_no_space_answers_total", (("tenant", "alice"),))] == 3
+    assert s[("kvd_no_space_answers_total", (("tenant", ""),))] == 1
+    assert s[("kvd_swap_requests_total", (("direction", "out"), ("result", "ok")))] == 2
+    assert s[("kvd_swap_requests_total", (("direction", "in"), ("result", "later")))] == 1
+    assert s[("kvd_lease_expiries_total", ())] == 1
+    alice = (("tenant", "alice"),)
+    assert s[("kvd_tenant_sessions", alice)] == 2 and s[("kvd_tenant_requests", alice)] == 5
+    assert s[("kvd_tenant_block_refs", alice)] == 40
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as resp:
+        assert resp.status == 200 and resp.read() == b"ok\n"
+    metrics._last_beat -= HEALTH_STALE_S + 1  # the loop stopped beating
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5)
+    assert e.value.code == 503
+    metrics.beat()
     assert s[("kvd_step_seconds_count", ())] == 5
     assert s[("kvd_step_seconds_sum", ())] == pytest.approx(5.002085)
     assert s[("kvd_step_seconds_bucket", (("le", "2.5e-05"),))] == 1

@@ -67,8 +67,8 @@ def test_hashes_frame_and_split():
 def test_replies():
     ok = orjson.loads(P.ok_reply(4, "ep", n=3))
     assert ok == {"v": 1, "q": 4, "e": "ep", "ok": 1, "n": 3}
-    err = orjson.loads(P.error_reply(None, "ep", 20, "bad"))
-    assert err["err"] == 20 and err["q"] is None and "ok" not in err
+    err = orjson.loads(P.error_reply(None, "ep", ProtocolError.code, "bad"))
+    assert err["err"] == ProtocolError.code == 32 and err["q"] is None and "ok" not in err
 
 
 def test_step_frame_count():

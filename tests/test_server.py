@@ -17,7 +17,7 @@ import zmq
 from conftest_daemon import REPO, daemon, daemon_factory, shm_segments, short_tmp  # noqa: F401
 from kvd import protocol as P
 from kvd.api import AdmitRequest, StepBatch
-from kvd.errors import DaemonRestarted, SessionError, UnknownRequest
+from kvd.errors import DaemonRestarted, ProtocolError, SessionError, UnknownRequest
 from kvd_client import Client
 
 BS = 16
@@ -164,7 +164,7 @@ def test_retried_step_applied_once(daemon):
         raw.send_multipart([P.request(P.STATS, c.sid, 1)])
         assert raw.poll(5000)
         h = orjson.loads(raw.recv_multipart()[0])
-        assert h["err"] == 20
+        assert h["err"] == ProtocolError.code == 32
     finally:
         raw.close(0)
         ctx.term()

@@ -1,0 +1,213 @@
+"""The general ``step`` message of the client: building it and reading its reply.
+
+One error channel per call: a request of the batch that the client can already judge bad (an
+unknown id to free, append or fork from, a child or admission id that exists, no free session row,
+bad hashes) gets that error's code in its status array, exactly as the daemon reports the requests
+it judges; the rest of the batch is sent and applied. Only a malformed batch as a whole (an
+``append_rows`` row out of range, mismatched array lengths) raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+
+from kvd import protocol as P
+from kvd.api import STATUS_OK, StepBatch, StepResult
+from kvd.errors import InvalidArgument, KvdError
+
+_EMPTY_I32 = np.empty(0, np.int32)
+
+
+def tag_of(req_id: Hashable) -> int:
+    """The 64-bit tag the daemon publishes for a request id (its row -> tag map in shm)."""
+    if type(req_id) is int and 0 < req_id < (1 << 63):
+        return req_id
+    d = hashlib.blake2b(repr(req_id).encode(), digest_size=8).digest()
+    return int.from_bytes(d, "little") or 1
+
+
+def _error_code(exc: BaseException) -> int:
+    if isinstance(exc, KvdError):
+        return exc.code
+    return InvalidArgument.code  # an unhashable id, a value of the wrong type
+
+
+def _spread(local: np.ndarray, sent: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Full per-request array: ``local`` codes where the client judged, ``values`` where sent."""
+    if sent.all():
+        return values
+    out = local.astype(values.dtype, copy=True)
+    out[sent] = values
+    return out
+
+
+class StepMessage:
+    """One general step: frames out, ``StepResult`` (in session rows, whole batch) back."""
+
+    def __init__(self, core: Any, batch: StepBatch, num_groups: int):
+        self.core = core
+        self.batch = batch
+        self.G = num_groups
+        self.new_rows: list[int] = []
+
+    # ---- building -------------------------------------------------------------------------------
+    def _judge(self, items, one) -> tuple[np.ndarray, np.ndarray, list]:
+        """(local status codes, sent mask, results of ``one`` for the sent items)."""
+        n = len(items)
+        local = np.zeros(n, np.int16)
+        sent = np.ones(n, bool)
+        out = []
+        for i, item in enumerate(items):
+            try:
+                out.append(one(item))
+            except (KvdError, TypeError, ValueError) as e:
+                local[i] = _error_code(e)
+                sent[i] = False
+        return local, sent, out
+
+    def _fork_one(self, pc) -> tuple[int, int, int]:
+        p, c = pc
+        prow = self.core.row_of(p)
+        crow = self.core._new_row(c)
+        self.new_rows.append(crow)
+        return prow, crow, tag_of(c)
+
+    def _admit_one(self, a) -> tuple[tuple, list[bytes]]:
+        per_g = self.core._hashes(a.block_hashes)  # before taking a row: bad hashes take none
+        row = self.core._new_row(a.req_id)
+        self.new_rows.append(row)
+        return (row, a.num_tokens, a.num_lookahead_tokens, a.priority, a.num_encoder_tokens,
+                a.max_new_tokens, 0, tag_of(a.req_id)), per_g
+
+    def _append_hashes(self, sent: np.ndarray) -> list[bytes]:
+        """Per group (hashes, counts) frames of the appends that are sent."""
+        b, frames = self.batch, []
+        for g in range(self.G):
+            if len(b.append_hashes) > g and len(b.append_hash_counts) > g:
+                hs = P.hashes_frame(b.append_hashes[g])
+                cnt = np.ascontiguousarray(b.append_hash_counts[g], np.int32)
+                if not sent.all():
+                    if cnt.shape[0] != sent.shape[0]:
+                        raise InvalidArgument("append_hash_counts must have one count per append")
+                    parts = P.split_counts(np.frombuffer(hs, P.HASH_DTYPE), cnt)
+                    hs = b"".join(parts[i].tobytes() for i in np.flatnonzero(sent).tolist())
+                    cnt = cnt[sent]
+                frames += [hs, cnt.tobytes()]
+            else:
+                frames += [P.EMPTY, P.EMPTY]
+        return frames
+
+    def spec(self) -> tuple:
+        try:
+            return self._spec()
+        except BaseException:
+            self.undo()
+            raise
+
+    def _spec(self) -> tuple:
+        core, b, G = self.core, self.batch, self.G
+        free_ids = list(b.free)
+        self.free_local, self.free_sent, free_rows = self._judge(free_ids, core.row_of)
+        self.free_rows = np.array(free_rows, np.int32)
+        self.fork_local, self.fork_sent, forks = self._judge(list(b.forks), self._fork_one)
+        fr = np.array([x[:2] for x in forks], np.int32).reshape(-1, 2)
+        tags = np.array([x[2] for x in forks], np.uint64)
+        if b.append_rows is not None:
+            app_rows = np.ascontiguousarray(b.append_rows, np.int32)
+            self.app_local, self.app_sent = np.zeros(app_rows.shape[0], np.int16), np.ones(app_rows.shape[0], bool)
+        else:
+            self.app_local, self.app_sent, rows = self._judge(list(b.append_ids), core.row_of)
+            app_rows = np.array(rows, np.int32)
+        na = app_rows.shape[0]
+        ant = b.append_num_tokens
+        fields = {"la": int(b.num_lookahead_tokens), "nf": len(free_rows), "nk": len(forks), "na": na}
+        c = core._confirmation(b.computed_through)
+        if c is not None:
+            fields["c"] = c
+        if isinstance(ant, (int, np.integer)):
+            fields["an"] = int(ant)
+            ant_b = P.EMPTY
+        else:
+            ant_a = np.ascontiguousarray(ant, np.int32)
+            if ant_a.shape[0] != self.app_sent.shape[0]:
+                raise InvalidArgument("append_num_tokens must be an int or have one count per append")
+            ant_b = ant_a[self.app_sent].tobytes()
+        frames = [self.free_rows.tobytes(), fr.tobytes(), tags.tobytes(), app_rows.tobytes(), ant_b]
+        frames += self._append_hashes(self.app_sent)
+        self.adm_local, self.adm_sent, admits = self._judge(list(b.admit), self._admit_one)
+        nd = len(admits)
+        fields["nd"] = nd
+        adm = np.array([a[0][:7] for a in admits], np.int64).reshape(nd, P.ADMIT_COLS)
+        if nd:
+            adm[:, 6] = np.array([a[0][7] for a in admits], np.uint64).view(np.int64)
+        frames.append(adm.tobytes())
+        for g in range(G):
+            frames.append(b"".join(a[1][g] for a in admits))
+            frames.append(np.array([len(a[1][g]) // P.HASH_WIDTH for a in admits], np.int32).tobytes())
+        while len(frames) > 4 and not frames[-1]:
+            frames.pop()  # trailing empty frames may be left out
+        # The daemon answers in the decode format when only appends with one count travel
+        # (kvd.protocol, "Decode step"); read the reply the way it will be written.
+        self.decode_reply = not (len(free_rows) or len(forks) or nd or ant_b) and (
+            G == 1 or not any(frames[5:]))
+        self.app_rows_b = frames[3]
+        self.fork_children = fr[:, 1].copy()
+        self.admit_rows_sent = adm[:, 0].astype(np.int32)
+        self.counts = (len(free_rows), len(forks), na, nd)
+        return P.STEP, fields, frames, self.post, self.undo
+
+    def undo(self) -> None:
+        for r in self.new_rows:
+            self.core._drop_row(r)
+        self.new_rows = []
+
+    # ---- the reply ------------------------------------------------------------------------------
+    def post(self, h: dict, f: list) -> StepResult:
+        if self.decode_reply:
+            from kvd_client.client import _decode_post
+
+            res = _decode_post(self.app_rows_b, int(self.batch.append_num_tokens), h, f)
+            # frees, forks and admissions the client judged bad (nothing of them was sent)
+            res.free_status = _spread(self.free_local, self.free_sent, res.free_status)
+            res.fork_status = _spread(self.fork_local, self.fork_sent, res.fork_status)
+            res.append_status = _spread(self.app_local, self.app_sent, res.append_status)
+            res.admit_status = _spread(self.adm_local, self.adm_sent, res.admit_status)
+            res.admit_rows = _spread(np.full(self.adm_local.shape, -1, np.int32), self.adm_sent, res.admit_rows)
+            res.admit_cached_tokens = _spread(np.zeros(self.adm_local.shape, np.int32), self.adm_sent,
+                                              res.admit_cached_tokens)
+            return res
+        core = self.core
+        nf, nk, na, nd = self.counts
+        (free_st, fork_st, app_st, adm_st, cached, copies, changed, freed,
+         sched_rows, sched_start, sched_len) = P.split_step_reply(
+            f[0], nf, nk, na, nd, h["nc"], h["nch"], h["nfr"], h["ns"])
+        for r, st in zip(self.free_rows.tolist(), free_st.tolist()):
+            if st == STATUS_OK:
+                core._drop_row(r)
+        for c, st in zip(self.fork_children.tolist(), fork_st.tolist()):
+            if st != STATUS_OK:
+                core._drop_row(c)
+        admit_rows = self.admit_rows_sent
+        bad = adm_st != STATUS_OK
+        if bad.any():
+            for r in admit_rows[bad].tolist():
+                core._drop_row(r)
+            admit_rows = np.where(bad, -1, admit_rows).astype(np.int32)
+        res = StepResult(
+            free_status=_spread(self.free_local, self.free_sent, free_st),
+            fork_status=_spread(self.fork_local, self.fork_sent, fork_st),
+            append_status=_spread(self.app_local, self.app_sent, app_st),
+            admit_status=_spread(self.adm_local, self.adm_sent, adm_st),
+            admit_rows=_spread(np.full(self.adm_local.shape, -1, np.int32), self.adm_sent, admit_rows),
+            admit_cached_tokens=_spread(np.zeros(self.adm_local.shape, np.int32), self.adm_sent, cached),
+            copies=copies, changed_rows=changed,
+            sched_rows=sched_rows, sched_start=sched_start, sched_len=sched_len,
+            freed_rows=freed, tick=h["t"],
+        )
+        res.num_scheduled_tokens = h.get("nt", [])  # type: ignore[attr-defined]
+        return res
+

@@ -1,0 +1,6 @@
+"""kvd's benchmarks, shipped in the package so that ``kvd bench`` works from a wheel.
+
+``kvd.bench.zmq_bench``: the standard workload through a daemon (``kvd bench``);
+``kvd.bench.core``: the same workload in process (``python -m kvd.bench.core``).
+Each prints tables and ends with one JSON line of figures and honesty checks.
+"""

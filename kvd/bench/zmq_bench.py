@@ -1,0 +1,1111 @@
+#!/usr/bin/env python3
+"""The kvd ZeroMQ benchmark: the standard workload (docs/WORKLOAD.md) through a real daemon.
+
+Starts a daemon (``python -m kvd serve`` in a private temporary runtime directory, always stopped
+and cleaned up, even on Ctrl-C or failure) or connects to one (``--endpoint``), then replays the
+standard workload with ``--clients N`` client processes (multiprocessing spawn). Every client has its
+own R requests over the same pool and the same namespace (the user's own tenant, every client saying
+``kv_shared``, and reset after each run), so the system prompt is shared across clients. The clients
+admit at the same moment, before any of them has confirmed a forward pass (kvd's computed state), so
+each client's first sharer computes the system prompt once; every other sharer hits.
+
+Phases, each timed on its own and separated by barriers (all clients run a phase together):
+  1. admission: prompt hashing (client side), then one step that admits every request;
+  2. decode: D steps, each appends one token to every request (blocks that fill are hashed by the
+     client and registered); the daemon writes block tables and the slot mapping into shared memory;
+  3. free: one step that frees every request.
+
+Reported: per phase totals and per request; for decode the round trip of one step (p50, p99,
+p99.9, max) per client, aggregate steps/s and appended tokens/s, the daemon's CPU time per step
+(all its threads, from /proc). ``--clients 1,4`` runs several client counts side by side.
+
+Baselines measured in the same run on the same machine, for honest ratios:
+  --floor   a bare ZeroMQ echo (DEALER/ROUTER over ipc) of the decode step's message sizes between
+            two processes (the transport's floor);
+  --inproc  the in-process BlockManager on the same workload (step + slot mapping, no sockets).
+
+``--micro``: random allocate/append/free traffic of mixed sizes, one round trip per operation, with a
+small pool (default 4,096 blocks) so that admissions get LATER answers, appends run out of space and
+cached blocks are evicted; reports operations/s and latency percentiles per operation.
+
+Output: a progress bar on stderr (when it is a terminal, or --progress), tables for people, and ONE
+final JSON line for machines (figures + honesty checks). Exit status 1 when an honesty check fails
+(prefix-hit tokens, peak blocks in use, pool entirely free at the end, no error replies, slot mapping
+consistent with the block tables). ``--plot FILE.png`` draws the step-latency distribution per client
+count (needs matplotlib: ``pip install 'kvd[plot]'``).
+
+With ``--endpoint`` the daemon must be idle (the honesty checks read its global stats) and its
+CPU time is only measured with ``--daemon-pid``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+import kvd
+from kvd.api import AdmitRequest, GroupSpec, ManagerConfig, StepBatch
+from kvd.errors import FIRST_ERROR_CODE
+from kvd.hashing import hash_prompt
+from kvd.workload import WorkloadSpec, make_workload
+
+# The directory that holds the kvd package (the repository, or site-packages for a wheel): the
+# daemon subprocess imports the same kvd as this process.
+_PKG_ROOT = Path(kvd.__file__).resolve().parent.parent
+
+PCTS = (50, 99, 99.9, 100)
+BARRIER_TIMEOUT_S = 600.0
+
+
+# ---- small helpers --------------------------------------------------------------------------------
+
+def pcts_us(samples) -> dict:
+    a = np.asarray(samples, np.float64) * 1e6
+    if a.size == 0:
+        return {"p50": float("nan"), "p99": float("nan"), "p99.9": float("nan"), "max": float("nan")}
+    v = np.percentile(a, PCTS)
+    return {"p50": float(v[0]), "p99": float(v[1]), "p99.9": float(v[2]), "max": float(v[3])}
+
+
+def proc_cpu_s(pid: int) -> tuple[float, float] | None:
+    """(CPU seconds from /proc/<pid>/stat utime+stime, CPU seconds from the per-thread schedstat
+    run times, ns precision). Both cover every thread of the process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        tick = os.sysconf("SC_CLK_TCK")
+        stat_s = (int(fields[11]) + int(fields[12])) / tick
+        sched_ns = 0
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    sched_ns += int(f.read().split()[0])
+            except (FileNotFoundError, ProcessLookupError, ValueError):
+                pass
+        return stat_s, sched_ns / 1e9
+    except (FileNotFoundError, ProcessLookupError, PermissionError, IndexError):
+        return None
+
+
+def load_avg() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def spec_of(args) -> WorkloadSpec:
+    return WorkloadSpec(
+        block_size=args.block_size, num_blocks=args.blocks, num_requests=args.requests,
+        prompt_len=args.prompt, system_len=args.system, shared=args.shared, decode_steps=args.decode,
+        hash_algo=args.hash, seed=args.seed, max_num_batched_tokens=args.max_batched_tokens,
+    )
+
+
+def expected_figures(spec: WorkloadSpec, nclients: int) -> dict:
+    """What an honest run of ``nclients`` clients over one namespace must show."""
+    w = make_workload(spec, 0)
+    hitting = max(w.num_sharers - 1, 0) * nclients  # each client's first sharer computes the prompt
+    sys_blocks = spec.system_len // spec.block_size
+    per_request = -(-(spec.prompt_len + spec.decode_steps) // spec.block_size)
+    return dict(
+        prefix_hit_tokens=hitting * sys_blocks * spec.block_size,
+        blocks_after_decode=nclients * spec.num_requests * per_request - hitting * sys_blocks,
+    )
+
+
+class Progress:
+    """A plain-stderr progress bar fed from a shared counter array (one slot per client)."""
+
+    def __init__(self, enabled: bool, label: str, counters, total: int):
+        self.enabled = enabled and total > 0
+        self.label = label
+        self.counters = counters
+        self.total = total
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.t0 = time.monotonic()
+
+    def __enter__(self):
+        if self.enabled:
+            self.thread.start()
+        return self
+
+    def _draw(self) -> None:
+        done = min(sum(self.counters), self.total)
+        frac = done / self.total
+        width = 30
+        bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
+        sys.stderr.write(f"\r{self.label} [{bar}] {done}/{self.total} steps {time.monotonic() - self.t0:5.1f} s")
+        sys.stderr.flush()
+
+    def _run(self) -> None:
+        while not self.stop_event.wait(0.2):
+            self._draw()
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.stop_event.set()
+            self.thread.join()
+            self._draw()
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+# ---- the daemon ---------------------------------------------------------------------------------
+
+class DaemonProcess:
+    """``python -m kvd serve`` in a private temporary runtime directory; ``stop()`` always cleans."""
+
+    def __init__(self, args, spec: WorkloadSpec, max_clients: int):
+        self.dir = tempfile.mkdtemp(prefix="kvdb", dir="/tmp")  # ipc paths are limited to ~107 bytes
+        self.endpoint = "ipc://" + os.path.join(self.dir, "kvd.sock")
+        rows = max(1024, spec.num_requests + 16)
+        self.argv = [
+            sys.executable, "-m", "kvd", "serve", "--runtime-dir", self.dir, "--endpoint", self.endpoint,
+            "--log-level", "warning", "--num-gpu-blocks", str(args.blocks), "--block-size", str(spec.block_size),
+            "--max-model-len", str(max(8192, spec.prompt_len + spec.decode_steps + 64)),
+            "--max-num-reqs", str(max(4096, (max_clients + 1) * rows)),
+            "--max-reqs-per-session", str(rows), "--max-sessions", str(max(64, 2 * max_clients + 8)),
+            "--max-num-batched-tokens", str(spec.max_num_batched_tokens), "--hash-algo", spec.hash_algo,
+            "--lease-s", str(args.lease_s), *args.daemon_arg,
+        ]
+        self.proc: subprocess.Popen | None = None
+        self.log = open(os.path.join(self.dir, "daemon.log"), "w+")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def start(self, timeout: float = 60.0) -> "DaemonProcess":
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(_PKG_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        for k in list(env):
+            if k.startswith("KVD_") and k != "KVD_CONFIG":
+                env.pop(k)
+        for k in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "RUNTIME_DIRECTORY"):
+            env.pop(k, None)
+        self.proc = subprocess.Popen(self.argv, cwd=self.dir, env=env, stdin=subprocess.DEVNULL,
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        sock = os.path.join(self.dir, "kvd.sock")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}: {self.tail()}")
+            if os.path.exists(sock):
+                return self
+            time.sleep(0.02)
+        raise RuntimeError(f"daemon did not become ready in {timeout:.0f} s: {self.tail()}")
+
+    def tail(self, n: int = 2000) -> str:
+        try:
+            self.log.flush()
+            with open(self.log.name) as f:
+                return f.read()[-n:]
+        except OSError:
+            return ""
+
+    def stop(self) -> int | None:
+        rc = None
+        p = self.proc
+        if p is not None:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
+            rc = p.returncode
+            prefix = f"kvd_{p.pid}_"
+            try:
+                for name in os.listdir("/dev/shm"):
+                    if name.startswith(prefix):
+                        try:
+                            os.unlink("/dev/shm/" + name)
+                        except FileNotFoundError:
+                            pass
+            except FileNotFoundError:
+                pass
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return rc
+
+
+def daemon_stats(endpoint: str, tenant: str = "") -> dict:
+    from kvd_client import Client
+
+    c = Client(endpoint, tenant=tenant, name="bench-stats", heartbeat=False, timeout_s=10.0)
+    try:
+        return c.stats()
+    finally:
+        c.close()
+
+
+def reset_namespace(endpoint: str, tenant: str) -> None:
+    from kvd_client import Client
+
+    c = Client(endpoint, tenant=tenant, name="bench-reset", heartbeat=False, timeout_s=10.0, kv_shared=True)
+    try:
+        c.reset_prefix_cache()
+    finally:
+        c.close()
+
+
+def _gpu_stats(st: dict) -> dict:
+    return st.get("pools", {}).get("gpu", st) if "num_used_blocks" not in st else st
+
+
+# ---- the workload driver (the same code for the daemon and for the in-process manager) ------------
+
+class _DaemonStepper:
+    """Steps through the client library (session rows; tables/slots in shared memory)."""
+
+    def __init__(self, client):
+        self.c = client
+
+    def step(self, batch: StepBatch):
+        return self.c.step(batch)
+
+    def admit_rows(self, res):
+        return res.admit_rows
+
+    def slots(self):
+        return self.c.slot_mappings[0]
+
+    def table(self):
+        return self.c.tables[0]
+
+
+class _InprocStepper:
+    """The in-process BlockManager: step + the same numpy slot mapping the daemon runs, no sockets."""
+
+    def __init__(self, spec: WorkloadSpec, num_blocks: int):
+        from kvd import rowloops
+        from kvd.manager import BlockManager
+        from kvd_kernels import slot_mapping_from_ranges_ref
+
+        rowloops.warm_up()
+
+        self.m = BlockManager(ManagerConfig(
+            num_gpu_blocks=num_blocks, groups=(GroupSpec(spec.block_size),),
+            max_model_len=max(8192, spec.prompt_len + spec.decode_steps + 64),
+            max_num_reqs=max(1024, spec.num_requests + 16)))
+        self.out = np.full((1, spec.max_num_batched_tokens), -1, np.int64)
+        self._slot = slot_mapping_from_ranges_ref
+
+    def step(self, batch: StepBatch):
+        m = self.m
+        res = m.step(batch)
+        if res.sched_rows.size:
+            total = int(res.sched_len.sum())
+            if total <= self.out.shape[1]:
+                self._slot(m.tables, m.block_sizes, res.sched_rows, res.sched_start, res.sched_len, self.out)
+            else:  # as the daemon does: the first max_num_batched_tokens slots of an oversized step
+                spill = np.empty((1, total), np.int64)
+                self._slot(m.tables, m.block_sizes, res.sched_rows, res.sched_start, res.sched_len, spill)
+                self.out[:] = spill[:, : self.out.shape[1]]
+        return res
+
+    def admit_rows(self, res):
+        return res.admit_rows
+
+    def slots(self):
+        return self.out[0]
+
+    def table(self):
+        return self.m.tables[0]
+
+
+def drive(stepper, work, spec: WorkloadSpec, sync=None, progress=None, warmup: int = 0) -> dict:
+    """Replay one client's share of the standard workload. ``sync(name)`` is called between phases
+    (a barrier for several client processes); ``progress[0]`` counts decode steps."""
+    sync = sync or (lambda name: None)
+    R, P, D, bs = spec.num_requests, spec.prompt_len, spec.decode_steps, spec.block_size
+    errors = 0
+    no_space = 0
+
+    if warmup:  # short prompts without hashes: warms both sides' code paths, leaves no cached block
+        wids = [("warm", i) for i in range(R)]
+        res = stepper.step(StepBatch(admit=[AdmitRequest(w, bs - 1) for w in wids]))
+        ok_ids = [w for w, s in zip(wids, res.admit_status.tolist()) if s == 0]
+        wrows = np.asarray(stepper.admit_rows(res))[res.admit_status == 0]
+        for _ in range(warmup):
+            stepper.step(StepBatch(append_rows=wrows, append_num_tokens=1))
+        stepper.step(StepBatch(free=ok_ids))
+    sync("warm")
+
+    t0 = time.perf_counter()
+    hashes = [hash_prompt(work.tokens[i, :P], bs, algo=spec.hash_algo) for i in range(R)]
+    hashing_s = time.perf_counter() - t0
+    sync("hashed")
+
+    ids = list(range(R))
+    t0 = time.perf_counter()
+    res = stepper.step(StepBatch(admit=[AdmitRequest(ids[i], P, hashes[i]) for i in range(R)]))
+    admission_s = time.perf_counter() - t0
+    ast = np.asarray(res.admit_status)
+    admitted = ast == 0
+    errors += int(np.count_nonzero(ast >= FIRST_ERROR_CODE))
+    prefix_hit_tokens = int(np.asarray(res.admit_cached_tokens)[admitted].sum())
+    rows = np.ascontiguousarray(np.asarray(stepper.admit_rows(res))[admitted], np.int32)
+    live = np.flatnonzero(admitted)
+    sync("admitted")
+
+    # Decode: the client keeps each request's last block hash to extend the chain.
+    last_hash = [h[-1] if h.size else None for h in hashes]
+    num_tokens = P
+    step_s = np.empty(D)
+    hash_step = np.zeros(D, bool)
+    client_hash_s = 0.0
+    registered = 0
+    n = live.size
+    for d in range(D):
+        th = time.perf_counter()
+        num_tokens += 1
+        if num_tokens % bs == 0 and n:  # every request fills a block at the same step
+            new = []
+            for i in live.tolist():
+                h = hash_prompt(work.tokens[i, num_tokens - bs: num_tokens], bs, parent=last_hash[i],
+                                algo=spec.hash_algo, first_block_index=num_tokens // bs - 1)
+                last_hash[i] = h[0]
+                new.append(h)
+            flat = np.concatenate(new)
+            counts = np.ones(n, np.int32)
+            t0 = time.perf_counter()
+            client_hash_s += t0 - th
+            out = stepper.step(StepBatch(append_rows=rows, append_num_tokens=1, append_hashes=(flat,),
+                                         append_hash_counts=(counts,)))
+            step_s[d] = time.perf_counter() - t0
+            hash_step[d] = True
+            registered += n
+        else:
+            t0 = time.perf_counter()
+            out = stepper.step(StepBatch(append_rows=rows, append_num_tokens=1))
+            step_s[d] = time.perf_counter() - t0
+        st = out.append_status
+        if st.any():
+            errors += int(np.count_nonzero(st >= FIRST_ERROR_CODE))
+            no_space += int(np.count_nonzero(st == 1))
+        if progress is not None:
+            progress[0] = d + 1
+
+    # Honesty: the last step's slot mapping is the tables' slot of every request's last token.
+    slot_ok = True
+    if D and n:
+        pos = num_tokens - 1
+        table = stepper.table()
+        expect = table[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        slots = stepper.slots()
+        slot_ok = bool(np.array_equal(slots[:n], expect)) and bool(slots.size == n or slots[n] == -1)
+    sync("decoded")
+    sync("measured")  # the parent reads the daemon's stats (peak blocks in use) in between
+
+    t0 = time.perf_counter()
+    fres = stepper.step(StepBatch(free=[ids[i] for i in live.tolist()]))
+    free_s = time.perf_counter() - t0
+    errors += int(np.count_nonzero(np.asarray(fres.free_status) != 0))
+    sync("freed")
+    fast = step_s[~hash_step]
+    slow = step_s[hash_step]
+    return dict(
+        hashing_ms=hashing_s * 1e3,
+        admission_ms=admission_s * 1e3,
+        admission_with_hashing_ms=(hashing_s + admission_s) * 1e3,
+        admission_per_request_us=admission_s * 1e6 / R,
+        step_s=step_s,
+        decode_total_ms=float(step_s.sum()) * 1e3,
+        decode_step_plain_p50_us=pcts_us(fast)["p50"],
+        decode_step_register_p50_us=pcts_us(slow)["p50"],
+        decode_client_hashing_ms=client_hash_s * 1e3,
+        free_ms=free_s * 1e3,
+        free_per_request_us=free_s * 1e6 / R,
+        prefix_hit_tokens=prefix_hit_tokens,
+        admitted=int(admitted.sum()),
+        not_admitted=int(R - admitted.sum()),
+        errors=errors,
+        append_no_space=no_space,
+        blocks_registered_in_decode=registered,
+        slot_mapping_ok=slot_ok,
+    )
+
+
+# ---- client processes ---------------------------------------------------------------------------
+
+def _report_failure(index: int, e: BaseException, barrier, results) -> None:
+    """A client process failed: tell the parent why, and release the others from the barrier."""
+    from kvd.errors import KvdError
+
+    if isinstance(e, threading.BrokenBarrierError):
+        results.put({"index": index, "fatal": "another process failed (barrier broken)"})
+        return
+    barrier.abort()
+    kind = "error reply: " if isinstance(e, KvdError) else ""
+    results.put({"index": index, "fatal": f"{kind}{type(e).__name__}: {e}"})
+
+
+def _close_quietly(client) -> None:
+    if client is not None:
+        try:
+            client.close()
+        except Exception:
+            pass
+
+
+def _client_main(index: int, endpoint: str, tenant: str, spec: WorkloadSpec, warmup: int, barrier,
+                 results, progress) -> None:
+    """One client process of the standard workload (spawned)."""
+    from kvd_client import Client
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    c = None
+    try:
+        work = make_workload(spec, index)
+        c = Client(endpoint, tenant=tenant, name=f"bench-{index}", timeout_s=30.0, kv_shared=True)
+
+        def sync(_name: str) -> None:
+            barrier.wait(BARRIER_TIMEOUT_S)
+
+        counter = _Slot(progress, index)
+        out = drive(_DaemonStepper(c), work, spec, sync, counter, warmup)
+        out["index"] = index
+        results.put(out)
+    except BaseException as e:  # noqa: BLE001
+        _report_failure(index, e, barrier, results)
+    finally:
+        _close_quietly(c)
+
+
+class _Slot:
+    """``counter[0] = v`` writes the client's slot of the shared progress array."""
+
+    __slots__ = ("a", "i")
+
+    def __init__(self, a, i):
+        self.a, self.i = a, i
+
+    def __setitem__(self, _k, v):
+        self.a[self.i] = v
+
+
+def _micro_main(index: int, endpoint: str, tenant: str, args_d: dict, barrier, results, progress) -> None:
+    """Random allocate/append/free traffic, one round trip per operation (spawned)."""
+    from kvd_client import Client
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    a = argparse.Namespace(**args_d)
+    bs = a.block_size
+    rng = np.random.default_rng([a.seed, 1000 + index])
+    systems = [np.random.default_rng([a.seed, 7, k]).integers(0, 50_000, a.system, dtype=np.int32) for k in range(8)]
+    max_len = max(8192, a.prompt + a.decode + 64)
+    c = None
+    try:
+        c = Client(endpoint, tenant=tenant, name=f"micro-{index}", timeout_s=30.0, kv_shared=True)
+        barrier.wait(BARRIER_TIMEOUT_S)
+        lat = {"allocate": [], "append": [], "free": []}
+        status = {"allocate_ok": 0, "allocate_later": 0, "allocate_never": 0, "append_ok": 0,
+                  "append_no_space": 0, "free_ok": 0}
+        live: dict[int, int] = {}  # id -> tokens
+        next_id = 0
+        errors = 0
+        t_start = time.perf_counter()
+        for k in range(a.micro_ops):
+            r = rng.random()
+            if not live or (r < 0.35 and len(live) < a.requests):
+                n = int(min(max_len - 128, np.exp(rng.uniform(np.log(16), np.log(4096)))))
+                toks = rng.integers(0, 50_000, n, dtype=np.int32)
+                if rng.random() < a.shared and n > a.system:
+                    toks[: a.system] = systems[int(rng.integers(0, 8))]
+                hs = hash_prompt(toks, bs, algo=a.hash)
+                t0 = time.perf_counter()
+                res = c.allocate(next_id, n, hs)
+                lat["allocate"].append(time.perf_counter() - t0)
+                st = int(res.status)
+                if st == 0:
+                    live[next_id] = n
+                    status["allocate_ok"] += 1
+                elif st == 1:
+                    status["allocate_later"] += 1
+                else:
+                    status["allocate_never"] += 1
+                next_id += 1
+            elif r < 0.85:
+                rid = list(live)[int(rng.integers(0, len(live)))]
+                n = int(rng.choice([1, 1, 1, 2, 4, 16, 64]))
+                if live[rid] + n > max_len - 64:
+                    n = 0
+                t0 = time.perf_counter()
+                res = c.append_slots(rid, n)
+                lat["append"].append(time.perf_counter() - t0)
+                if int(res.status) == 0:
+                    live[rid] += n
+                    status["append_ok"] += 1
+                else:  # no space: the scheduler would preempt it
+                    status["append_no_space"] += 1
+                    t0 = time.perf_counter()
+                    c.free(rid)
+                    lat["free"].append(time.perf_counter() - t0)
+                    del live[rid]
+                    status["free_ok"] += 1
+            else:
+                rid = list(live)[int(rng.integers(0, len(live)))]
+                t0 = time.perf_counter()
+                c.free(rid)
+                lat["free"].append(time.perf_counter() - t0)
+                del live[rid]
+                status["free_ok"] += 1
+            if (k & 63) == 0:
+                progress[index] = k + 1
+        for rid in list(live):
+            c.free(rid)
+        elapsed = time.perf_counter() - t_start
+        progress[index] = a.micro_ops
+        barrier.wait(BARRIER_TIMEOUT_S)
+        results.put({"index": index, "ops": a.micro_ops, "elapsed_s": elapsed, "status": status,
+                     "errors": errors, "lat": {k: np.asarray(v) for k, v in lat.items()}})
+    except BaseException as e:  # noqa: BLE001
+        _report_failure(index, e, barrier, results)
+    finally:
+        _close_quietly(c)
+
+
+def _spawn(target, nclients: int, make_args):
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(nclients + 1)
+    results = ctx.Queue()
+    progress = ctx.RawArray("q", nclients)
+    procs = [ctx.Process(target=target, args=make_args(i, barrier, results, progress), daemon=True)
+             for i in range(nclients)]
+    for p in procs:
+        p.start()
+    return procs, barrier, results, progress
+
+
+def _collect(procs, results, n: int, timeout: float = 120.0) -> list[dict]:
+    out = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n:
+        try:
+            out.append(results.get(timeout=0.5))
+        except Exception:  # queue.Empty
+            if time.monotonic() > deadline or all(not p.is_alive() for p in procs):
+                break
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.terminate()
+            p.join(5)
+    return sorted(out, key=lambda r: r["index"])
+
+
+def _stop_procs(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+# ---- one run of the standard workload through the daemon ---------------------------------------
+
+def run_clients(args, spec: WorkloadSpec, endpoint: str, daemon_pid: int | None, nclients: int,
+                label: str) -> dict:
+    tenant = ""  # the user's own: one shared namespace, reset after the run
+    procs, barrier, results, progress = _spawn(
+        _client_main, nclients, lambda i, b, r, p: (i, endpoint, tenant, spec, args.warmup, b, r, p))
+    fatal = None
+    figures: dict = {}
+    try:
+        def sync():
+            barrier.wait(BARRIER_TIMEOUT_S)
+
+        sync()  # warm
+        sync()  # hashed
+        sync()  # admitted
+        cpu0 = proc_cpu_s(daemon_pid) if daemon_pid else None
+        t0 = time.perf_counter()
+        with Progress(args.progress, label, progress, nclients * spec.decode_steps):
+            sync()  # decoded
+        t1 = time.perf_counter()
+        cpu1 = proc_cpu_s(daemon_pid) if daemon_pid else None
+        st_peak = _gpu_stats(daemon_stats(endpoint))
+        sync()  # measured
+        sync()  # freed
+        st_end = _gpu_stats(daemon_stats(endpoint))
+        reset_namespace(endpoint, tenant)
+        figures.update(decode_wall_s=t1 - t0, peak_blocks_used=int(st_peak["num_used_blocks"]),
+                       pool_used_after=int(st_end["num_used_blocks"]),
+                       pool_free_after=int(st_end["num_free_blocks"]) == int(st_end["num_blocks"])
+                       and int(st_end["num_used_blocks"]) == 0,
+                       evictions=int(st_end.get("evictions", 0)))
+        if cpu0 and cpu1:
+            steps = nclients * spec.decode_steps
+            figures["daemon_cpu_per_step_us"] = (cpu1[1] - cpu0[1]) * 1e6 / steps
+            figures["daemon_cpu_per_step_us_stat"] = (cpu1[0] - cpu0[0]) * 1e6 / steps
+            figures["daemon_cpu_util"] = (cpu1[1] - cpu0[1]) / (t1 - t0)
+    except threading.BrokenBarrierError:
+        fatal = "a client failed"
+    except BaseException:
+        _stop_procs(procs)
+        raise
+    clients = _collect(procs, results, nclients)
+    bad = [c["fatal"] for c in clients if "fatal" in c]
+    if fatal or bad or len(clients) != nclients:
+        raise RuntimeError(f"{label}: " + "; ".join(bad or [fatal or "a client process died"]))
+    D = spec.decode_steps
+    steps = nclients * D
+    all_steps = np.concatenate([c["step_s"] for c in clients])
+    agg = pcts_us(all_steps)
+    figures.update(
+        clients=nclients,
+        hashing_ms=float(np.median([c["hashing_ms"] for c in clients])),
+        admission_ms=float(np.median([c["admission_ms"] for c in clients])),
+        admission_with_hashing_ms=float(np.median([c["admission_with_hashing_ms"] for c in clients])),
+        admission_per_request_us=float(np.median([c["admission_per_request_us"] for c in clients])),
+        decode_step_p50_us=agg["p50"], decode_step_p99_us=agg["p99"], decode_step_p999_us=agg["p99.9"],
+        decode_step_max_us=agg["max"],
+        decode_step_plain_p50_us=float(np.median([c["decode_step_plain_p50_us"] for c in clients])),
+        decode_step_register_p50_us=float(np.median([c["decode_step_register_p50_us"] for c in clients])),
+        decode_client_hashing_ms=float(np.median([c["decode_client_hashing_ms"] for c in clients])),
+        decode_steps_per_s=steps / figures["decode_wall_s"],
+        appended_tokens_per_s=steps * spec.num_requests / figures["decode_wall_s"],
+        free_ms=float(np.median([c["free_ms"] for c in clients])),
+        free_per_request_us=float(np.median([c["free_per_request_us"] for c in clients])),
+        prefix_hit_tokens=sum(c["prefix_hit_tokens"] for c in clients),
+        admitted=sum(c["admitted"] for c in clients),
+        not_admitted=sum(c["not_admitted"] for c in clients),
+        errors=sum(c["errors"] for c in clients),
+        append_no_space=sum(c["append_no_space"] for c in clients),
+        blocks_registered_in_decode=sum(c["blocks_registered_in_decode"] for c in clients),
+        slot_mapping_ok=all(c["slot_mapping_ok"] for c in clients),
+        per_client=[{"client": c["index"], **{k.replace(".", ""): v for k, v in pcts_us(c["step_s"]).items()}}
+                    for c in clients],
+    )
+    figures["worst_client_p99_us"] = max(c["p99"] for c in figures["per_client"])
+    figures["_samples"] = all_steps
+    return figures
+
+
+# ---- baselines ----------------------------------------------------------------------------------
+
+def _echo_server(endpoint: str, reply_sizes: list[int], ready) -> None:
+    import zmq
+
+    from kvd import protocol as P
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.bind(endpoint)
+    ready.set()
+    reply = [b"x" * n for n in reply_sizes]
+    recv, send = P.recv_frames, P.send_frames
+    try:
+        while True:
+            msg = recv(s)
+            send(s, [msg[0], *reply])
+            if msg[1] == b"stop":
+                break
+    finally:
+        s.close(0)
+        ctx.term()
+
+
+def decode_message_sizes(spec: WorkloadSpec) -> tuple[list[int], list[int]]:
+    """Frame sizes of a decode step request and reply (the client's header, 4 frames; the daemon's
+    header and one body frame with append status int16 + changed rows int32, every row changed)."""
+    from kvd import protocol as P
+
+    R = spec.num_requests
+    req_hdr = P.request(P.STEP, (1 << 61) + 12345, 1000, la=0, nf=0, nk=0, na=R, an=1, nd=0)
+    rep_hdr = P.ok_reply(1000, "0123456789ab", nt=[R], nc=0, nch=R, nfr=0)
+    return [len(req_hdr), 0, 0, 0, 4 * R], [len(rep_hdr), 2 * R + 4 * R]
+
+
+def run_floor(args, spec: WorkloadSpec, iters: int) -> dict:
+    """A bare ZeroMQ DEALER/ROUTER echo over ipc of the decode step's message sizes."""
+    import zmq
+
+    from kvd import protocol as P
+
+    req_sizes, rep_sizes = decode_message_sizes(spec)
+    d = tempfile.mkdtemp(prefix="kvde", dir="/tmp")
+    endpoint = "ipc://" + os.path.join(d, "echo.sock")
+    ctx_mp = mp.get_context("spawn")
+    ready = ctx_mp.Event()
+    proc = ctx_mp.Process(target=_echo_server, args=(endpoint, rep_sizes, ready), daemon=True)
+    proc.start()
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    try:
+        if not ready.wait(60):
+            raise RuntimeError("echo server did not start")
+        s.connect(endpoint)
+        msg = [b"h" * req_sizes[0]] + [b"\0" * n for n in req_sizes[1:]]
+        send, recv = P.send_frames, P.recv_frames
+        for _ in range(200):
+            send(s, msg)
+            recv(s)
+        lat = np.empty(iters)
+        pc = time.perf_counter
+        for i in range(iters):
+            t0 = pc()
+            send(s, msg)
+            recv(s)
+            lat[i] = pc() - t0
+        send(s, [b"stop"])
+        recv(s)
+    finally:
+        s.close(0)
+        ctx.term()
+        proc.join(5)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(5)
+        shutil.rmtree(d, ignore_errors=True)
+    p = pcts_us(lat)
+    return {"echo_p50_us": p["p50"], "echo_p99_us": p["p99"], "echo_p999_us": p["p99.9"], "echo_max_us": p["max"],
+            "echo_request_bytes": sum(req_sizes), "echo_reply_bytes": sum(rep_sizes), "echo_iters": iters,
+            "_samples": lat}
+
+
+def run_inproc(args, spec: WorkloadSpec) -> dict:
+    stepper = _InprocStepper(spec, args.blocks)
+    out = drive(stepper, make_workload(spec, 0), spec, warmup=args.warmup)
+    stepper.m.check_invariants(heavy=True)
+    p = pcts_us(out["step_s"])
+    exp = expected_figures(spec, 1)
+    return {"inproc_step_p50_us": p["p50"], "inproc_step_p99_us": p["p99"], "inproc_step_max_us": p["max"],
+            "inproc_admission_ms": out["admission_ms"], "inproc_free_ms": out["free_ms"],
+            "inproc_honest": out["prefix_hit_tokens"] == exp["prefix_hit_tokens"] and out["slot_mapping_ok"]
+            and out["errors"] == 0 and stepper.m.pool.num_free == stepper.m.pool.num_blocks - 1,
+            "_samples": out["step_s"]}
+
+
+# ---- micro mode -----------------------------------------------------------------------------------
+
+def run_micro(args, endpoint: str, nclients: int, label: str) -> dict:
+    tenant = ""
+    args_d = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
+    st0 = _gpu_stats(daemon_stats(endpoint))
+    procs, barrier, results, progress = _spawn(
+        _micro_main, nclients, lambda i, b, r, p: (i, endpoint, tenant, args_d, b, r, p))
+    try:
+        barrier.wait(BARRIER_TIMEOUT_S)
+        t0 = time.perf_counter()
+        with Progress(args.progress, label, progress, nclients * args.micro_ops):
+            barrier.wait(BARRIER_TIMEOUT_S)
+        wall = time.perf_counter() - t0
+    except threading.BrokenBarrierError:
+        wall = float("nan")
+    except BaseException:
+        _stop_procs(procs)
+        raise
+    clients = _collect(procs, results, nclients)
+    bad = [c["fatal"] for c in clients if "fatal" in c]
+    if bad or len(clients) != nclients:
+        raise RuntimeError(f"{label}: " + "; ".join(bad or ["a client process died"]))
+    st1 = _gpu_stats(daemon_stats(endpoint))
+    reset_namespace(endpoint, tenant)
+    st2 = _gpu_stats(daemon_stats(endpoint))
+    ops = sum(c["ops"] for c in clients)
+    status: dict = {}
+    for c in clients:
+        for k, v in c["status"].items():
+            status[k] = status.get(k, 0) + v
+    out = {"clients": nclients, "ops": ops, "wall_s": wall, "ops_per_s": ops / wall, **status,
+           "evictions": int(st1.get("evictions", 0)) - int(st0.get("evictions", 0)),
+           "errors": sum(c["errors"] for c in clients),
+           "pool_free_after": int(st2["num_used_blocks"]) == 0 and int(st2["num_free_blocks"]) == int(st2["num_blocks"])}
+    for op in ("allocate", "append", "free"):
+        lat = np.concatenate([c["lat"][op] for c in clients])
+        for k, v in pcts_us(lat).items():
+            out[f"{op}_{k.replace('.', '')}_us"] = v
+        out[f"{op}_count"] = int(lat.size)
+    return out
+
+
+# ---- reporting ----------------------------------------------------------------------------------
+
+def median_figures(runs: list[dict]) -> dict:
+    out = {}
+    for k, v in runs[0].items():
+        if k.startswith("_"):
+            continue
+        if k == "per_client":
+            out[k] = [{"client": i, **{m: float(np.median([r[k][i][m] for r in runs])) for m in v[i] if m != "client"}}
+                      for i in range(len(v))]
+        elif isinstance(v, bool):
+            out[k] = all(r[k] for r in runs)
+        elif isinstance(v, float):
+            out[k] = float(np.median([r[k] for r in runs]))
+        elif isinstance(v, int):
+            vals = {r[k] for r in runs}
+            out[k] = v if len(vals) == 1 else float(np.median([r[k] for r in runs]))
+        else:
+            out[k] = v
+    return out
+
+
+def print_table(title: str, fig: dict, keys=None) -> None:
+    print(f"\n{title}")
+    print(f"{'figure':<34}{'value':>16}")
+    for k, v in fig.items():
+        if k.startswith("_") or k == "per_client" or (keys and k not in keys):
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            print(f"{k:<34}{v!s:>16}")
+        elif isinstance(v, int):
+            print(f"{k:<34}{v:>16,}")
+        else:
+            print(f"{k:<34}{v:>16,.3f}")
+
+
+def print_clients(fig: dict) -> None:
+    print(f"{'client':>8}{'p50 us':>12}{'p99 us':>12}{'p99.9 us':>12}{'max us':>12}")
+    for c in fig["per_client"]:
+        print(f"{c['client']:>8}{c['p50']:>12.1f}{c['p99']:>12.1f}{c['p999']:>12.1f}{c['max']:>12.1f}")
+
+
+def plot(path: str, samples: dict, floor: dict | None, inproc: dict | None) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'kvd[plot]' (or pip install matplotlib)") from None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    allv = np.concatenate([np.asarray(v) * 1e6 for v in samples.values()] +
+                          [np.asarray(x["_samples"]) * 1e6 for x in (floor, inproc) if x])
+    bins = np.geomspace(max(allv.min() * 0.9, 1.0), allv.max() * 1.1, 80)
+    for n, v in samples.items():
+        ax.hist(np.asarray(v) * 1e6, bins=bins, histtype="step", density=True, linewidth=1.5,
+                label=f"kvd, {n} client(s): p50 {np.percentile(v, 50) * 1e6:.0f} us, p99 {np.percentile(v, 99) * 1e6:.0f} us")
+    for name, x in (("zmq echo", floor), ("in-process manager", inproc)):
+        if x:
+            v = np.asarray(x["_samples"]) * 1e6
+            ax.hist(v, bins=bins, histtype="step", density=True, linestyle="--",
+                    label=f"{name}: p50 {np.percentile(v, 50):.0f} us")
+    ax.set_xscale("log")
+    ax.set_xlabel("decode step round trip (us, log scale)")
+    ax.set_ylabel("density")
+    ax.set_title("kvd decode step latency (standard workload)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}", file=sys.stderr)
+
+
+def parse_clients(s: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--clients: expected N or N,M,...; got {s!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError("--clients: counts must be >= 1")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="bench_zmq.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    w = ap.add_argument_group("workload (WORKLOAD.md)")
+    w.add_argument("--block-size", type=int, default=16)
+    w.add_argument("--blocks", type=int, default=None,
+                   help="GPU blocks in the pool (default 65536; 4096 with --micro; 8192 = eviction variant)")
+    w.add_argument("--requests", "-R", type=int, default=256, help="requests per client")
+    w.add_argument("--prompt", "-P", type=int, default=1024)
+    w.add_argument("--system", "-S", type=int, default=512)
+    w.add_argument("--shared", type=float, default=0.5)
+    w.add_argument("--decode", "-D", type=int, default=128)
+    w.add_argument("--hash", default="sha256", choices=["sha256", "xxh3_128"])
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--max-batched-tokens", type=int, default=8192)
+    r = ap.add_argument_group("run")
+    r.add_argument("--clients", "-N", type=parse_clients, default=[1],
+                   help="client processes; a list (1,4) runs each count side by side")
+    r.add_argument("--repeat", type=int, default=3, help="runs per client count; medians are reported")
+    r.add_argument("--warmup", type=int, default=16, help="untimed decode steps before each run")
+    r.add_argument("--endpoint", default="", help="use this running (idle) daemon instead of starting one")
+    r.add_argument("--daemon-pid", type=int, default=0, help="with --endpoint: the daemon's pid (CPU time)")
+    r.add_argument("--daemon-arg", action="append", default=[], help="extra `kvd serve` argument (repeatable)")
+    r.add_argument("--lease-s", type=float, default=10.0, help="lease of the daemon this script starts")
+    r.add_argument("--floor", action="store_true", help="also measure a bare zmq echo of the same sizes")
+    r.add_argument("--floor-iters", type=int, default=3000)
+    r.add_argument("--inproc", action="store_true", help="also run the in-process BlockManager")
+    r.add_argument("--micro", action="store_true", help="random allocate/append/free traffic instead")
+    r.add_argument("--micro-ops", type=int, default=5000, help="operations per client in --micro")
+    r.add_argument("--plot", default="", metavar="FILE.png", help="step-latency distribution (matplotlib)")
+    r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar on stderr (default: when stderr is a terminal)")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.blocks is None:
+        args.blocks = 4096 if args.micro else 65536
+    if args.progress is None:
+        args.progress = sys.stderr.isatty()
+    if args.plot:  # fail before the run, not after it
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("bench_zmq: --plot needs matplotlib: pip install 'kvd[plot]' (or pip install matplotlib)",
+                  file=sys.stderr)
+            return 2
+    spec = spec_of(args)
+    daemon = None
+    prev_term = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_term)
+    report: dict = {"bench": "micro" if args.micro else "standard", "load_avg_before": load_avg(),
+                    "cpus": os.cpu_count(),
+                    "config": {"block_size": spec.block_size, "blocks": args.blocks, "R": spec.num_requests,
+                               "P": spec.prompt_len, "S": spec.system_len, "shared": spec.shared,
+                               "D": spec.decode_steps, "hash": spec.hash_algo, "seed": spec.seed,
+                               "clients": args.clients, "repeat": args.repeat}}
+    honest: dict = {}
+    try:
+        if args.endpoint:
+            endpoint, dpid = args.endpoint, (args.daemon_pid or None)
+        else:
+            daemon = DaemonProcess(args, spec, max(args.clients)).start()
+            endpoint, dpid = daemon.endpoint, daemon.pid
+        if args.micro:
+            results = {}
+            for n in args.clients:
+                runs = [run_micro(args, endpoint, n, f"micro {n} client(s) run {k + 1}/{args.repeat}")
+                        for k in range(args.repeat)]
+                fig = median_figures(runs)
+                results[str(n)] = fig
+                print_table(f"micro: {n} client(s), {args.micro_ops} ops each, {args.blocks} blocks "
+                            f"(median of {args.repeat})", fig)
+                honest[f"c{n}_pool_free_after"] = fig["pool_free_after"]
+                honest[f"c{n}_no_errors"] = fig["errors"] == 0
+            report["results"] = results
+        else:
+            results, samples = {}, {}
+            floors, inprocs, run_ratios = [], [], {}
+            for n in args.clients:
+                runs = []
+                for k in range(args.repeat):
+                    r = run_clients(args, spec, endpoint, dpid, n, f"{n} client(s) run {k + 1}/{args.repeat}")
+                    runs.append(r)
+                    # baselines right after each run, so that every ratio compares one machine state
+                    if args.floor:
+                        floors.append(run_floor(args, spec, args.floor_iters))
+                        run_ratios.setdefault(f"c{n}_step_p50_over_echo", []).append(
+                            r["decode_step_p50_us"] / floors[-1]["echo_p50_us"])
+                    if args.inproc:
+                        inprocs.append(run_inproc(args, spec))
+                        run_ratios.setdefault(f"c{n}_step_p50_over_inproc", []).append(
+                            r["decode_step_p50_us"] / inprocs[-1]["inproc_step_p50_us"])
+                fig = median_figures(runs)
+                samples[n] = np.concatenate([r["_samples"] for r in runs])
+                exp = expected_figures(spec, n)
+                fig["expected_prefix_hit_tokens"] = exp["prefix_hit_tokens"]
+                fig["expected_blocks_after_decode"] = exp["blocks_after_decode"]
+                fig["runs_p50_us"] = [round(r["decode_step_p50_us"], 1) for r in runs]
+                fig["runs_p99_us"] = [round(r["decode_step_p99_us"], 1) for r in runs]
+                results[str(n)] = fig
+                print_table(f"kvd: {n} client(s) x {spec.num_requests} requests, P={spec.prompt_len} "
+                            f"S={spec.system_len} D={spec.decode_steps}, {args.blocks:,} blocks, {spec.hash_algo} "
+                            f"(median of {args.repeat} runs)", fig)
+                print_clients(fig)
+                everyone_in = all(r["not_admitted"] == 0 for r in runs)
+                honest[f"c{n}_prefix_hits_match"] = (not everyone_in) or all(
+                    r["prefix_hit_tokens"] == exp["prefix_hit_tokens"] for r in runs)
+                honest[f"c{n}_blocks_after_decode_match"] = (not everyone_in) or all(
+                    r["peak_blocks_used"] == exp["blocks_after_decode"] for r in runs)
+                honest[f"c{n}_pool_free_after"] = all(r["pool_free_after"] for r in runs)
+                honest[f"c{n}_no_errors"] = all(r["errors"] == 0 for r in runs)
+                honest[f"c{n}_slot_mapping_ok"] = all(r["slot_mapping_ok"] for r in runs)
+            report["results"] = results
+            floor = inproc = None
+            if floors:
+                floor = median_figures(floors)
+                floor["_samples"] = np.concatenate([f["_samples"] for f in floors])
+                report["floor"] = {k: v for k, v in floor.items() if not k.startswith("_")}
+                print_table(f"bare zmq echo (DEALER/ROUTER over ipc, decode step message sizes; median of "
+                            f"{len(floors)}, one after each kvd run)", report["floor"])
+            if inprocs:
+                inproc = median_figures(inprocs)
+                inproc["_samples"] = np.concatenate([f["_samples"] for f in inprocs])
+                report["inproc"] = {k: v for k, v in inproc.items() if not k.startswith("_")}
+                print_table(f"in-process BlockManager (step + slot mapping, no sockets; median of {len(inprocs)}, "
+                            f"one after each kvd run)", report["inproc"])
+                honest["inproc_honest"] = inproc["inproc_honest"]
+            # each ratio: a kvd run over the baseline measured right after it; the median of those
+            ratios = {k: float(np.median(v)) for k, v in run_ratios.items()}
+            if ratios:
+                report["ratios"] = ratios
+                print_table("ratios (kvd decode step p50 / baseline p50)", ratios)
+            report["targets"] = targets(results, ratios)
+            print_table("targets (2-core dev machine)", report["targets"])
+            if args.plot:
+                plot(args.plot, samples, floor, inproc)
+    except KeyboardInterrupt:
+        print("\nbench_zmq: interrupted", file=sys.stderr)
+        return 130
+    except RuntimeError as e:
+        print(f"bench_zmq: {e}", file=sys.stderr)
+        if daemon is not None:
+            print(f"daemon log tail:\n{daemon.tail()}", file=sys.stderr)
+        return 1
+    finally:
+        if daemon is not None:
+            report["daemon_exit"] = daemon.stop()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, prev_term)
+    report["load_avg_after"] = load_avg()
+    if daemon is not None:
+        honest["daemon_clean_exit"] = report["daemon_exit"] == 0
+    print_table("honesty checks", honest)
+    report["honest"] = honest
+    report["ok"] = all(honest.values())
+    print(json.dumps(report, default=float))
+    return 0 if report["ok"] else 1
+
+
+def targets(results: dict, ratios: dict) -> dict:
+    t = {}
+    if "1" in results:
+        r = results["1"]
+        t["c1_step_p50_le_250us"] = r["decode_step_p50_us"] <= 250
+        t["c1_step_p99_le_600us"] = r["decode_step_p99_us"] <= 600
+        if "c1_step_p50_over_inproc" in ratios:
+            t["c1_ratio_inproc_le_3"] = ratios["c1_step_p50_over_inproc"] <= 3
+        if "c1_step_p50_over_echo" in ratios:
+            t["c1_ratio_echo_le_2.5"] = ratios["c1_step_p50_over_echo"] <= 2.5
+    if "4" in results:
+        r = results["4"]
+        t["c4_steps_per_s_ge_2000"] = r["decode_steps_per_s"] >= 2000
+        t["c4_every_client_p99_le_2ms"] = r["worst_client_p99_us"] <= 2000
+    return t
+
+
+if __name__ == "__main__":
+    sys.exit(main())
