@@ -22,6 +22,8 @@ _LAZY = {
     "SlotMappingPlan": "slots", "slot_mapping": "slots",
     "DMA_MIN_REGION_BYTES": "swap", "swap_blocks": "swap",
     "paged_attention_ref": "attention_ref", "write_kv_ref": "attention_ref",
+    "paged_attention": "attention", "paged_attention_triton": "attention",
+    "write_kv": "kv_write", "write_kv_triton": "kv_write",
 }
 
 
