@@ -84,6 +84,11 @@ CASES = {
     "row_indices": dict(specs=[(10, 2), (6, 1), (13, 13)], row_indices=True),
     "padded_rows": dict(specs=[(10, 2), (6, 1)], pad_rows=3),
     "head_dim_24": dict(specs=[(10, 3), (6, 1)], d=24),
+    # long enough for whole unmasked chunks between masked ones (with block_n 16)
+    "long": dict(specs=[(70, 5), (50, 1), (45, 45)]),
+    "long_window": dict(specs=[(70, 5), (50, 1), (45, 45)], window=19),
+    # 2-token tiles: the first whole chunk starts exactly one key after the last row's window
+    "window_pairs": dict(specs=[(60, 2), (45, 2), (33, 2)], window=19),
 }
 
 
@@ -110,11 +115,12 @@ def test_paged_attention_matches_reference(device, dtype, name):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", ["decode", "mixed", "window"])
-def test_paged_attention_split_k_matches_reference(device, dtype, name):
-    # several programs per (request, KV head) over the key range, merged by the second kernel;
-    # block_n 16 so that even these short contexts span several chunks per split
-    run_case(device, dtype, CASES[name], num_splits=4, block_n=16)
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("name", ["mixed", "long", "long_window", "window_pairs"])
+def test_paged_attention_small_chunks_and_split_k(device, dtype, name, splits):
+    # block_n 16: short contexts span several key chunks (masked and whole ones), and with 4 splits
+    # several programs per (request, KV head) cover them, merged by the second kernel
+    run_case(device, dtype, CASES[name], num_splits=splits, block_n=16)
 
 
 @pytest.mark.parametrize("null_value", [float("nan"), 1e30, float("inf")])
