@@ -525,12 +525,12 @@ def prefill_attention(dev):
         results["figures"][name] = {"do_bench_us": round(us, 2), "sdpa_us": round(s_us, 2),
                                     "TFLOPs": round(flops / (us * 1e-6) / 1e12, 1),
                                     "sweep_us": sweep}
+        rows.append((name, f"{us:9.2f}", "", f"SDPA {s_us:.1f} us; "
+                     f"{flops / (us * 1e-6) / 1e12:.0f} TFLOP/s"))
         ok = {k_: x for k_, x in sweep.items() if x is not None}
         if ok:
             rows.append((f"  sweep best of {len(ok)}", f"{min(ok.values()):9.2f}", "",
                          min(ok, key=ok.get)))
-        rows.append((name, f"{us:9.2f}", "", f"SDPA {s_us:.1f} us; "
-                     f"{flops / (us * 1e-6) / 1e12:.0f} TFLOP/s"))
         fn()
         want = ref().transpose(1, 2).reshape(num_reqs * new, h_q, 128)
         torch.cuda.synchronize()
