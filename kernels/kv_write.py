@@ -47,9 +47,8 @@ def write_kv_triton(key, value, kv_layer, slot_mapping, *, block: int = WRITE_BL
     """The Triton kernel, on CUDA tensors or (TRITON_INTERPRET=1) on CPU tensors."""
     require_triton()
     check_write_kv(key, value, kv_layer, slot_mapping)
-    if key.stride(2) != 1 or value.stride(2) != 1 or kv_layer.stride(4) != 1 or \
-            kv_layer.stride(3) != kv_layer.shape[4]:
-        raise ValueError("key/value need a contiguous head_dim; kv_layer contiguous (H_kv, D)")
+    if key.stride(2) != 1 or value.stride(2) != 1 or kv_layer.stride(4) != 1:
+        raise ValueError("key, value and kv_layer need a contiguous head_dim")
     t, h, d = key.shape
     if t == 0:
         return
