@@ -3,7 +3,8 @@
 Imports nothing of kvd. The ``*_ref`` numpy references (``reference.py``) import with numpy alone:
 they are what the daemon runs on a CPU pool. The torch wrappers (Triton inside) load torch and
 Triton on first use (PEP 562 module ``__getattr__``), so a CPU daemon never pays for those imports;
-they raise without torch/Triton.
+they raise without torch/Triton. The engine-side kernels (``write_kv``, ``paged_attention``) have
+torch references (``attention_ref.py``, loaded lazily too) that an engine also runs on the CPU.
 """
 
 from importlib import import_module
@@ -20,6 +21,9 @@ _LAZY = {
     "copy_blocks": "copy", "pool_layout": "copy",
     "SlotMappingPlan": "slots", "slot_mapping": "slots",
     "DMA_MIN_REGION_BYTES": "swap", "swap_blocks": "swap",
+    "paged_attention_ref": "attention_ref", "write_kv_ref": "attention_ref",
+    "paged_attention": "attention", "paged_attention_triton": "attention",
+    "write_kv": "kv_write", "write_kv_triton": "kv_write",
 }
 
 

@@ -8,7 +8,7 @@ replay (100 launches captured in one graph, time per launch), and its output is 
 with the numpy reference (or with torch indexing for the big copies) at the benchmarked size.
 
 Prints a table, then one JSON line with every figure, the targets and the honesty checks.
-Usage: python3 scripts/bench_kernels.py [--quick]
+Usage: python3 scripts/bench_kernels.py [--only SECTION,...] [--no-sweep]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from triton.testing import do_bench
 import kvd_kernels as K
 from kvd_kernels import copy as kcopy
 from kvd_kernels import swap as kswap
+from kvd_kernels.attention import attention_config
 
 MIB = 1 << 20
 GRAPH_LAUNCHES = 100
@@ -363,9 +364,188 @@ def swap(dev):
     results["figures"]["swap_crossover"] = cross
 
 
+def paged_cache(dev, num_reqs, ctx, h_kv, d=128, block_size=16, dtype=torch.bfloat16, seed=4):
+    """One layer's paged cache holding num_reqs contexts of ctx tokens at random blocks, with the
+    same K/V contiguous as [num_reqs, h_kv, ctx, d] (the layout SDPA reads best)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    per = -(-ctx // block_size)
+    num_blocks = 1 + num_reqs * per
+    k = torch.randn(num_reqs, h_kv, ctx, d, device=dev, dtype=dtype, generator=g)
+    v = torch.randn(num_reqs, h_kv, ctx, d, device=dev, dtype=dtype, generator=g)
+    ids = (torch.randperm(num_blocks - 1, device=dev, generator=g) + 1).to(torch.int32)
+    table = ids.view(num_reqs, per)
+    kv = torch.empty((2, num_blocks, block_size, h_kv, d), device=dev, dtype=dtype)
+    kv[:, 0] = float("nan")  # the null block: never read
+    pad = per * block_size - ctx
+    for i, x in enumerate((k, v)):
+        tok = torch.nn.functional.pad(x.transpose(1, 2), (0, 0, 0, 0, 0, pad))  # [R, per*bs, H, D]
+        kv[i, table.long()] = tok.reshape(num_reqs, per, block_size, h_kv, d)
+    return kv, table, k, v
+
+
+@section
+def write_kv(dev):
+    h, d, bs = 8, 128, 16
+    kv = torch.zeros((2, 8192, bs, h, d), dtype=torch.bfloat16, device=dev)  # 512 MiB layer
+    d2d = results["figures"].get("d2d_copy_GBps")
+    for t in (256, 8192, 65536):
+        key = torch.randn(t, h, d, dtype=torch.bfloat16, device=dev)
+        value = torch.randn(t, h, d, dtype=torch.bfloat16, device=dev)
+        # prefill-like: each request's tokens fill whole blocks, blocks scattered over the pool
+        blocks = torch.randperm(8192, device=dev)[:-(-t // bs)]
+        slots = (blocks[:, None] * bs + torch.arange(bs, device=dev)).flatten()[:t].clone()
+        slots[::97] = K.PAD_SLOT_ID
+        fn = lambda: K.write_kv(key, value, kv, slots)  # noqa: E731
+        us = bench_us(fn, rep=300)
+        src = torch.cat([key.flatten(), value.flatten()])
+        dst = torch.empty_like(src)
+        copy_us = bench_us(lambda: dst.copy_(src), rep=300)
+        moved = 2 * src.numel() * src.element_size()  # read + write
+        rate = moved / (us * 1e-6) / 1e9
+        pct = 100 * copy_us / us
+        name = f"write_kv {t} tokens x {h}x{d} bf16"
+        results["figures"][f"{name} GBps"] = round(rate, 1)
+        results["figures"][f"{name} pct_of_copy"] = round(pct, 1)
+        record(name, us, graph_us(fn), f"{rate:.0f} GB/s, {pct:.0f}% of the same bytes' copy "
+               f"({copy_us:.1f} us)" + (f", d2d {d2d:.0f}" if d2d else ""))
+        kv.zero_()
+        want = torch.zeros_like(kv)
+        K.write_kv_ref(key, value, want, slots)
+        fn()
+        torch.cuda.synchronize()
+        results["checks"][f"{name} exact"] = bool(torch.equal(kv.view(torch.int16),
+                                                              want.view(torch.int16)))
+        del want
+
+
+def sdpa_decode_us(q, k, v, scale):
+    """Best of two SDPA formulations of the same decode attention on a contiguous cache."""
+    r, h_q, d = q.shape
+    h_kv = k.shape[1]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    # a decode query attends to its whole context: the GQA group can ride as the query length
+    grouped = lambda: sdpa(q.view(r, h_kv, h_q // h_kv, d), k, v, scale=scale)  # noqa: E731
+    gqa = lambda: sdpa(q.view(r, h_q, 1, d), k, v, scale=scale, enable_gqa=True)  # noqa: E731
+    times = {"grouped": bench_us(grouped), "enable_gqa": bench_us(gqa)}
+    best = min(times, key=times.get)
+    out = grouped().reshape(r, h_q, d)
+    return times, best, out
+
+
+@section
+def decode_attention(dev, sweep=True):
+    d2d = results["figures"].get("d2d_copy_GBps")
+    for num_reqs, ctx, h_q, h_kv in ((256, 1024, 32, 8), (64, 1024, 32, 8), (256, 1024, 16, 4),
+                                     (64, 1024, 16, 4), (8, 16384, 32, 8)):
+        kv, table, k, v = paged_cache(dev, num_reqs, ctx, h_kv)
+        q = torch.randn(num_reqs, h_q, 128, dtype=torch.bfloat16, device=dev)
+        scale = 128 ** -0.5
+        lens = torch.full((num_reqs,), ctx, dtype=torch.int32, device=dev)
+        qsl = torch.arange(num_reqs + 1, dtype=torch.int32, device=dev)
+        out = torch.empty_like(q)
+        name = f"decode attn {num_reqs}x{ctx} {h_q}/{h_kv} d128 bf16"
+        sdpa_times, best, want = sdpa_decode_us(q, k, v, scale)
+        cfg = attention_config(num_reqs, num_reqs, h_q, h_kv, table.shape[1] * 16, q.device)
+        variants = {"default": {}}
+        if sweep:
+            for splits in (1, 2, 4, 8):
+                for bn in (32, 64, 128):
+                    variants[f"splits{splits}_bn{bn}"] = dict(num_splits=splits, block_n=bn)
+        timing = {}
+        for vname, tuning in variants.items():
+            fn = lambda: K.paged_attention_triton(q, kv, table, lens, qsl, scale=scale,  # noqa
+                                                  out=out, **tuning)
+            try:
+                timing[vname] = bench_us(fn)
+            except Exception as e:  # a tiling that does not fit is reported, not fatal
+                timing[vname] = None
+                results["errors"][f"{name} {vname}"] = repr(e)[:300]
+        fn = lambda: K.paged_attention(q, kv, table, lens, qsl, scale=scale, out=out)  # noqa
+        us = timing["default"]
+        g_us = graph_us(fn)
+        nbytes = 2 * k.numel() * k.element_size()
+        rate = nbytes / (us * 1e-6) / 1e9
+        ratio = us / sdpa_times[best]
+        results["figures"][name] = {
+            "do_bench_us": round(us, 2), "graph_us": round(g_us, 2), "config": cfg,
+            "GBps": round(rate, 1), "pct_of_d2d": round(100 * rate / d2d, 1) if d2d else None,
+            "sdpa_us": {k_: round(x, 2) for k_, x in sdpa_times.items()}, "sdpa_best": best,
+            "ratio_vs_sdpa": round(ratio, 3),
+            "sweep_us": {k_: (None if x is None else round(x, 2)) for k_, x in timing.items()}}
+        rows.append((name, f"{us:9.2f}", f"{g_us:9.2f}",
+                     f"{rate:.0f} GB/s; SDPA {best} {sdpa_times[best]:.1f} us -> {ratio:.2f}x"))
+        ok = [x for x in timing.values() if x is not None]
+        rows.append((f"  sweep best of {len(ok)}", f"{min(ok):9.2f}", "",
+                     min((x, n) for n, x in timing.items() if x is not None)[1]))
+        fn()
+        torch.cuda.synchronize()
+        err = (out.float() - want.float()).abs().max().item()
+        results["checks"][f"{name} vs SDPA max_abs_err {err:.4f} <= 1.5e-2"] = err <= 1.5e-2
+        results["targets"][f"{name} <= 1.5x SDPA"] = {"ratio": round(ratio, 3), "met": ratio <= 1.5}
+        del kv, k, v
+
+
+@section
+def prefill_attention(dev):
+    """Prefill and chunked prefill (reported; no target): 8 requests x 1024 new tokens, GQA 32/8,
+    against SDPA's causal flash on contiguous K/V; and 8 x 512 new tokens after 1536 cached."""
+    for num_reqs, ctx, new in ((8, 1024, 1024), (8, 2048, 512)):
+        h_q, h_kv = 32, 8
+        kv, table, k, v = paged_cache(dev, num_reqs, ctx, h_kv)
+        q = torch.randn(num_reqs * new, h_q, 128, dtype=torch.bfloat16, device=dev)
+        scale = 128 ** -0.5
+        lens = torch.full((num_reqs,), ctx, dtype=torch.int32, device=dev)
+        qsl = torch.arange(0, num_reqs * new + 1, new, dtype=torch.int32, device=dev)
+        out = torch.empty_like(q)
+        fn = lambda: K.paged_attention(q, kv, table, lens, qsl, scale=scale, out=out)  # noqa
+        us = bench_us(fn)
+        sweep = {}
+        for bm, bn, warps, stages in ((64, 32, 4, None), (64, 64, 4, None), (128, 32, 8, None),
+                                      (128, 64, 8, None), (128, 64, 4, None), (64, 64, 4, 2),
+                                      (128, 64, 8, 2), (128, 128, 8, 2)):
+            vname = f"m{bm}_n{bn}_w{warps}_s{stages}"
+            try:
+                sweep[vname] = round(bench_us(lambda: K.paged_attention_triton(  # noqa
+                    q, kv, table, lens, qsl, scale=scale, out=out, block_m=bm, block_n=bn,
+                    num_warps=warps, num_stages=stages)), 2)
+            except Exception as e:  # e.g. out of shared memory: reported, not fatal
+                sweep[vname] = None
+                results["errors"][f"prefill {vname}"] = repr(e)[:300]
+        name = f"prefill attn {num_reqs}x{new} new of {ctx} {h_q}/{h_kv} d128 bf16"
+        qd = q.view(num_reqs, new, h_q, 128).transpose(1, 2)
+        mask = (torch.arange(ctx - new, ctx, device=dev)[:, None] >=
+                torch.arange(ctx, device=dev)[None, :])
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        if new == ctx:
+            ref = lambda: sdpa(qd, k, v, scale=scale, is_causal=True, enable_gqa=True)  # noqa
+        else:
+            ref = lambda: sdpa(qd, k, v, scale=scale, attn_mask=mask, enable_gqa=True)  # noqa
+        s_us = bench_us(ref)
+        flops = 4 * num_reqs * h_q * 128 * (new * (ctx - new) + new * (new + 1) / 2)
+        results["figures"][name] = {"do_bench_us": round(us, 2), "sdpa_us": round(s_us, 2),
+                                    "TFLOPs": round(flops / (us * 1e-6) / 1e12, 1),
+                                    "sweep_us": sweep}
+        rows.append((name, f"{us:9.2f}", "", f"SDPA {s_us:.1f} us; "
+                     f"{flops / (us * 1e-6) / 1e12:.0f} TFLOP/s"))
+        ok = {k_: x for k_, x in sweep.items() if x is not None}
+        if ok:
+            rows.append((f"  sweep best of {len(ok)}", f"{min(ok.values()):9.2f}", "",
+                         min(ok, key=ok.get)))
+        fn()
+        want = ref().transpose(1, 2).reshape(num_reqs * new, h_q, 128)
+        torch.cuda.synchronize()
+        err = (out.float() - want.float()).abs().max().item()
+        results["checks"][f"{name} vs SDPA max_abs_err {err:.4f} <= 1.5e-2"] = err <= 1.5e-2
+        del kv, k, v
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.parse_args()
+    ap.add_argument("--only", default="", help="comma-separated sections to run after the "
+                    "ceilings (default: all), e.g. write_kv,decode_attention,prefill_attention")
+    ap.add_argument("--no-sweep", action="store_true", help="decode attention: default tiling only")
+    args = ap.parse_args()
+    only = set(filter(None, args.only.split(",")))
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
     dev = torch.device("cuda")
@@ -374,10 +554,12 @@ def main():
                          "torch": torch.__version__, "triton": triton.__version__,
                          "interpret": os.environ.get("TRITON_INTERPRET", "")}
     ceilings(dev)
-    slot_mapping(dev)
-    block_tables(dev)
-    copy_blocks(dev)
-    swap(dev)
+    for name, fn in (("slot_mapping", slot_mapping), ("block_tables", block_tables),
+                     ("copy_blocks", copy_blocks), ("swap", swap), ("write_kv", write_kv),
+                     ("decode_attention", lambda d: decode_attention(d, not args.no_sweep)),
+                     ("prefill_attention", prefill_attention)):
+        if not only or name in only:
+            fn(dev)
 
     f = results["figures"]
     empty = f.get("empty_launch", {})
@@ -387,22 +569,29 @@ def main():
             return round(f[name][key] / empty[key], 2)
         return None
     t = results["targets"]
+    ran = lambda section: not only or section in only  # noqa: E731
     for name, limit in (("slot_mapping decode 256 plan", 1.3),
                         ("slot_mapping prefill 8x1024 plan", 1.3),
                         ("fused gather+slot decode 256 x 512 cols plan", 1.6),
                         ("slot_mapping decode 256", 1.3), ("slot_mapping prefill 8x1024", 1.3),
                         ("fused gather+slot decode 256 x 512 cols", 1.6)):
         for key in ("do_bench_us", "graph_us"):
+            if not ran("block_tables" if "gather" in name else "slot_mapping"):
+                continue
             r = ratio(name, key)
             t[f"{name} / empty ({key})"] = {"ratio": r, "limit": limit,
                                            "met": r is not None and r <= limit}
     pct = f.get("copy_blocks_default_pct_of_d2d")
-    t["copy_blocks >= 90% of d2d"] = {"pct": pct, "met": pct is not None and pct >= 90}
-    for d in ("d2h", "h2d"):
+    if ran("copy_blocks"):
+        t["copy_blocks >= 90% of d2d"] = {"pct": pct, "met": pct is not None and pct >= 90}
+    for d in ("d2h", "h2d") if ran("swap") else ():
         best = max(f.get(f"swap_{d}_kernel_GBps", 0), f.get(f"swap_{d}_dma_GBps", 0))
         t[f"swap {d} >= 50 GB/s"] = {"GBps_kernel": f.get(f"swap_{d}_kernel_GBps"),
                                      "GBps_dma": f.get(f"swap_{d}_dma_GBps"),
                                      "met": best >= 50}
+    for name, v in f.items():
+        if name.startswith("write_kv 65536") and name.endswith("pct_of_copy"):
+            t["write_kv >= 80% of the copy ceiling (65536 tokens)"] = {"pct": v, "met": v >= 80}
     results["checks"]["all_exact"] = all(v for k, v in results["checks"].items() if k != "all_exact")
 
     print(f"\n{'case':58s} {'do_bench us':>11s} {'graph us':>9s}  note")
