@@ -72,7 +72,13 @@ c = Client(EP)
 hs = c.hash_prompt(np.arange(64, dtype=np.int32) + 7)
 r = c.step(StepBatch(admit=[AdmitRequest("a", 64, hs)]))
 blocks = c.block_table("a").copy()
-c.kv_cache[:, :, blocks] = 5  # the forward pass of that step writes the prompt's K/V
+kv = c.kv_cache
+if isinstance(kv, np.ndarray):
+    kv[:, :, blocks] = 5  # the forward pass of that step writes the prompt's K/V
+else:  # a CUDA tensor mapped over CUDA IPC
+    import torch
+    kv[:, :, torch.as_tensor(blocks, device=kv.device)] = 5
+    torch.cuda.synchronize()
 print(int(r.admit_cached_tokens[0]), *blocks.tolist(), flush=True)
 for _ in sys.stdin:  # one decode step per line (the client confirms the step before last)
     c.step(StepBatch(append_rows=c.rows_of(["a"])))
@@ -80,8 +86,21 @@ for _ in sys.stdin:  # one decode step per line (the client confirms the step be
 """
 
 
-def test_a_block_is_a_hit_for_another_engine_only_after_its_writer_confirms(daemon_factory):
-    d = daemon_factory(kv_cache=SPEC)
+def _kv_values(kv, blocks):
+    if isinstance(kv, np.ndarray):
+        return kv[:, :, blocks]
+    import torch
+
+    return kv[:, :, torch.as_tensor(blocks, device=kv.device)].cpu().numpy()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.cuda)])
+def test_a_block_is_a_hit_for_another_engine_only_after_its_writer_confirms(daemon_factory, device):
+    if device != "cpu":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+    d = daemon_factory(kv_cache=SPEC, device=device)
     hs = hash_prompt(PROMPT, BS)
     a = script(d.endpoint, WRITER)
     b, c = Client(d.endpoint), Client(d.endpoint)
@@ -103,7 +122,7 @@ def test_a_block_is_a_hit_for_another_engine_only_after_its_writer_confirms(daem
         # the step after that confirms it: the full hit, on A's blocks, reading A's K/V
         rc = c.allocate("c2", 64, hs)
         assert rc.num_cached_tokens == 48 and rc.block_ids[:3].tolist() == blocks_a[:3]
-        assert (c.kv_cache[:, :, rc.block_ids[:3]] == 5).all()
+        assert (_kv_values(c.kv_cache, rc.block_ids[:3]) == 5).all()
     finally:
         finish(a)
         b.close()
