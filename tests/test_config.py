@@ -57,6 +57,9 @@ def test_every_key_is_a_flag_an_env_var_and_a_file_key(tmp_path):
         "kv_groups": ("16,32:64", "16,32:64"),
         "kv_cache": ("2,4,8,bfloat16", "2,4,8,bfloat16"),
         "kv_events_endpoint": ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5557"),
+        "kv_events_replay_endpoint": ("tcp://127.0.0.1:5558", "tcp://127.0.0.1:5558"),
+        "kv_events_topic": ("kv@n1@{tenant}", "kv@n1@{tenant}"),
+        "hash_seed": ("1234", "1234"),
     }
     for key, f in FIELDS.items():
         text, value = overrides[key] if key in overrides else (str(f.default + 3), f.default + 3)
