@@ -101,6 +101,9 @@ class ServeConfig:
     "kv@node1-gpu0@{tenant}" for routers that parse the topic)."""
     kv_events_data_parallel_rank: int = 0
     """``data_parallel_rank`` of every KVEventBatch (vLLM's publisher sends its DP rank)."""
+    kv_events_int_hashes: bool = True
+    """Publish hashes as vLLM 0.33 does by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1): the uint64
+    of each hash's last 8 bytes; false: the full-width hash bytes."""
     kv_groups: str = ""
     """Several KV-cache groups sharing the pool, as BLOCK_SIZE[:WINDOW] per group, comma-separated
     (e.g. "16,16:4096": full attention beside a 4,096-token window). Replaces block_size and
@@ -284,6 +287,7 @@ _CHECKS = {
     "kv_events_buffer_steps": _in_range(1, 10_000_000),
     "kv_events_topic": lambda v: None if len(v.encode()) <= 1024 else "must be at most 1024 bytes",
     "kv_events_data_parallel_rank": _in_range(0, 2**31 - 1),
+    "kv_events_int_hashes": lambda v: None,
     "kv_groups": _parses(_parse_kv_groups, "a group list"),
     "max_model_len": _in_range(1, 2**31 - 1),
     "max_num_reqs": _in_range(1, 2**31 - 1),

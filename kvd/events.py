@@ -18,9 +18,12 @@ A ZeroMQ PUB socket; each message is three frames, as vLLM's ``ZmqEventPublisher
                 BlockRemoved      block_hashes (one hash, as vLLM emits them), medium, group_idx
                 AllBlocksCleared  no fields
 
-Hashes are the full-width block hashes of the daemon's scheme (16 bytes by default, 32 for vLLM's
-scheme: kvd.hashing), msgpack bin; the pool keeps them as numpy ``S`` items, which strip trailing
-zero bytes, so they are padded back here. A BlockStored lists the blocks of one registration in chain
+Hashes (``block_hashes``, ``parent_block_hash``) are published as vLLM 0.33 does by default
+(``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``): the uint64 ``int.from_bytes(hash, "big") & (2**64 - 1)``,
+i.e. the hash's last 8 bytes read big-endian (``kv_events_int_hashes``, default on). With it off,
+the full-width hash of the daemon's scheme (16 bytes by default, 32 for vLLM's: kvd.hashing) is
+published as msgpack bin, as vLLM does with that variable set to 0. The pool keeps hashes as numpy
+``S`` items, which strip trailing zero bytes, so they are padded back to full width first. A BlockStored lists the blocks of one registration in chain
 order; ``parent_block_hash`` and ``token_ids`` are nil / [] unless the engine supplied them. A
 tenant's prefix-cache reset is an AllBlocksCleared on its topic.
 
@@ -75,7 +78,7 @@ def _array_header(n: int) -> bytes:
     return b"\xdd" + n.to_bytes(4, "big")
 
 
-def encode_block_stored(hashes: list[bytes], block_size: int, group: int, parent: bytes | None = None,
+def encode_block_stored(hashes: list[bytes | int], block_size: int, group: int, parent: bytes | int | None = None,
                         token_ids: list[int] | None = None, lora_name: str | None = None) -> bytes:
     """One BlockStored event (hashes at full width)."""
     return b"".join((
@@ -85,7 +88,7 @@ def encode_block_stored(hashes: list[bytes], block_size: int, group: int, parent
     ))
 
 
-def encode_block_removed(block_hash: bytes, group: int) -> bytes:
+def encode_block_removed(block_hash: bytes | int, group: int) -> bytes:
     return b"".join((_REMOVED_TAG, b"\x91", _pack(block_hash), _MEDIUM, _GROUP, _pack(group)))
 
 
@@ -104,9 +107,11 @@ class KvEventPublisher:
 
     def __init__(self, ctx: zmq.Context, endpoint: str, describe: Callable[[int], tuple[str, int, int]], *,
                  hash_width: int = 16, replay_endpoint: str = "", buffer_steps: int = BUFFER_STEPS,
-                 topic: str = TENANT_FIELD, data_parallel_rank: int = 0, hwm: int = SEND_HWM):
+                 topic: str = TENANT_FIELD, data_parallel_rank: int = 0, hwm: int = SEND_HWM,
+                 int_hashes: bool = True):
         self.describe = describe
         self.hash_width = hash_width
+        self.external = _int_hash(hash_width) if int_hashes else _full_hash(hash_width)
         self.topic = topic
         self.dp_rank = data_parallel_rank
         self.sock = ctx.socket(zmq.PUB)
@@ -130,14 +135,14 @@ class KvEventPublisher:
     def _encode(self, entry: tuple) -> bytes | list[bytes]:
         kind, key, hashes = entry[0], entry[1], entry[2]
         _, block_size, group = self.describe(key)
-        w = self.hash_width
+        ext = self.external
         if kind == "stored":
             parent = entry[3] if len(entry) > 3 else None
             tokens = entry[4] if len(entry) > 4 else None
-            return encode_block_stored([h.ljust(w, b"\0") for h in hashes], block_size, group,
-                                       None if parent is None else parent.ljust(w, b"\0"), tokens)
+            return encode_block_stored(list(map(ext, hashes)), block_size, group,
+                                       None if parent is None else ext(parent), tokens)
         if kind == "removed":
-            return [encode_block_removed(h.ljust(w, b"\0"), group) for h in hashes]
+            return [encode_block_removed(ext(h), group) for h in hashes]
         return encode_all_cleared()
 
     def publish(self, log: list[tuple]) -> None:
@@ -171,6 +176,18 @@ class KvEventPublisher:
         if self._replay is not None:
             self._replay.stop()
         self.sock.close(0)
+
+
+def _full_hash(width: int) -> Callable[[bytes], bytes]:
+    return lambda h: h.ljust(width, b"\0")
+
+
+def _int_hash(width: int) -> Callable[[bytes], int]:
+    """vLLM's ``maybe_convert_block_hash``: the low 64 bits of the big-endian hash."""
+    def convert(h: bytes) -> int:
+        return int.from_bytes(h.ljust(width, b"\0")[width - 8 :], "big")
+
+    return convert
 
 
 class _ReplayServer:

@@ -936,7 +936,8 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                     replay_endpoint=str(_opt(config, "kv_events_replay_endpoint", "")),
                     buffer_steps=int(_opt(config, "kv_events_buffer_steps", 10_000)),
                     topic=str(_opt(config, "kv_events_topic", "{tenant}")),
-                    data_parallel_rank=int(_opt(config, "kv_events_data_parallel_rank", 0)))
+                    data_parallel_rank=int(_opt(config, "kv_events_data_parallel_rank", 0)),
+                    int_hashes=bool(_opt(config, "kv_events_int_hashes", True)))
             except zmq.ZMQError as e:
                 print(f"kvd: cannot bind the KV events endpoint {events_ep}: {e}", file=sys.stderr)
                 return 1

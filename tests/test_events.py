@@ -67,9 +67,11 @@ def _settle(pub, sub):
         sub.recv_multipart()
 
 
-def test_hashes_with_trailing_zero_bytes_are_published_at_full_width():
-    ctx, pool, pub = _publisher_pool(32, "inproc://kvd-events-width")
-    sub = _sub(ctx, "inproc://kvd-events-width")
+@pytest.mark.parametrize("int_hashes", [True, False])
+def test_hashes_with_trailing_zero_bytes_are_published_at_full_width(int_hashes):
+    ep = f"inproc://kvd-events-width-{int_hashes}"
+    ctx, pool, pub = _publisher_pool(32, ep, int_hashes=int_hashes)
+    sub = _sub(ctx, ep)
     try:
         _settle(pub, sub)
         h = [b"\x07" * 30 + b"\0\0", b"\0" * 31 + b"\x01"]
@@ -80,7 +82,10 @@ def test_hashes_with_trailing_zero_bytes_are_published_at_full_width():
         assert sub.poll(2000)
         topic, seq, payload = sub.recv_multipart()
         ts, events, rank = msgpack.unpackb(payload)
-        assert topic == b"t2" and events[0]["block_hashes"] == h and events[0]["group_idx"] == 1 and rank == 0
+        # vLLM's default: the low 64 bits of the big-endian hash, i.e. its last 8 bytes
+        want = [int.from_bytes(x[-8:], "big") for x in h] if int_hashes else h
+        assert want[0] == 0x0707070707070000 and want[1] == 1 or not int_hashes
+        assert topic == b"t2" and events[0]["block_hashes"] == want and events[0]["group_idx"] == 1 and rank == 0
         assert events[0]["block_size"] == 4
     finally:
         sub.close(0)
@@ -134,13 +139,14 @@ def _recv(sub: zmq.Socket, timeout_ms: int = 5000):
     return topic.decode(), int.from_bytes(seq, "big"), payload
 
 
-@pytest.mark.parametrize("algo", ["sha256", "vllm_sha256"])
-def test_a_router_decodes_every_event_with_vllms_decoder(daemon_factory, short_tmp, algo):
+@pytest.mark.parametrize("algo,int_hashes", [("sha256", True), ("vllm_sha256", True), ("vllm_sha256", False)])
+def test_a_router_decodes_every_event_with_vllms_decoder(daemon_factory, short_tmp, algo, int_hashes):
     kv_events = pytest.importorskip("vllm.distributed.kv_events")
     msgspec = pytest.importorskip("msgspec")
     decode = msgspec.msgpack.Decoder(kv_events.KVEventBatch).decode
     events_ep = f"ipc://{short_tmp}/events.sock"
-    d = daemon_factory(num_gpu_blocks=16, kv_events_endpoint=events_ep, hash_algo=algo)
+    d = daemon_factory(num_gpu_blocks=16, kv_events_endpoint=events_ep, hash_algo=algo,
+                       kv_events_int_hashes=int_hashes)
     ctx = zmq.Context()
     sub = _sub(ctx, events_ep)
     c = Client(d.endpoint, tenant="alice")
@@ -167,15 +173,20 @@ def test_a_router_decodes_every_event_with_vllms_decoder(daemon_factory, short_t
         assert seq2 == seq + 1
         (stored,) = decode(payload).events
         width = c.hash_width
+
+        def ext(x):
+            full = bytes(x).ljust(width, b"\0")
+            return int.from_bytes(full[-8:], "big") if int_hashes else full
+
         assert stored == kv_events.BlockStored(
-            block_hashes=[bytes(x).ljust(width, b"\0") for x in hs], parent_block_hash=None, token_ids=[],
+            block_hashes=[ext(x) for x in hs], parent_block_hash=None, token_ids=[],
             block_size=16, lora_id=None, medium="GPU", lora_name=None, group_idx=0)
         c.free("a")
         c.allocate("b", 15 * 16)  # every block of the pool: both cached blocks are evicted
         topic, _, payload = _recv(sub)
         events = decode(payload).events
         assert topic == "alice" and all(isinstance(e, kv_events.BlockRemoved) for e in events)
-        assert sorted(e.block_hashes[0] for e in events) == sorted(bytes(x).ljust(width, b"\0") for x in hs)
+        assert sorted(e.block_hashes[0] for e in events) == sorted(ext(x) for x in hs)
         assert {(e.medium, e.group_idx, len(e.block_hashes)) for e in events} == {("GPU", 0, 1)}
     finally:
         c.close()
