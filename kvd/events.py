@@ -23,9 +23,13 @@ Hashes (``block_hashes``, ``parent_block_hash``) are published as vLLM 0.33 does
 i.e. the hash's last 8 bytes read big-endian (``kv_events_int_hashes``, default on). With it off,
 the full-width hash of the daemon's scheme (16 bytes by default, 32 for vLLM's: kvd.hashing) is
 published as msgpack bin, as vLLM does with that variable set to 0. The pool keeps hashes as numpy
-``S`` items, which strip trailing zero bytes, so they are padded back to full width first. A BlockStored lists the blocks of one registration in chain
-order; ``parent_block_hash`` and ``token_ids`` are nil / [] unless the engine supplied them. A
-tenant's prefix-cache reset is an AllBlocksCleared on its topic.
+``S`` items, which strip trailing zero bytes, so they are padded back to full width first.
+
+A BlockStored lists the blocks of one registration in chain order. A pool ``event_log`` entry
+``("stored", key, hashes[, parent, token_ids])`` fills ``parent_block_hash`` and ``token_ids`` when
+it carries them; today's pool records only ``(kind, key, hashes)`` (the daemon does not receive token
+ids yet), so they are nil / [], and ``lora_name`` / ``extra_keys`` are not sent. A tenant's
+prefix-cache reset is an AllBlocksCleared on its topic.
 
 Replay (``kv_events_replay_endpoint``): a ROUTER socket, as vLLM's. A subscriber (a DEALER or REQ)
 sends ``[b"", start_seq (8 bytes big-endian)]``; it gets back every buffered message with
@@ -46,6 +50,7 @@ from collections import deque
 from collections.abc import Callable
 
 import msgpack
+import numpy as np
 import zmq
 
 MEDIUM = "GPU"
@@ -82,7 +87,7 @@ def encode_block_stored(hashes: list[bytes | int], block_size: int, group: int, 
                         token_ids: list[int] | None = None, lora_name: str | None = None) -> bytes:
     """One BlockStored event (hashes at full width)."""
     return b"".join((
-        _MAP16, (9).to_bytes(2, "big"), _STORED_TAG, _array_header(len(hashes)), *map(_pack, hashes),
+        _MAP16, (9).to_bytes(2, "big"), _STORED_TAG, _pack(hashes),
         _PARENT, _pack(parent), _TOKENS, _pack(token_ids or []), _SIZE, _pack(block_size),
         _LORA_MEDIUM, _LORA_NAME, _pack(lora_name), _GROUP, _pack(group),
     ))
@@ -111,6 +116,7 @@ class KvEventPublisher:
                  int_hashes: bool = True):
         self.describe = describe
         self.hash_width = hash_width
+        self.int_hashes = int_hashes
         self.external = _int_hash(hash_width) if int_hashes else _full_hash(hash_width)
         self.topic = topic
         self.dp_rank = data_parallel_rank
@@ -135,15 +141,25 @@ class KvEventPublisher:
     def _encode(self, entry: tuple) -> bytes | list[bytes]:
         kind, key, hashes = entry[0], entry[1], entry[2]
         _, block_size, group = self.describe(key)
-        ext = self.external
         if kind == "stored":
             parent = entry[3] if len(entry) > 3 else None
             tokens = entry[4] if len(entry) > 4 else None
-            return encode_block_stored(list(map(ext, hashes)), block_size, group,
-                                       None if parent is None else ext(parent), tokens)
+            return encode_block_stored(self.external_all(hashes), block_size, group,
+                                       None if parent is None else self.external(parent), tokens)
         if kind == "removed":
-            return [encode_block_removed(ext(h), group) for h in hashes]
+            return [encode_block_removed(h, group) for h in self.external_all(hashes)]
         return encode_all_cleared()
+
+    def external_all(self, hashes: list[bytes]) -> list:
+        """Many hashes in their published form, in a few numpy calls (the S dtype re-pads them)."""
+        if len(hashes) < 8:
+            return list(map(self.external, hashes))
+        w = self.hash_width
+        arr = np.array(hashes, f"S{w}")
+        if not self.int_hashes:
+            raw = arr.tobytes()
+            return [raw[i : i + w] for i in range(0, len(raw), w)]
+        return np.ascontiguousarray(arr.view(np.uint8).reshape(-1, w)[:, w - 8 :]).view(">u8").ravel().tolist()
 
     def publish(self, log: list[tuple]) -> None:
         """Send the logged changes, one message per topic, and empty the log."""

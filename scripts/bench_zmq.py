@@ -1115,7 +1115,7 @@ def _event_counter(endpoint: str, ready, stop, results) -> None:
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(endpoint)
     ready.set()
-    msgs = events = gaps = 0
+    msgs = events = hashes = gaps = 0
     first = last = None
     t_first = t_last = 0.0
     while not (stop.is_set() and not sub.poll(200)):
@@ -1130,10 +1130,14 @@ def _event_counter(endpoint: str, ready, stop, results) -> None:
             gaps += seq - last - 1
         last, t_last = seq, now
         msgs += 1
-        events += len(msgpack.unpackb(payload)[1])
+        batch = msgpack.unpackb(payload)[1]
+        events += len(batch)
+        hashes += sum(len(e.get("block_hashes", ())) for e in batch)
     span = t_last - t_first
-    results.put({"event_messages": msgs, "events": events, "event_seq_gaps": gaps, "first_seq": first,
-                 "events_span_s": round(span, 3), "events_per_s": round(events / span, 1) if span > 0 else 0.0})
+    results.put({"event_messages": msgs, "events": events, "event_block_hashes": hashes, "event_seq_gaps": gaps,
+                 "first_seq": first, "events_span_s": round(span, 3),
+                 "events_per_s": round(events / span, 1) if span > 0 else 0.0,
+                 "event_hashes_per_s": round(hashes / span, 1) if span > 0 else 0.0})
     sub.close(0)
     ctx.term()
 

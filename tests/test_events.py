@@ -199,3 +199,18 @@ def test_a_daemon_that_cannot_bind_its_events_endpoint_says_so(daemon_factory):
     d = daemon_factory(wait=False, kv_events_endpoint="tcp://256.0.0.1:1")
     assert d.proc.wait(60) == 1
     d.stop()
+
+
+def test_a_stored_entry_with_parent_and_tokens_publishes_them():
+    ep = "inproc://kvd-events-parent"
+    ctx, pool, pub = _publisher_pool(32, ep, int_hashes=False)
+    try:
+        parent, h = b"\x05" * 32, b"\x06" * 31 + b"\0"
+        pool.event_log.append(("stored", 1, [h.rstrip(b"\0")], parent, [7, 8, 9, 300]))
+        pub.publish(pool.event_log)
+        _, _, payload = pub.buffer[-1]
+        (event,) = msgpack.unpackb(payload)[1]
+        assert (event["block_hashes"], event["parent_block_hash"], event["token_ids"]) == ([h], parent, [7, 8, 9, 300])
+        assert pool.event_log == []
+    finally:
+        pub.close()
