@@ -1527,6 +1527,9 @@ class _BatchAdmission:
         if admitted:
             self._apply(admits, admitted, flat_hits, hit_counts, new_counts, reg_hashes, reg_blocks, reg_ends, offset,
                         status, rows_out, cached_out)
+        log = self.mgr.pool.event_log
+        if log is not None:  # this batch fills the cache map itself, past pool.register's recording
+            log.extend(("stored", self.key, keys) for keys in self.inserted if keys)
         self.inserted.clear()
         return done
 

@@ -214,3 +214,21 @@ def test_a_stored_entry_with_parent_and_tokens_publishes_them():
         assert pool.event_log == []
     finally:
         pub.close()
+
+
+@pytest.mark.parametrize("width", [16, 32])
+def test_batch_admission_in_a_step_logs_one_stored_entry_per_request(width):
+    from kvd.api import AdmitRequest, GroupSpec, ManagerConfig, StepBatch
+    from kvd.manager import BlockManager
+
+    algo = "vllm_sha256" if width == 32 else "sha256"
+    m = BlockManager(ManagerConfig(num_gpu_blocks=32, groups=(GroupSpec(block_size=4),), max_model_len=64,
+                                   hash_width=width, debug_checks=True))
+    m.pool.event_log = []
+    shared = list(range(8))
+    prompts = [shared + [100, 101, 102, 103, 104], shared + [200, 201, 202, 203, 204, 205]]
+    hashes = [hash_prompt(np.array(p), 4, algo=algo) for p in prompts]
+    m.step(StepBatch(admit=[AdmitRequest(f"r{i}", len(p), h) for i, (p, h) in enumerate(zip(prompts, hashes))]))
+    # r0 registers its 3 full blocks; r1 hits the 2 shared ones and registers its third and fourth
+    assert m.pool.event_log == [("stored", 1, hashes[0].tolist()), ("stored", 1, hashes[1][2:].tolist())]
+    assert m.block_table("r1").tolist()[:2] == m.block_table("r0").tolist()[:2]
