@@ -377,12 +377,20 @@ class _Core:
         r = self.row_of(req_id)
         return self.shm.tables[group][r, : int(self.shm.counts[group][r])]
 
+    @property
+    def hash_width(self) -> int:
+        """Bytes of one block hash under the daemon's scheme (16, or 32 for vLLM's)."""
+        return int(self.info.get("hash_width", 16))
+
     def hash_prompt(self, token_ids, group: int = 0, **kw) -> np.ndarray:
-        """kvd.hashing.hash_prompt with this pool's hash algorithm and the block size of KV-cache
-        ``group`` (with several groups, give ``[hash_prompt(t, group=g) for g in ...]``)."""
+        """kvd.hashing.hash_prompt with this pool's hash scheme (and, for vLLM's scheme, its NONE_HASH
+        seed) and the block size of KV-cache ``group`` (with several groups, give
+        ``[hash_prompt(t, group=g) for g in ...]``)."""
         from kvd.hashing import hash_prompt
 
         kw.setdefault("algo", self.info.get("hash_algo", "sha256"))
+        if "hash_seed" in self.info:
+            kw.setdefault("seed", self.info["hash_seed"])
         return hash_prompt(token_ids, self.block_sizes[group], **kw)
 
     # ---- session ----------------------------------------------------------------------------------
@@ -465,16 +473,16 @@ class _Core:
         if G == 1:
             if isinstance(block_hashes, (list, tuple)) and block_hashes and isinstance(block_hashes[0], np.ndarray):
                 block_hashes = block_hashes[0] if len(block_hashes) == 1 else block_hashes
-            return [P.hashes_frame(block_hashes)]
+            return [P.hashes_frame(block_hashes, self.hash_width)]
         if not block_hashes:
             return [P.EMPTY] * G
         if len(block_hashes) != G:
             raise InvalidArgument(f"expected block hashes for {G} groups")
-        return [P.hashes_frame(x) for x in block_hashes]
+        return [P.hashes_frame(x, self.hash_width) for x in block_hashes]
 
     # ---- requests: (op, header fields, frames, post-processing) -----------------------------------
     def _req_lookup(self, block_hashes):
-        return P.LOOKUP, {}, [P.hashes_frame(block_hashes)], lambda h, f: int(h["n"])
+        return P.LOOKUP, {}, [P.hashes_frame(block_hashes, self.hash_width)], lambda h, f: int(h["n"])
 
     def _req_can_allocate(self, num_tokens, block_hashes=(), num_lookahead_tokens=0, *,
                           max_new_tokens=0, num_encoder_tokens=0):

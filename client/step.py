@@ -88,7 +88,7 @@ class StepMessage:
         b, frames = self.batch, []
         for g in range(self.G):
             if len(b.append_hashes) > g and len(b.append_hash_counts) > g:
-                hs = P.hashes_frame(b.append_hashes[g])
+                hs = P.hashes_frame(b.append_hashes[g], self.core.hash_width)
                 cnt = np.ascontiguousarray(b.append_hash_counts[g], np.int32)
                 if not sent.all():
                     if cnt.shape[0] != sent.shape[0]:
@@ -147,7 +147,7 @@ class StepMessage:
         frames.append(adm.tobytes())
         for g in range(G):
             frames.append(b"".join(a[1][g] for a in admits))
-            frames.append(np.array([len(a[1][g]) // P.HASH_WIDTH for a in admits], np.int32).tobytes())
+            frames.append(np.array([len(a[1][g]) // core.hash_width for a in admits], np.int32).tobytes())
         while len(frames) > 4 and not frames[-1]:
             frames.pop()  # trailing empty frames may be left out
         # The daemon answers in the decode format when only appends with one count travel

@@ -1,7 +1,8 @@
 """Value types of the block manager's API: configuration, a scheduler step, and its results.
 
 These are plain values shared by the core (``kvd.manager``), the daemon and the client. Arrays are
-numpy; hashes are 16-byte values (``kvd.hashing.HASH_DTYPE``, numpy ``S16``), one per full block.
+numpy; hashes are 16-byte values (``kvd.hashing.HASH_DTYPE``, numpy ``S16``), one per full block, or
+``ManagerConfig.hash_width``-byte values (``S32`` under vLLM's scheme).
 
 Status codes. Per-request statuses (the ``*_status`` arrays of a step, ``AllocResult.status`` ...)
 and the ``code`` of every ``kvd.errors`` class share one int16 space, split so they never collide:
@@ -102,6 +103,8 @@ class ManagerConfig:
     it, so a daemon can reply first. Every public method flushes before it reads the cache."""
     debug_checks: bool = False
     """Run the heavy invariant check after every mutation (tests turn it on)."""
+    hash_width: int = 16
+    """Bytes of one block hash (kvd.hashing.hash_width of the scheme): 16, or 32 for vLLM's."""
 
 
 @dataclass(frozen=True)

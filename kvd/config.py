@@ -48,7 +48,7 @@ __all__ = [
 
 ENV_PREFIX = "KVD_"
 CONFIG_ENV = "KVD_CONFIG"
-HASH_ALGOS = ("sha256", "xxh3_128")
+HASH_ALGOS = ("sha256", "xxh3_128", "vllm_sha256")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _DEVICE_RE = re.compile(r"cpu|cuda(:[0-9]+)?")
 _ENDPOINT_RE = re.compile(r"(ipc|tcp)://.+")
@@ -91,8 +91,20 @@ class ServeConfig:
     (DTYPE float16, bfloat16, float32, float8_e4m3fn or float8_e5m2; default float16). It performs
     copy-on-write copies and swaps itself. Empty: the engines own their KV memory. One group only."""
     kv_events_endpoint: str = ""
-    """ZeroMQ PUB endpoint of KV cache events in vLLM's format, one topic per tenant (kvd.events);
-    empty: none."""
+    """ZeroMQ PUB endpoint of KV cache events in vLLM 0.33's format (kvd.events); empty: none."""
+    kv_events_replay_endpoint: str = ""
+    """ZeroMQ ROUTER endpoint that resends buffered event batches from a requested seq, as vLLM's
+    ``replay_endpoint``; empty: none."""
+    kv_events_buffer_steps: int = 10_000
+    """Event batches kept for replay (vLLM's ``buffer_steps``)."""
+    kv_events_topic: str = "{tenant}"
+    """Topic of the events; "{tenant}" is replaced by the tenant they belong to (e.g.
+    "kv@node1-gpu0@{tenant}" for routers that parse the topic)."""
+    kv_events_data_parallel_rank: int = 0
+    """``data_parallel_rank`` of every KVEventBatch (vLLM's publisher sends its DP rank)."""
+    kv_events_int_hashes: bool = True
+    """Publish hashes as vLLM 0.33 does by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1): the uint64
+    of each hash's last 8 bytes; false: the full-width hash bytes."""
     kv_groups: str = ""
     """Several KV-cache groups sharing the pool, as BLOCK_SIZE[:WINDOW] per group, comma-separated
     (e.g. "16,16:4096": full attention beside a 4,096-token window). Replaces block_size and
@@ -118,7 +130,12 @@ class ServeConfig:
     watermark: float = 0.0
     """Fraction of the GPU pool kept free when admitting new requests (0 <= w < 1)."""
     hash_algo: str = "sha256"
-    """Block hash function the clients use: "sha256" or "xxh3_128"."""
+    """Block hash scheme the clients use: "sha256" or "xxh3_128" (16-byte hashes), or "vllm_sha256"
+    (32-byte hashes bit-identical to vLLM 0.33's default prefix caching, so that routers computing
+    vLLM hashes match this daemon's KV events)."""
+    hash_seed: str = "vllm-none-hash"
+    """vLLM's NONE_HASH seed for "vllm_sha256" (vLLM's default; set it to the PYTHONHASHSEED of the
+    vLLM deployment the router mirrors, if any)."""
     lease_s: float = 1.5
     """Seconds without a message before a session's blocks are reclaimed."""
     max_message_bytes: int = 64 << 20
@@ -281,6 +298,11 @@ _CHECKS = {
     "sliding_window": _non_negative,
     "kv_cache": _parses(parse_kv_cache, "a KV cache spec"),
     "kv_events_endpoint": _endpoint,
+    "kv_events_replay_endpoint": _endpoint,
+    "kv_events_buffer_steps": _in_range(1, 10_000_000),
+    "kv_events_topic": lambda v: None if len(v.encode()) <= 1024 else "must be at most 1024 bytes",
+    "kv_events_data_parallel_rank": _in_range(0, 2**31 - 1),
+    "kv_events_int_hashes": lambda v: None,
     "kv_groups": _parses(_parse_kv_groups, "a group list"),
     "max_model_len": _in_range(1, 2**31 - 1),
     "max_num_reqs": _in_range(1, 2**31 - 1),
@@ -293,6 +315,7 @@ _CHECKS = {
     "enable_prefix_caching": lambda v: None,
     "watermark": _finite(lambda v: None if 0.0 <= v < 1.0 else "must be in [0, 1)"),
     "hash_algo": _one_of(HASH_ALGOS),
+    "hash_seed": lambda v: None,
     "lease_s": _finite(_positive),
     "max_message_bytes": _in_range(1024, 2**31 - 1),
     "metrics_port": _in_range(0, 65535),

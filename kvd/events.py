@@ -1,72 +1,248 @@
-"""KV cache events for routers, in vLLM's wire format (``kv_events_endpoint``).
+"""KV cache events for routers, byte-for-byte in vLLM 0.33.0's wire format (``kv_events_endpoint``).
 
-A ZeroMQ PUB socket; each message is three frames::
+A ZeroMQ PUB socket; each message is three frames, as vLLM's ``ZmqEventPublisher`` sends them::
 
-    topic     the tenant the events belong to (utf-8; "" for the default tenant): subscribers
-              filter by prefix, and each tenant's prefixes live in their own namespace
-    seq       uint64, big-endian, one sequence over all topics (a gap means messages were lost)
-    payload   msgpack of vLLM's KVEventBatch (msgspec array_like structs, omitted defaults):
-                [ts: float (unix seconds), [event, ...]]
-              event, tagged by its class name:
-                ["BlockStored", [hash, ...], parent_hash: null, token_ids: [], block_size, lora_id: null, "GPU"]
-                ["BlockRemoved", [hash, ...], "GPU"]
-                ["AllBlocksCleared"]
+    topic     ``kv_events_topic`` with "{tenant}" replaced by the tenant the events belong to (utf-8;
+              "" for the default tenant). Subscribers filter by prefix; vLLM's own subscriber
+              subscribes to "" or to its fixed topic, so the default "{tenant}" keeps each tenant's
+              namespace apart while an "every topic" subscriber sees all of them.
+    seq       uint64, big-endian, one sequence over all topics starting at 0 (a gap means lost messages)
+    payload   msgpack of vLLM's ``KVEventBatch`` exactly as ``msgspec.msgpack.Encoder`` writes it:
+                [ts: float64 (unix seconds), [event, ...], data_parallel_rank: int]
+              each event a map whose first key is the tag "type", then the fields in vLLM's
+              declaration order; fields with a default are omitted when equal to it:
+                BlockStored       map16 header (the struct has 16 keys in all, so msgspec reserves a
+                                  map16 even when it writes fewer): block_hashes, parent_block_hash,
+                                  token_ids, block_size, lora_id (nil), medium ("GPU"), lora_name,
+                                  group_idx
+                BlockRemoved      block_hashes (one hash, as vLLM emits them), medium, group_idx
+                AllBlocksCleared  no fields
 
-Hashes are kvd's 16-byte block hashes (msgpack bin), the ones the engines computed; a BlockStored
-lists the blocks of one registration in chain order. kvd never sees token ids, so ``token_ids`` is
-empty and ``parent_block_hash`` null. A tenant's prefix-cache reset is an AllBlocksCleared on its
-topic. Events are published after the reply that caused them, without blocking (a slow subscriber
-loses messages at the socket's high-water mark, as with vLLM's publisher).
+Hashes (``block_hashes``, ``parent_block_hash``) are published as vLLM 0.33 does by default
+(``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``): the uint64 ``int.from_bytes(hash, "big") & (2**64 - 1)``,
+i.e. the hash's last 8 bytes read big-endian (``kv_events_int_hashes``, default on). With it off,
+the full-width hash of the daemon's scheme (16 bytes by default, 32 for vLLM's: kvd.hashing) is
+published as msgpack bin, as vLLM does with that variable set to 0. The pool keeps hashes as numpy
+``S`` items, which strip trailing zero bytes, so they are padded back to full width first.
+
+A BlockStored lists the blocks of one registration in chain order. A pool ``event_log`` entry
+``("stored", key, hashes[, parent, token_ids])`` fills ``parent_block_hash`` and ``token_ids`` when
+it carries them; today's pool records only ``(kind, key, hashes)`` (the daemon does not receive token
+ids yet), so they are nil / [], and ``lora_name`` / ``extra_keys`` are not sent. A tenant's
+prefix-cache reset is an AllBlocksCleared on its topic.
+
+Replay (``kv_events_replay_endpoint``): a ROUTER socket, as vLLM's. A subscriber (a DEALER or REQ)
+sends ``[b"", start_seq (8 bytes big-endian)]``; it gets back every buffered message with
+``seq >= start_seq`` as ``[b"", topic, seq, payload]`` and then the end marker
+``[b"", b"", (-1 as 8 bytes big-endian, signed), b""]``. The buffer holds the last
+``kv_events_buffer_steps`` messages (vLLM's ``buffer_steps``); the ROUTER's send high-water mark is
+``2 * (buffer_steps + 1)`` so a whole replay and its marker always fit.
+
+Events are published after the reply that caused them, without blocking: a slow subscriber loses
+messages at the PUB socket's high-water mark (vLLM's ``hwm``), which the replay socket repairs.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import msgpack
+import numpy as np
 import zmq
 
 MEDIUM = "GPU"
-SEND_HWM = 100_000
+SEND_HWM = 100_000  # vLLM's default ``hwm``
+BUFFER_STEPS = 10_000  # vLLM's default ``buffer_steps``
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's replay end marker
+TENANT_FIELD = "{tenant}"
+
+_MAP16 = b"\xde"
+_FIXARRAY3 = b"\x93"
+_pack = msgpack.Packer(use_bin_type=True, autoreset=True).pack
+# Constant key/value runs, packed once.
+_STORED_TAG = _pack("type") + _pack("BlockStored") + _pack("block_hashes")
+_PARENT = _pack("parent_block_hash")
+_TOKENS = _pack("token_ids")
+_SIZE = _pack("block_size")
+_LORA_MEDIUM = _pack("lora_id") + _pack(None) + _pack("medium") + _pack(MEDIUM)
+_LORA_NAME = _pack("lora_name")
+_GROUP = _pack("group_idx")
+_REMOVED_TAG = b"\x84" + _pack("type") + _pack("BlockRemoved") + _pack("block_hashes")
+_MEDIUM = _pack("medium") + _pack(MEDIUM)
+_CLEARED = b"\x81" + _pack("type") + _pack("AllBlocksCleared")
+
+
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes([0x90 | n])
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def encode_block_stored(hashes: list[bytes | int], block_size: int, group: int, parent: bytes | int | None = None,
+                        token_ids: list[int] | None = None, lora_name: str | None = None) -> bytes:
+    """One BlockStored event (hashes at full width)."""
+    return b"".join((
+        _MAP16, (9).to_bytes(2, "big"), _STORED_TAG, _pack(hashes),
+        _PARENT, _pack(parent), _TOKENS, _pack(token_ids or []), _SIZE, _pack(block_size),
+        _LORA_MEDIUM, _LORA_NAME, _pack(lora_name), _GROUP, _pack(group),
+    ))
+
+
+def encode_block_removed(block_hash: bytes | int, group: int) -> bytes:
+    return b"".join((_REMOVED_TAG, b"\x91", _pack(block_hash), _MEDIUM, _GROUP, _pack(group)))
+
+
+def encode_all_cleared() -> bytes:
+    return _CLEARED
+
+
+def encode_batch(ts: float, events: list[bytes], data_parallel_rank: int = 0) -> bytes:
+    """A KVEventBatch payload around already encoded events."""
+    return b"".join((_FIXARRAY3, _pack(float(ts)), _array_header(len(events)), *events, _pack(data_parallel_rank)))
 
 
 class KvEventPublisher:
-    """Publishes what the pool's ``event_log`` recorded. ``describe(cache_key)`` gives the topic
-    and the block size of a prefix-cache key."""
+    """Publishes what the pool's ``event_log`` recorded. ``describe(cache_key)`` gives the tenant,
+    block size and KV-cache group of a prefix-cache key."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, describe: Callable[[int], tuple[str, int]]):
+    def __init__(self, ctx: zmq.Context, endpoint: str, describe: Callable[[int], tuple[str, int, int]], *,
+                 hash_width: int = 16, replay_endpoint: str = "", buffer_steps: int = BUFFER_STEPS,
+                 topic: str = TENANT_FIELD, data_parallel_rank: int = 0, hwm: int = SEND_HWM,
+                 int_hashes: bool = True):
         self.describe = describe
+        self.hash_width = hash_width
+        self.int_hashes = int_hashes
+        self.external = _int_hash(hash_width) if int_hashes else _full_hash(hash_width)
+        self.topic = topic
+        self.dp_rank = data_parallel_rank
         self.sock = ctx.socket(zmq.PUB)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        self.sock.setsockopt(zmq.SNDHWM, hwm)
         self.sock.bind(endpoint)
         self.seq = 0
         self.dropped = 0
+        self.buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_steps)
+        self._replay: _ReplayServer | None = None
+        if replay_endpoint:
+            try:
+                self._replay = _ReplayServer(ctx, replay_endpoint, self.buffer, buffer_steps)
+            except zmq.ZMQError:
+                self.sock.close(0)
+                raise
 
-    def publish(self, log: list[tuple[str, int, list[bytes]]]) -> None:
+    def _topic(self, tenant: str) -> bytes:
+        return self.topic.replace(TENANT_FIELD, tenant).encode()
+
+    def _encode(self, entry: tuple) -> bytes | list[bytes]:
+        kind, key, hashes = entry[0], entry[1], entry[2]
+        _, block_size, group = self.describe(key)
+        if kind == "stored":
+            parent = entry[3] if len(entry) > 3 else None
+            tokens = entry[4] if len(entry) > 4 else None
+            return encode_block_stored(self.external_all(hashes), block_size, group,
+                                       None if parent is None else self.external(parent), tokens)
+        if kind == "removed":
+            return [encode_block_removed(h, group) for h in self.external_all(hashes)]
+        return encode_all_cleared()
+
+    def external_all(self, hashes: list[bytes]) -> list:
+        """Many hashes in their published form, in a few numpy calls (the S dtype re-pads them)."""
+        if len(hashes) < 8:
+            return list(map(self.external, hashes))
+        w = self.hash_width
+        arr = np.array(hashes, f"S{w}")
+        if not self.int_hashes:
+            raw = arr.tobytes()
+            return [raw[i : i + w] for i in range(0, len(raw), w)]
+        return np.ascontiguousarray(arr.view(np.uint8).reshape(-1, w)[:, w - 8 :]).view(">u8").ravel().tolist()
+
+    def publish(self, log: list[tuple]) -> None:
         """Send the logged changes, one message per topic, and empty the log."""
         if not log:
             return
-        batches: dict[str, list] = {}
-        for kind, key, hashes in log:
-            topic, block_size = self.describe(key)
-            if kind == "stored":
-                event = ["BlockStored", hashes, None, [], block_size, None, MEDIUM]
-            elif kind == "removed":
-                event = ["BlockRemoved", hashes, MEDIUM]
+        batches: dict[str, list[bytes]] = {}
+        for entry in log:
+            tenant = self.describe(entry[1])[0]
+            encoded = self._encode(entry)
+            events = batches.setdefault(tenant, [])
+            if isinstance(encoded, list):
+                events.extend(encoded)
             else:
-                event = ["AllBlocksCleared"]
-            batches.setdefault(topic, []).append(event)
+                events.append(encoded)
         log.clear()
         now = time.time()
-        for topic, events in batches.items():
-            frames = [topic.encode(), self.seq.to_bytes(8, "big"), msgpack.packb([now, events], use_bin_type=True)]
-            self.seq += 1
-            try:
-                self.sock.send_multipart(frames, zmq.NOBLOCK)
-            except zmq.Again:
-                self.dropped += 1
+        for tenant, events in batches.items():
+            self.send(self._topic(tenant), encode_batch(now, events, self.dp_rank))
+
+    def send(self, topic: bytes, payload: bytes) -> None:
+        seq = self.seq
+        self.seq += 1
+        self.buffer.append((seq, topic, payload))
+        try:
+            self.sock.send_multipart([topic, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped += 1
 
     def close(self) -> None:
+        if self._replay is not None:
+            self._replay.stop()
+        self.sock.close(0)
+
+
+def _full_hash(width: int) -> Callable[[bytes], bytes]:
+    return lambda h: h.ljust(width, b"\0")
+
+
+def _int_hash(width: int) -> Callable[[bytes], int]:
+    """vLLM's ``maybe_convert_block_hash``: the low 64 bits of the big-endian hash."""
+    def convert(h: bytes) -> int:
+        return int.from_bytes(h.ljust(width, b"\0")[width - 8 :], "big")
+
+    return convert
+
+
+class _ReplayServer:
+    """vLLM's replay ROUTER, served by its own thread so a long replay never delays a step. The
+    thread only reads the buffer: ``list(deque)`` copies it while holding the GIL, so appends from
+    the daemon's loop never interleave with the copy."""
+
+    POLL_MS = 100
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, buffer: deque, buffer_steps: int):
+        self.buffer = buffer
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+        try:
+            self.sock.bind(endpoint)
+        except zmq.ZMQError:
+            self.sock.close(0)
+            raise
+        self._running = True
+        self._thread = threading.Thread(target=self._serve, name="kvd-events-replay", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        sock = self.sock
+        while self._running:
+            if not sock.poll(self.POLL_MS):
+                continue
+            frames = sock.recv_multipart()
+            if len(frames) != 3:  # vLLM logs and ignores a malformed request
+                continue
+            client, _, start = frames
+            start_seq = int.from_bytes(start, "big")
+            for seq, topic, payload in list(self.buffer):
+                if seq >= start_seq:
+                    sock.send_multipart([client, b"", topic, seq.to_bytes(8, "big"), payload])
+            sock.send_multipart([client, b"", b"", END_SEQ, b""])
+
+    def stop(self) -> None:
+        self._running = False
+        self._thread.join(2 * self.POLL_MS / 1000 + 1)
         self.sock.close(0)

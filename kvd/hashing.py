@@ -13,7 +13,22 @@ Parent and tokens have fixed widths, so the byte string is unambiguous. ``H`` is
 every process computes the same value, and it resists deliberate collisions) or xxh3_128 (faster,
 not cryptographic). Only full blocks are hashed: a partial block is never cached.
 
-Hashes travel and are stored as numpy ``S16`` arrays (``HASH_DTYPE``). numpy strips trailing zero
+Scheme "vllm_sha256" is instead bit-identical to vLLM 0.33.0's default prefix-cache hashing
+(``prefix_caching_hash_algo="sha256"``, vllm.v1.core.kv_cache_utils.hash_block_tokens): a block's hash
+is the full 32-byte ``sha256(pickle.dumps((parent, tuple(token_ids), extra_keys), protocol=5))``
+where the first block's parent is vLLM's NONE_HASH, ``sha256(pickle.dumps(seed, protocol=5))`` with
+seed "vllm-none-hash" (vLLM's default for sha256; a vLLM started with PYTHONHASHSEED uses that value
+instead: pass the same string as ``seed``). ``extra_keys`` is None or a tuple, in this order, of
+``("lora", lora_name, lora_path)`` (every block), ``("mm", identifier, offset - block_start)`` (each
+multimodal item overlapping the block; the offset is relative to the block and may be negative) and
+``("cache_salt", salt)`` (the prompt's first block). A router that computes vLLM's hashes from token
+ids therefore matches the hashes in kvd's KV events. Prompt-embedding keys are not supported.
+
+The hash width is a property of the scheme (``hash_width``): 16 bytes for "sha256" / "xxh3_128", 32
+for "vllm_sha256". A daemon serves one scheme, chosen at start (``hash_algo``), and its hello reply
+says which; its pool and messages then carry ``S{width}`` arrays (``hash_dtype``).
+
+Hashes travel and are stored as numpy ``S16`` arrays (``HASH_DTYPE``, the default width). numpy strips trailing zero
 bytes from ``S16`` items; that mapping is injective on 16-byte values, so the stripped ``bytes`` of an
 item is a valid dictionary key. Pass a parent to ``hash_prompt`` as any form: it is re-padded.
 """
@@ -21,6 +36,7 @@ item is a valid dictionary key. Pass a parent to ``hash_prompt`` as any form: it
 from __future__ import annotations
 
 import hashlib
+import pickle
 import struct
 from collections.abc import Sequence
 
@@ -31,12 +47,72 @@ from kvd.errors import BadHashes, InvalidArgument
 HASH_BYTES = 16
 HASH_DTYPE = np.dtype(f"S{HASH_BYTES}")
 ROOT_SEED = b"kvd-block-hash-v1"
-ALGOS = ("sha256", "xxh3_128")
+VLLM_SCHEME = "vllm_sha256"
+ALGOS = ("sha256", "xxh3_128", VLLM_SCHEME)
+VLLM_HASH_BYTES = 32
+VLLM_NONE_HASH_SEED = "vllm-none-hash"  # vLLM's DEFAULT_NONE_HASH_SEED
+_PICKLE_PROTOCOL = 5  # pickle.HIGHEST_PROTOCOL on the Pythons vLLM 0.33 supports, which it uses
 
 try:  # OpenSSL's constructor, called directly: ~0.5 µs a block against ~0.8 µs via hashlib.sha256.
     from _hashlib import openssl_sha256 as _sha256
 except ImportError:  # pragma: no cover - Python built without OpenSSL
     _sha256 = hashlib.sha256
+
+
+def hash_width(algo: str) -> int:
+    """Bytes of one block hash under scheme ``algo``."""
+    if algo == VLLM_SCHEME:
+        return VLLM_HASH_BYTES
+    if algo in ALGOS:
+        return HASH_BYTES
+    raise InvalidArgument(f"unknown hash algorithm {algo!r}; expected one of {ALGOS}")
+
+
+def hash_dtype(algo_or_width: str | int) -> np.dtype:
+    """The numpy ``S`` dtype of a scheme's hashes (or of a width in bytes)."""
+    width = algo_or_width if isinstance(algo_or_width, int) else hash_width(algo_or_width)
+    return np.dtype(f"S{width}")
+
+
+def vllm_none_hash(seed: str = VLLM_NONE_HASH_SEED) -> bytes:
+    """vLLM's NONE_HASH for the sha256 scheme: the parent of every prompt's first block."""
+    return _sha256(pickle.dumps(seed, protocol=_PICKLE_PROTOCOL)).digest()
+
+
+def vllm_extra_keys(block_start: int, block_size: int, lora_name: str | None, lora_path: str,
+                    mm_items: Sequence[tuple[str, int, int]], cache_salt: str | None) -> tuple | None:
+    """vLLM's ``generate_block_hash_extra_keys`` for the block at ``block_start`` (absolute)."""
+    keys: list[tuple] = [("lora", lora_name, lora_path)] if lora_name else []
+    end = block_start + block_size
+    for identifier, offset, length in mm_items:
+        if offset < end and block_start < offset + length:
+            keys.append(("mm", identifier, offset - block_start))
+    if block_start == 0 and cache_salt:
+        keys.append(("cache_salt", cache_salt))
+    return tuple(keys) if keys else None
+
+
+def _hash_prompt_vllm(chunks: list[tuple[int, ...]], block_size: int, parent, first_block_index: int,
+                      lora_name, lora_path: str, mm_items, cache_salt, seed: str) -> list[bytes]:
+    if parent is None:
+        h = vllm_none_hash(seed)
+    else:
+        h = bytes(parent)
+        if len(h) > VLLM_HASH_BYTES:
+            raise BadHashes(f"parent hash has {len(h)} bytes, more than {VLLM_HASH_BYTES}")
+        h = h.ljust(VLLM_HASH_BYTES, b"\0")
+    for item_id, offset, length in mm_items:
+        if length <= 0 or offset < 0:
+            raise InvalidArgument(f"multimodal item {item_id!r}: bad offset {offset} / length {length}")
+    salt = cache_salt if first_block_index == 0 else None
+    plain = not lora_name and not mm_items and not salt
+    dumps, out = pickle.dumps, []
+    for i, chunk in enumerate(chunks):
+        extra = None if plain else vllm_extra_keys(
+            (first_block_index + i) * block_size, block_size, lora_name, lora_path, mm_items, salt)
+        h = _sha256(dumps((h, chunk, extra), protocol=_PICKLE_PROTOCOL)).digest()
+        out.append(h)
+    return out
 
 
 def _digest_fn(algo: str):
@@ -107,8 +183,13 @@ def hash_prompt(
     mm_items: Sequence[tuple[str | bytes, int, int]] = (),
     cache_salt: str | bytes | None = None,
     first_block_index: int = 0,
+    lora_path: str = "",
+    seed: str = VLLM_NONE_HASH_SEED,
 ) -> np.ndarray:
-    """Hashes of every full block of ``token_ids`` as an ``S16`` array.
+    """Hashes of every full block of ``token_ids`` as an ``S{hash_width(algo)}`` array.
+
+    ``lora_path`` and ``seed`` only matter to the "vllm_sha256" scheme (vLLM hashes the LoRA
+    adapter's path beside its name; ``seed`` is vLLM's NONE_HASH seed).
 
     ``first_block_index`` is the index of ``token_ids``' first block within the request (a nonzero
     value continues a chain from ``parent``: no salt, and multimodal offsets stay absolute).
@@ -120,6 +201,11 @@ def hash_prompt(
     if tokens.ndim != 1:
         raise InvalidArgument("token_ids must be one-dimensional")
     num_blocks = tokens.size // block_size
+    if algo == VLLM_SCHEME:
+        chunks = [tuple(c) for c in tokens[: num_blocks * block_size].reshape(num_blocks, block_size).tolist()]
+        out = _hash_prompt_vllm(chunks, block_size, parent, first_block_index, lora_name, lora_path,
+                                mm_items, cache_salt, seed)
+        return np.frombuffer(b"".join(out), dtype=hash_dtype(VLLM_HASH_BYTES)).copy()
     # One bytes object per block, cut in C (void items keep trailing zero bytes, unlike S items).
     chunks = tokens[: num_blocks * block_size].view(f"V{block_size * 4}").tolist()
     extras = _block_extras(num_blocks, block_size, first_block_index, lora_name, mm_items, cache_salt)
@@ -139,18 +225,19 @@ def hash_prompt(
     return np.frombuffer(b"".join(out), dtype=HASH_DTYPE).copy()
 
 
-def as_hash_array(hashes) -> np.ndarray:
-    """Validate and view client-given hashes as a 1-D ``S16`` array (no copy where possible)."""
+def as_hash_array(hashes, width: int = HASH_BYTES) -> np.ndarray:
+    """Validate and view client-given hashes as a 1-D ``S{width}`` array (no copy where possible)."""
+    dtype = HASH_DTYPE if width == HASH_BYTES else hash_dtype(width)
     if isinstance(hashes, np.ndarray):
-        if hashes.dtype == HASH_DTYPE and hashes.ndim == 1:
+        if hashes.dtype == dtype and hashes.ndim == 1:
             return hashes
-        if hashes.dtype == np.uint8 and hashes.ndim == 2 and hashes.shape[1] == HASH_BYTES:
-            return np.ascontiguousarray(hashes).view(HASH_DTYPE).reshape(-1)
-        raise BadHashes(f"hash array must be 1-D {HASH_DTYPE} or (n, {HASH_BYTES}) uint8, got {hashes.dtype} {hashes.shape}")
+        if hashes.dtype == np.uint8 and hashes.ndim == 2 and hashes.shape[1] == width:
+            return np.ascontiguousarray(hashes).view(dtype).reshape(-1)
+        raise BadHashes(f"hash array must be 1-D {dtype} or (n, {width}) uint8, got {hashes.dtype} {hashes.shape}")
     items = list(hashes)
     for item in items:
-        if not isinstance(item, (bytes, np.bytes_)) or len(item) > HASH_BYTES or (
-            isinstance(item, bytes) and len(item) != HASH_BYTES
+        if not isinstance(item, (bytes, np.bytes_)) or len(item) > width or (
+            isinstance(item, bytes) and len(item) != width
         ):
-            raise BadHashes(f"each hash must be {HASH_BYTES} bytes")
-    return np.array(items, dtype=HASH_DTYPE)
+            raise BadHashes(f"each hash must be {width} bytes")
+    return np.array(items, dtype=dtype)

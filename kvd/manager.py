@@ -62,14 +62,13 @@ from kvd.api import (
     StepResult,
     SwapResult,
 )
-from kvd.hashing import HASH_DTYPE, as_hash_array
+from kvd.hashing import as_hash_array, hash_dtype
 from kvd.pool import BlockPool
 
 _EMPTY_I32 = np.empty(0, np.int32)
 _EMPTY_I64 = np.empty(0, np.int64)
 _EMPTY_I16 = np.empty(0, np.int16)
 _EMPTY_COPIES = np.empty((0, 2), np.int32)
-_EMPTY_HASHES = np.empty(0, HASH_DTYPE)
 
 
 _NO_REQ_ID = object()
@@ -142,8 +141,11 @@ class BlockManager:
     def __init__(self, config: ManagerConfig) -> None:
         _validate_config(config)
         self.config = config
-        self.pool = BlockPool(config.num_gpu_blocks)
-        self.cpu_pool = BlockPool(max(config.num_cpu_blocks, 1))
+        self.hash_width = config.hash_width
+        self.hash_dtype = hash_dtype(config.hash_width)
+        self._empty_hashes = np.empty(0, self.hash_dtype)
+        self.pool = BlockPool(config.num_gpu_blocks, self.hash_dtype)
+        self.cpu_pool = BlockPool(max(config.num_cpu_blocks, 1), self.hash_dtype)
         self._cpu_carry_key = np.zeros(self.cpu_pool.num_blocks, np.uint16)
         R = config.max_num_reqs
         self.max_lookahead = config.max_lookahead_tokens
@@ -196,7 +198,7 @@ class BlockManager:
         self._copies: list[np.ndarray] = []
         self._deferred: list[tuple[int, np.ndarray, np.ndarray, int]] = []
         self._watermark_blocks = int(config.watermark * config.num_gpu_blocks)
-        self._no_hashes = [_EMPTY_HASHES] * len(self.groups)
+        self._no_hashes = [self._empty_hashes] * len(self.groups)
         self.counters = dict(prefix_queries=0, prefix_hits=0, swaps_out=0, swaps_in=0, cow_copies=0)
 
     # ================================================================== ids and rows
@@ -384,7 +386,7 @@ class BlockManager:
         except TypeError:
             raise errors.BadHashes("block hashes must be a sequence") from None
         if empty:
-            return [_EMPTY_HASHES] * G
+            return [self._empty_hashes] * G
         if isinstance(block_hashes, (list, tuple)) and all(
             isinstance(x, (np.ndarray, list, tuple)) for x in block_hashes
         ):
@@ -395,7 +397,7 @@ class BlockManager:
             raise errors.BadHashes(f"expected block hashes for {G} group(s), got {len(per_group)}")
         out = []
         for g, hashes in zip(self.groups, per_group):
-            arr = as_hash_array(hashes) if len(hashes) else _EMPTY_HASHES
+            arr = as_hash_array(hashes, self.hash_width) if len(hashes) else self._empty_hashes
             if arr.size > num_tokens // g.block_size:
                 raise errors.BadHashes(
                     f"{arr.size} hashes for {num_tokens} tokens: more than the {num_tokens // g.block_size} full blocks"
@@ -1386,7 +1388,7 @@ class BlockManager:
             n_new = np.asarray(n_new, np.int64)
             if n_new.shape != (n,):
                 return None
-        hashes, counts = _EMPTY_HASHES, None
+        hashes, counts = self._empty_hashes, None
         if len(batch.append_hashes):
             hash_lists, hash_counts = self._step_hashes(batch, n)
             hashes, counts = hash_lists[0], hash_counts[0]
@@ -1445,10 +1447,10 @@ class BlockManager:
     def _step_hashes(self, batch: StepBatch, n: int):
         G = len(self.groups)
         if not len(batch.append_hashes):
-            return [_EMPTY_HASHES] * G, None
+            return [self._empty_hashes] * G, None
         if len(batch.append_hashes) != G or len(batch.append_hash_counts) != G:
             raise errors.BadHashes(f"append hashes must be given for all {G} groups")
-        hashes = [as_hash_array(h) if len(h) else _EMPTY_HASHES for h in batch.append_hashes]
+        hashes = [as_hash_array(h, self.hash_width) if len(h) else self._empty_hashes for h in batch.append_hashes]
         try:
             counts = [_int_array(c, np.int64, "append_hash_counts") for c in batch.append_hash_counts]
         except errors.InvalidArgument as exc:
@@ -1610,13 +1612,13 @@ class _BatchAdmission:
             raise
 
     @staticmethod
-    def _fast_valid(req, bs, max_len, max_la, known, seen) -> bool:
+    def _fast_valid(req, bs, max_len, max_la, known, seen, hdt) -> bool:
         n, la, prio, hashes = req.num_tokens, req.num_lookahead_tokens, req.priority, req.block_hashes
         return (
             type(n) is int and 1 <= n <= max_len and type(la) is int and 0 <= la <= max_la
             and type(prio) is int and MIN_PRIORITY <= prio <= MAX_PRIORITY
             and not req.max_new_tokens and not req.num_encoder_tokens
-            and type(hashes) is np.ndarray and hashes.dtype == HASH_DTYPE and hashes.ndim == 1
+            and type(hashes) is np.ndarray and hashes.dtype == hdt and hashes.ndim == 1
             and hashes.size <= n // bs and req.req_id not in known and req.req_id not in seen
         )
 
@@ -1679,7 +1681,7 @@ class _BatchAdmission:
             if not isinstance(req, AdmitRequest) or req.num_encoder_tokens:
                 break
             try:
-                if self._fast_valid(req, bs, max_len, max_la, known, seen):
+                if self._fast_valid(req, bs, max_len, max_la, known, seen, mgr.hash_dtype):
                     hashes = req.block_hashes
                 else:
                     hashes = self._slow_valid(req, seen)

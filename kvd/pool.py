@@ -119,12 +119,12 @@ class _EvictionQueue:
 class BlockPool:
     """Reference counts, prefix-cache maps and the free queue of one pool (GPU or CPU)."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, hash_dtype: np.dtype = HASH_DTYPE) -> None:
         if num_blocks < 1:
             raise ValueError("a pool needs at least the null block")
         self.num_blocks = num_blocks
         self.ref_cnt = np.zeros(num_blocks, np.int32)
-        self.block_hash = np.zeros(num_blocks, HASH_DTYPE)
+        self.block_hash = np.zeros(num_blocks, hash_dtype)
         self.cache_key = np.zeros(num_blocks, np.uint16)
         self.evict_prio = np.zeros(num_blocks, np.uint8)
         self.queue_pos = np.full(num_blocks, -1, np.int32)

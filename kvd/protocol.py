@@ -39,7 +39,8 @@ of range, not live (for existing requests) or already live (for new ones) — so
 name its own requests. With every new request the client also sends a uint64 ``tag`` (its id's 64-bit
 digest) that the daemon publishes in the session's shared memory (``kvd.shm``: row -> tag map).
 
-Hashes are ``S16`` frames (16 bytes per full block), one frame per KV-cache group; with several
+Hashes are ``S16`` frames (16 bytes per full block; ``S32`` when the daemon serves vLLM's hash
+scheme: the hello reply's ``hash_width`` says which), one frame per KV-cache group; with several
 requests in one message a parallel int32 "counts" frame says how many hashes belong to each request.
 
 Ops and their frames (G = number of KV-cache groups of the pool; "hdr" = extra header keys)
@@ -237,18 +238,18 @@ def arr(a: Any, dtype: np.dtype) -> bytes:
     return np.ascontiguousarray(a, dtype=dtype).tobytes()
 
 
-def hashes_frame(h: Any) -> bytes:
-    """Block hashes (S16 array, (n, 16) uint8 array, list of 16-byte values, or ()) -> frame bytes.
-    Raises kvd.errors.BadHashes for anything else."""
+def hashes_frame(h: Any, width: int = HASH_WIDTH) -> bytes:
+    """Block hashes (S{width} array, (n, width) uint8 array, list of width-byte values, or ()) ->
+    frame bytes. Raises kvd.errors.BadHashes for anything else."""
     if h is None:
         return EMPTY
-    if isinstance(h, np.ndarray) and h.dtype == HASH_DTYPE and h.ndim == 1:
+    if isinstance(h, np.ndarray) and h.dtype.kind == "S" and h.dtype.itemsize == width and h.ndim == 1:
         return h.tobytes()
     if isinstance(h, (tuple, list)) and not h:
         return EMPTY
     from kvd.hashing import as_hash_array
 
-    return as_hash_array(h).tobytes()
+    return as_hash_array(h, width).tobytes()
 
 
 # ---- decoding / validation (daemon and client side) ---------------------------------------------
@@ -301,8 +302,9 @@ def frame_array(buf: bytes, dtype: np.dtype, n: int | None = None, name: str = "
     return np.frombuffer(buf, dtype=dtype)
 
 
-def frame_hashes(buf: bytes, name: str = "hashes", max_n: int | None = None) -> np.ndarray:
-    return frame_array(buf, HASH_DTYPE, None, name, max_n)
+def frame_hashes(buf: bytes, name: str = "hashes", max_n: int | None = None,
+                 dtype: np.dtype = HASH_DTYPE) -> np.ndarray:
+    return frame_array(buf, dtype, None, name, max_n)
 
 
 def split_step_reply(body: bytes, nf: int, nk: int, na: int, nd: int, nc: int, nch: int, nfr: int, ns: int):

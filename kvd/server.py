@@ -60,6 +60,7 @@ from kvd.errors import (
     DaemonRestarted,
     Unauthorized,
 )
+from kvd.hashing import VLLM_NONE_HASH_SEED, VLLM_SCHEME, hash_dtype, hash_width
 from kvd.memory import available_memory
 from kvd.shm import SessionBuffers, segment_name, sweep_stale
 from kvd.tenancy import Peer, parse_tenants, peer_of, tenant_for
@@ -169,6 +170,7 @@ class Daemon:
             encoder_block_size=int(_opt(config, "encoder_block_size", 16)),
             # the reply goes out first; drain() flushes right after sending it
             defer_cache_registration=True,
+            hash_width=hash_width(str(_opt(config, "hash_algo", "sha256"))),
         )
         need, available = BlockManager.estimate_bytes(self.mcfg), available_memory()
         if need > available:
@@ -195,6 +197,9 @@ class Daemon:
         self.hb_s = self.lease_s / 4
         self.max_message_bytes = int(_opt(config, "max_message_bytes", 64 << 20))
         self.hash_algo = str(_opt(config, "hash_algo", "sha256"))
+        self.hash_seed = str(_opt(config, "hash_seed", VLLM_NONE_HASH_SEED))
+        self.hash_width = self.mcfg.hash_width
+        self.hash_dtype = hash_dtype(self.hash_width)
         if device.startswith("cuda"):
             # session buffers on the GPU too (kvd.gpu_session); fatal when unavailable: a daemon
             # asked for a GPU pool must not silently serve without one
@@ -316,14 +321,14 @@ class Daemon:
                     f"were freed; call reconnect()")
         return f"session {sid} ({name!r}) ended ({why}); call reconnect()"
 
-    def describe_cache_key(self, key: int) -> tuple[str, int]:
-        """(topic, block size) of a prefix-cache key: its tenant (a private namespace: "tenant#session")
-        and block size, for its KV events."""
+    def describe_cache_key(self, key: int) -> tuple[str, int, int]:
+        """(topic, block size, KV-cache group) of a prefix-cache key, for its KV events: the topic
+        is its tenant's, or "tenant#N" for a session's namespace of its own."""
         retired = self._retired.get(key)
         if retired is not None:
             return retired
         ns, group = self.manager.cache_key_owner(key)
-        return self.topic_of[ns], self.block_sizes[group]
+        return self.topic_of[ns], self.block_sizes[group], group
 
     def publish_events(self) -> None:
         """Send what the pool's event log holds (kvd.events), if events are on."""
@@ -348,7 +353,7 @@ class Daemon:
 
     def _group_hashes(self, frames: list[bytes], start: int) -> list[np.ndarray]:
         max_n = self.max_model_len // min(self.block_sizes) + 1
-        return [P.frame_hashes(frames[start + g], f"hashes[{g}]", max_n) for g in range(self.G)]
+        return [P.frame_hashes(frames[start + g], f"hashes[{g}]", max_n, self.hash_dtype) for g in range(self.G)]
 
     def _hash_arg(self, hs: list[np.ndarray]) -> Any:
         return hs[0] if self.G == 1 else hs
@@ -538,6 +543,7 @@ class Daemon:
             seq, self.epoch, sid=sess.sid, shm=sess.shm.name, block_sizes=self.block_sizes,
             max_reqs=self.max_reqs, max_blocks=self.max_blocks, max_tokens=self.max_tokens,
             lease_s=self.lease_s, hb_s=self.hb_s, hash_algo=self.hash_algo,
+            hash_width=self.hash_width, **({"hash_seed": self.hash_seed} if self.hash_algo == VLLM_SCHEME else {}),
             num_groups=self.G, max_model_len=self.max_model_len, tenant=sess.tenant,
             shared=bool(sess.writer), topic=self.topic_of[sess.namespace], t=self.manager.tick,
             **({"gpu": sess.gpu.handle} if sess.gpu is not None and sess.gpu.handle else {}),
@@ -636,7 +642,7 @@ class Daemon:
     def op_lookup(self, sess, h, frames, ident, seq):
         if len(frames) != 1:
             raise ProtocolError("lookup: expected 1 frame")
-        hs = P.frame_hashes(frames[0], "hashes", self.max_model_len)
+        hs = P.frame_hashes(frames[0], "hashes", self.max_model_len, dtype=self.hash_dtype)
         n = self.manager.lookup(hs, namespace=sess.namespace, writer=sess.writer)
         return [P.ok_reply(seq, self.epoch, n=int(n))]
 
@@ -761,7 +767,7 @@ class Daemon:
         except IndexError:
             raise InvalidArgument(f"append rows: row out of range [0, {self.max_reqs})") from None
         if hashes_b or counts_b:
-            hs = P.frame_hashes(hashes_b, "append hashes", na * (self.max_model_len // self.block_sizes[0] + 1))
+            hs = P.frame_hashes(hashes_b, "append hashes", na * (self.max_model_len // self.block_sizes[0] + 1), dtype=self.hash_dtype)
             if not counts_b:
                 raise ProtocolError("append hashes without counts")
             cnt = P.frame_array(counts_b, P.I32, na, "append hash counts")
@@ -832,7 +838,7 @@ class Daemon:
         app_hashes = []
         app_counts = []
         for g in range(G):
-            hs = P.frame_hashes(frames[5 + 2 * g], "append hashes", R * (mml // self.block_sizes[g] + 1))
+            hs = P.frame_hashes(frames[5 + 2 * g], "append hashes", R * (mml // self.block_sizes[g] + 1), dtype=self.hash_dtype)
             if frames[6 + 2 * g]:
                 cnt = P.frame_array(frames[6 + 2 * g], P.I32, na, "append hash counts")
                 if cnt.size and int(cnt.min()) < 0:
@@ -847,7 +853,7 @@ class Daemon:
         adm = P.frame_array(frames[k], P.I64, nd * P.ADMIT_COLS, "admissions").reshape(nd, P.ADMIT_COLS)
         adm_hashes = []
         for g in range(G):
-            hs = P.frame_hashes(frames[k + 1 + 2 * g], "admit hashes", R * (mml // self.block_sizes[g] + 1))
+            hs = P.frame_hashes(frames[k + 1 + 2 * g], "admit hashes", R * (mml // self.block_sizes[g] + 1), dtype=self.hash_dtype)
             cnt = P.frame_array(frames[k + 2 + 2 * g], P.I32, nd, "admit hash counts")
             adm_hashes.append(P.split_counts(hs, cnt))
 
@@ -958,7 +964,7 @@ class Daemon:
             self.manager.drop_writer(sess.writer)
         else:  # its K/V memory goes with it
             ns = sess.namespace
-            self._retired = {k: (self.topic_of[ns], self.block_sizes[g]) for k, g in self.manager.cache_keys_of(ns)}
+            self._retired = {k: (self.topic_of[ns], self.block_sizes[g], g) for k, g in self.manager.cache_keys_of(ns)}
             self.manager.drop_namespace(ns)
             self.publish_events()  # now: the dropped keys' ids may be given to a new namespace next
             self._retired = {}
@@ -1177,7 +1183,13 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                 return 1
 
             try:
-                d.events = KvEventPublisher(ctx, events_ep, d.describe_cache_key)
+                d.events = KvEventPublisher(
+                    ctx, events_ep, d.describe_cache_key, hash_width=d.hash_width,
+                    replay_endpoint=str(_opt(config, "kv_events_replay_endpoint", "")),
+                    buffer_steps=int(_opt(config, "kv_events_buffer_steps", 10_000)),
+                    topic=str(_opt(config, "kv_events_topic", "{tenant}")),
+                    data_parallel_rank=int(_opt(config, "kv_events_data_parallel_rank", 0)),
+                    int_hashes=bool(_opt(config, "kv_events_int_hashes", True)))
             except zmq.ZMQError as e:
                 print(f"kvd: cannot bind the KV events endpoint {events_ep}: {e}", file=sys.stderr)
                 return 1

@@ -60,6 +60,10 @@ def test_every_key_is_a_flag_an_env_var_and_a_file_key(tmp_path):
         "tenants": ("alice=uid:1000,gid:2000", "alice=uid:1000,gid:2000"),
         "socket_mode": ("0640", "0640"),
         "group": ("video", "video"),
+        "kv_events_replay_endpoint": ("tcp://127.0.0.1:5558", "tcp://127.0.0.1:5558"),
+        "kv_events_topic": ("kv@n1@{tenant}", "kv@n1@{tenant}"),
+        "hash_seed": ("1234", "1234"),
+        "kv_events_int_hashes": ("false", False),
     }
     for key, f in FIELDS.items():
         text, value = overrides[key] if key in overrides else (str(f.default + 3), f.default + 3)

@@ -8,6 +8,7 @@ import pytest
 import zmq
 
 from conftest_daemon import daemon_factory, short_tmp  # noqa: F401
+from kvd.events import END_SEQ, KvEventPublisher, encode_all_cleared, encode_batch, encode_block_removed, encode_block_stored
 from kvd.hashing import hash_prompt
 from kvd.pool import BlockPool
 from kvd_client import Client
@@ -30,24 +31,131 @@ def test_pool_logs_stores_evictions_and_resets_only_when_asked():
     assert pool.event_log == [("stored", 1, h[2:]), ("removed", 1, [h[2], h[3]]), ("cleared", 1, [])]
 
 
-def _recv(sub: zmq.Socket, timeout_ms: int = 5000):
-    assert sub.poll(timeout_ms), "no event arrived"
-    topic, seq, payload = sub.recv_multipart()
-    return topic.decode(), int.from_bytes(seq, "big"), msgpack.unpackb(payload)
+def test_encoding_layout_without_vllm():
+    stored = msgpack.unpackb(encode_block_stored([b"a" * 16], 16, 1), raw=False)
+    assert stored == {"type": "BlockStored", "block_hashes": [b"a" * 16], "parent_block_hash": None,
+                      "token_ids": [], "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None,
+                      "group_idx": 1}
+    payload = encode_batch(2.5, [encode_block_removed(b"b" * 32, 0), encode_all_cleared()], 3)
+    assert msgpack.unpackb(payload) == [2.5, [{"type": "BlockRemoved", "block_hashes": [b"b" * 32], "medium": "GPU",
+                                              "group_idx": 0}, {"type": "AllBlocksCleared"}], 3]
 
 
-def test_a_router_sees_stored_removed_and_cleared_blocks_per_tenant(daemon_factory, short_tmp):
-    events_ep = f"ipc://{short_tmp}/events.sock"
-    d = daemon_factory(num_gpu_blocks=16, kv_events_endpoint=events_ep)
-    ctx = zmq.Context()
+def _publisher_pool(hash_width: int, endpoint: str, **kw):
+    ctx = zmq.Context.instance()
+    pool = BlockPool(8, np.dtype(f"S{hash_width}"))
+    pool.event_log = []
+    pub = KvEventPublisher(ctx, endpoint, lambda key: (f"t{key}", 4, key - 1), hash_width=hash_width, **kw)
+    return ctx, pool, pub
+
+
+def _sub(ctx, endpoint):
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(events_ep)
+    sub.connect(endpoint)
+    return sub
+
+
+def _settle(pub, sub):
+    """A PUB socket drops what it sends before the subscription arrives: probe until one lands."""
+    for _ in range(100):
+        pub.send(b"probe", b"")
+        if sub.poll(50):
+            break
+    while sub.poll(100):
+        sub.recv_multipart()
+
+
+@pytest.mark.parametrize("int_hashes", [True, False])
+def test_hashes_with_trailing_zero_bytes_are_published_at_full_width(int_hashes):
+    ep = f"inproc://kvd-events-width-{int_hashes}"
+    ctx, pool, pub = _publisher_pool(32, ep, int_hashes=int_hashes)
+    sub = _sub(ctx, ep)
+    try:
+        _settle(pub, sub)
+        h = [b"\x07" * 30 + b"\0\0", b"\0" * 31 + b"\x01"]
+        blocks = pool.take(2)
+        pool.register(2, np.array(h, "S32"), blocks)
+        assert pool.block_hash[blocks[0]] == h[0].rstrip(b"\0")  # numpy strips them
+        pub.publish(pool.event_log)
+        assert sub.poll(2000)
+        topic, seq, payload = sub.recv_multipart()
+        ts, events, rank = msgpack.unpackb(payload)
+        # vLLM's default: the low 64 bits of the big-endian hash, i.e. its last 8 bytes
+        want = [int.from_bytes(x[-8:], "big") for x in h] if int_hashes else h
+        assert want[0] == 0x0707070707070000 and want[1] == 1 or not int_hashes
+        assert topic == b"t2" and events[0]["block_hashes"] == want and events[0]["group_idx"] == 1 and rank == 0
+        assert events[0]["block_size"] == 4
+    finally:
+        sub.close(0)
+        pub.close()
+
+
+def test_replay_returns_exactly_the_missed_batches(short_tmp):
+    ep, replay_ep = f"ipc://{short_tmp}/ev.sock", f"ipc://{short_tmp}/replay.sock"
+    ctx, pool, pub = _publisher_pool(16, ep, replay_endpoint=replay_ep, buffer_steps=5, topic="kv@n1@{tenant}")
+    sub = _sub(ctx, ep)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(replay_ep)
+    try:
+        _settle(pub, sub)
+        first = pub.seq
+        sent = []
+        for i in range(8):
+            pool.event_log.append(("cleared", 1 + i % 2, []))
+            pub.publish(pool.event_log)
+            assert sub.poll(2000)
+            sent.append(sub.recv_multipart())
+        assert [int.from_bytes(m[1], "big") for m in sent] == list(range(first, first + 8))
+        assert sent[0][0] == b"kv@n1@t1" and sent[1][0] == b"kv@n1@t2"
+
+        def replay(start: int) -> list[list[bytes]]:
+            dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            got = []
+            while True:
+                assert dealer.poll(5000), "replay did not answer"
+                empty, *frames = dealer.recv_multipart()
+                assert empty == b""
+                if frames[1] == END_SEQ:
+                    assert frames == [b"", END_SEQ, b""]
+                    return got
+                got.append(frames)
+
+        assert replay(first + 4) == sent[4:]  # missed from seq first+4 on: exactly those
+        assert replay(first + 7) == sent[7:]
+        assert replay(first + 8) == []  # nothing missed: only the end marker
+        assert replay(0) == sent[3:]  # the buffer keeps the last buffer_steps (5) batches
+    finally:
+        dealer.close(0)
+        sub.close(0)
+        pub.close()
+
+
+def _recv(sub: zmq.Socket, timeout_ms: int = 5000):
+    assert sub.poll(timeout_ms), "no event arrived"
+    topic, seq, payload = sub.recv_multipart()
+    return topic.decode(), int.from_bytes(seq, "big"), payload
+
+
+@pytest.mark.parametrize("algo,int_hashes", [("sha256", True), ("vllm_sha256", True), ("vllm_sha256", False)])
+def test_a_router_decodes_every_event_with_vllms_decoder(daemon_factory, short_tmp, algo, int_hashes):
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    msgspec = pytest.importorskip("msgspec")
+    decode = msgspec.msgpack.Decoder(kv_events.KVEventBatch).decode
+    events_ep = f"ipc://{short_tmp}/events.sock"
+    d = daemon_factory(num_gpu_blocks=16, kv_events_endpoint=events_ep, hash_algo=algo,
+                       kv_events_int_hashes=int_hashes)
+    ctx = zmq.Context()
+    sub = _sub(ctx, events_ep)
     c = Client(d.endpoint, tenant="alice")
     try:
-        hs = hash_prompt(np.arange(40, dtype=np.int32), 16)
-        for _ in range(50):  # a PUB socket drops what it sends before the subscription arrives
+        assert c.info["hash_width"] == (32 if algo == "vllm_sha256" else 16)
+        hs = c.hash_prompt(np.arange(40, dtype=np.int32))
+        if algo == "vllm_sha256":
+            assert hs.tobytes() == hash_prompt(np.arange(40), 16, algo=algo).tobytes() and hs.dtype == "S32"
+        for _ in range(50):
             c.allocate("probe", 40, hs)
             c.free("probe")
             if sub.poll(100):
@@ -55,20 +163,33 @@ def test_a_router_sees_stored_removed_and_cleared_blocks_per_tenant(daemon_facto
         while sub.poll(200):
             sub.recv_multipart()
         assert c.reset_prefix_cache()
-        topic, seq, (ts, events) = _recv(sub)
+        topic, seq, payload = _recv(sub)
+        batch = decode(payload)
         # engine-owned KV memory: the session's own namespace, and a topic of its own
         assert c.info["topic"] == "alice#1" and not c.shared
-        assert topic == "alice#1" and isinstance(ts, float) and events == [["AllBlocksCleared"]]
+        assert topic == "alice#1" and isinstance(batch.ts, float) and batch.data_parallel_rank == 0
+        assert batch.events == [kv_events.AllBlocksCleared()]
 
         c.allocate("a", 40, hs)  # blocks 1, 2 full and registered, 3 partial
-        topic, seq2, (_, events) = _recv(sub)
+        topic, seq2, payload = _recv(sub)
         assert seq2 == seq + 1
-        assert events == [["BlockStored", [bytes(x) for x in hs], None, [], 16, None, "GPU"]]
+        (stored,) = decode(payload).events
+        width = c.hash_width
+
+        def ext(x):
+            full = bytes(x).ljust(width, b"\0")
+            return int.from_bytes(full[-8:], "big") if int_hashes else full
+
+        assert stored == kv_events.BlockStored(
+            block_hashes=[ext(x) for x in hs], parent_block_hash=None, token_ids=[],
+            block_size=16, lora_id=None, medium="GPU", lora_name=None, group_idx=0)
         c.free("a")
         c.allocate("b", 15 * 16)  # every block of the pool: both cached blocks are evicted
-        topic, _, (_, events) = _recv(sub)
-        assert topic == "alice#1" and events[0][0] == "BlockRemoved"
-        assert sorted(events[0][1]) == sorted(bytes(x) for x in hs) and events[0][2] == "GPU"
+        topic, _, payload = _recv(sub)
+        events = decode(payload).events
+        assert topic == "alice#1" and all(isinstance(e, kv_events.BlockRemoved) for e in events)
+        assert sorted(e.block_hashes[0] for e in events) == sorted(ext(x) for x in hs)
+        assert {(e.medium, e.group_idx, len(e.block_hashes)) for e in events} == {("GPU", 0, 1)}
     finally:
         c.close()
         sub.close(0)
@@ -80,4 +201,36 @@ def test_a_daemon_that_cannot_bind_its_events_endpoint_says_so(daemon_factory):
     d = daemon_factory(wait=False, kv_events_endpoint="tcp://256.0.0.1:1")
     assert d.proc.wait(60) == 1
     d.stop()
-    assert "cannot bind the KV events endpoint" in d.stderr
+
+
+def test_a_stored_entry_with_parent_and_tokens_publishes_them():
+    ep = "inproc://kvd-events-parent"
+    ctx, pool, pub = _publisher_pool(32, ep, int_hashes=False)
+    try:
+        parent, h = b"\x05" * 32, b"\x06" * 31 + b"\0"
+        pool.event_log.append(("stored", 1, [h.rstrip(b"\0")], parent, [7, 8, 9, 300]))
+        pub.publish(pool.event_log)
+        _, _, payload = pub.buffer[-1]
+        (event,) = msgpack.unpackb(payload)[1]
+        assert (event["block_hashes"], event["parent_block_hash"], event["token_ids"]) == ([h], parent, [7, 8, 9, 300])
+        assert pool.event_log == []
+    finally:
+        pub.close()
+
+
+@pytest.mark.parametrize("width", [16, 32])
+def test_batch_admission_in_a_step_logs_one_stored_entry_per_request(width):
+    from kvd.api import AdmitRequest, GroupSpec, ManagerConfig, StepBatch
+    from kvd.manager import BlockManager
+
+    algo = "vllm_sha256" if width == 32 else "sha256"
+    m = BlockManager(ManagerConfig(num_gpu_blocks=32, groups=(GroupSpec(block_size=4),), max_model_len=64,
+                                   hash_width=width, debug_checks=True))
+    m.pool.event_log = []
+    shared = list(range(8))
+    prompts = [shared + [100, 101, 102, 103, 104], shared + [200, 201, 202, 203, 204, 205]]
+    hashes = [hash_prompt(np.array(p), 4, algo=algo) for p in prompts]
+    m.step(StepBatch(admit=[AdmitRequest(f"r{i}", len(p), h) for i, (p, h) in enumerate(zip(prompts, hashes))]))
+    # r0 registers its 3 full blocks; r1 hits the 2 shared ones and registers its third and fourth
+    assert m.pool.event_log == [("stored", 1, hashes[0].tolist()), ("stored", 1, hashes[1][2:].tolist())]
+    assert m.block_table("r1").tolist()[:2] == m.block_table("r0").tolist()[:2]

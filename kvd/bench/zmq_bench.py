@@ -182,6 +182,9 @@ class DaemonProcess:
             "--max-num-batched-tokens", str(spec.max_num_batched_tokens), "--hash-algo", spec.hash_algo,
             "--lease-s", str(args.lease_s), *args.daemon_arg,
         ]
+        self.events_endpoint = "ipc://" + os.path.join(self.dir, "events.sock") if args.events else ""
+        if self.events_endpoint:
+            self.argv += ["--kv-events-endpoint", self.events_endpoint]
         self.proc: subprocess.Popen | None = None
         self.log = open(os.path.join(self.dir, "daemon.log"), "w+")
 
@@ -936,7 +939,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--system", "-S", type=int, default=512)
     w.add_argument("--shared", type=float, default=0.5)
     w.add_argument("--decode", "-D", type=int, default=128)
-    w.add_argument("--hash", default="sha256", choices=["sha256", "xxh3_128"])
+    w.add_argument("--hash", default="sha256", choices=["sha256", "xxh3_128", "vllm_sha256"])
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--max-batched-tokens", type=int, default=8192)
     r = ap.add_argument_group("run")
@@ -947,6 +950,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--endpoint", default="", help="use this running (idle) daemon instead of starting one")
     r.add_argument("--daemon-pid", type=int, default=0, help="with --endpoint: the daemon's pid (CPU time)")
     r.add_argument("--daemon-arg", action="append", default=[], help="extra `kvd serve` argument (repeatable)")
+    r.add_argument("--events", action="store_true",
+                   help="the daemon publishes KV events; a subscriber process counts events and seq gaps")
     r.add_argument("--lease-s", type=float, default=10.0, help="lease of the daemon this script starts")
     r.add_argument("--floor", action="store_true", help="also measure a bare zmq echo of the same sizes")
     r.add_argument("--floor-iters", type=int, default=3000)
@@ -973,7 +978,7 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
     spec = spec_of(args)
-    daemon = None
+    daemon = counter = None
     prev_term = signal.getsignal(signal.SIGTERM)
 
     def on_term(signum, frame):
@@ -985,7 +990,7 @@ def main(argv=None) -> int:
                     "cpus": os.cpu_count(),
                     "config": {"block_size": spec.block_size, "blocks": args.blocks, "R": spec.num_requests,
                                "P": spec.prompt_len, "S": spec.system_len, "shared": spec.shared,
-                               "D": spec.decode_steps, "hash": spec.hash_algo, "seed": spec.seed,
+                               "D": spec.decode_steps, "hash": spec.hash_algo, "seed": spec.seed, "events": args.events,
                                "clients": args.clients, "repeat": args.repeat}}
     honest: dict = {}
     try:
@@ -994,6 +999,8 @@ def main(argv=None) -> int:
         else:
             daemon = DaemonProcess(args, spec, max(args.clients)).start()
             endpoint, dpid = daemon.endpoint, daemon.pid
+            if daemon.events_endpoint:
+                counter = EventCounter(daemon.events_endpoint)
         if args.micro:
             results = {}
             for n in args.clients:
@@ -1076,6 +1083,12 @@ def main(argv=None) -> int:
             print(f"daemon log tail:\n{daemon.tail()}", file=sys.stderr)
         return 1
     finally:
+        if counter is not None:
+            ev = counter.finish()
+            report["events"] = ev
+            print_table("KV events (subscriber process)", ev)
+            honest["events_none_dropped"] = ev["event_seq_gaps"] == 0 and ev["first_seq"] == 0
+            honest["events_seen"] = ev["events"] > 0
         if daemon is not None:
             report["daemon_exit"] = daemon.stop()
         if threading.current_thread() is threading.main_thread():
@@ -1088,6 +1101,67 @@ def main(argv=None) -> int:
     report["ok"] = all(honest.values())
     print(json.dumps(report, default=float))
     return 0 if report["ok"] else 1
+
+
+# ---- KV events (--events) -----------------------------------------------------------------------
+
+def _event_counter(endpoint: str, ready, stop, results) -> None:
+    """Subscriber process: counts messages, events (decoding each payload) and sequence gaps."""
+    import msgpack
+    import zmq
+
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 0)  # the subscriber keeps up or queues: the daemon's HWM is under test
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    ready.set()
+    msgs = events = hashes = gaps = 0
+    first = last = None
+    t_first = t_last = 0.0
+    while not (stop.is_set() and not sub.poll(200)):
+        if not sub.poll(100):
+            continue
+        _topic, seq_b, payload = sub.recv_multipart()
+        seq = int.from_bytes(seq_b, "big")
+        now = time.perf_counter()
+        if first is None:
+            first, t_first = seq, now
+        elif seq != last + 1:
+            gaps += seq - last - 1
+        last, t_last = seq, now
+        msgs += 1
+        batch = msgpack.unpackb(payload)[1]
+        events += len(batch)
+        hashes += sum(len(e.get("block_hashes", ())) for e in batch)
+    span = t_last - t_first
+    results.put({"event_messages": msgs, "events": events, "event_block_hashes": hashes, "event_seq_gaps": gaps,
+                 "first_seq": first, "events_span_s": round(span, 3),
+                 "events_per_s": round(events / span, 1) if span > 0 else 0.0,
+                 "event_hashes_per_s": round(hashes / span, 1) if span > 0 else 0.0})
+    sub.close(0)
+    ctx.term()
+
+
+class EventCounter:
+    def __init__(self, endpoint: str):
+        ctx = mp.get_context("spawn")
+        self.ready, self.stop_ev, self.results = ctx.Event(), ctx.Event(), ctx.Queue()
+        self.proc = ctx.Process(target=_event_counter, args=(endpoint, self.ready, self.stop_ev, self.results),
+                                daemon=True)
+        self.proc.start()
+        if not self.ready.wait(30):
+            raise RuntimeError("event subscriber did not start")
+        time.sleep(0.5)  # a PUB socket drops what it sends before the subscription has arrived
+
+    def finish(self) -> dict:
+        self.stop_ev.set()
+        try:
+            return self.results.get(timeout=60)
+        finally:
+            self.proc.join(5)
+            if self.proc.is_alive():
+                self.proc.kill()
 
 
 def targets(results: dict, ratios: dict) -> dict:
