@@ -29,7 +29,7 @@ PROMPT = np.arange(64, dtype=np.int32) + 7
 def script(endpoint: str, body: str, *args: str, **kw) -> subprocess.Popen:
     code = "import sys, numpy as np\nfrom kvd_client import Client\nfrom kvd.api import StepBatch, AdmitRequest\n" \
            "from kvd import errors\nEP = sys.argv[1]\nARGS = sys.argv[2:]\n" + textwrap.dedent(body)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     return subprocess.Popen([sys.executable, "-c", code, endpoint, *args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd="/", **kw)
 
