@@ -189,10 +189,12 @@ class BlockManager:
         self._space_info: dict[int, tuple[int, int, int]] = {0: (0, 0, 0)}
         self._next_space = 1
         self._key_writer: dict[int, int] = {}  # pending cache key -> its writer
-        self._unconfirmed: dict[int, deque] = {}  # writer -> (tick, pending key, [hash, ...]) in order
-        # pending key -> hash -> tick of its latest registration: a confirmation promotes a hash only
-        # for that registration (an evicted and re-registered hash waits for its own, later tick)
-        self._reg_tick: dict[int, dict[bytes, int]] = {}
+        # writer -> (tick, registration, pending key, [hash, ...], blocks) in registration order
+        self._unconfirmed: dict[int, deque] = {}
+        # the registration (a serial number) that put a block in a pending map, meaningful while it
+        # sits there: a confirmation promotes a block only for that registration
+        self._block_reg = np.zeros(config.num_gpu_blocks, np.int64)
+        self._num_regs = 0
         self.tick = 0
         """Counts the calls that may register blocks (step, allocate, append_slots, swap_in)."""
         self._copies: list[np.ndarray] = []
@@ -288,23 +290,21 @@ class BlockManager:
             self._store(key, hashes, blocks, self.tick)
 
     def _store(self, key: int, hashes: np.ndarray, blocks: np.ndarray, tick: int) -> None:
-        stored = self.pool.register(key, hashes, blocks)
+        stored, stored_blocks = self.pool.register(key, hashes, blocks)
         writer = self._key_writer.get(key)
         if writer is not None and stored:
-            self._note_unconfirmed(writer, key, stored, tick)
+            self._note_unconfirmed(writer, key, stored, stored_blocks, tick)
 
-    def _note_unconfirmed(self, writer: int, key: int, hashes: list, tick: int) -> None:
-        """Queue blocks ``writer`` stored at ``tick`` for promotion when it confirms that tick. A
-        hash remembers only its latest registration: an entry evicted and stored again later must
-        not be promoted by the earlier tick's confirmation."""
+    def _note_unconfirmed(self, writer: int, key: int, hashes: list, blocks: np.ndarray, tick: int) -> None:
+        """Queue blocks ``writer`` stored at ``tick`` for promotion when it confirms that tick.
+        ``_block_reg`` remembers each pending block's registration: an entry evicted (its block
+        reused, perhaps stored again) must not be promoted by the earlier registration's turn."""
         fifo = self._unconfirmed.get(writer)
         if fifo is None:
             fifo = self._unconfirmed[writer] = deque()
-        fifo.append((tick, key, hashes))
-        ticks = self._reg_tick.get(key)
-        if ticks is None:
-            ticks = self._reg_tick[key] = {}
-        ticks.update(dict.fromkeys(hashes, tick))
+        self._num_regs += 1
+        fifo.append((tick, self._num_regs, key, hashes, blocks))
+        self._block_reg[blocks] = self._num_regs
 
     def mark_computed(self, writer: int, through_tick: int) -> None:
         """Writer ``writer`` has finished the forward passes of every call up to ``through_tick``:
@@ -315,13 +315,15 @@ class BlockManager:
         if not fifo or fifo[0][0] > through_tick:
             return
         self.flush_deferred()
+        pool = self.pool
         while fifo and fifo[0][0] <= through_tick:
-            tick, key, hashes = fifo.popleft()
-            ticks = self._reg_tick[key]
-            mine = [h for h in hashes if ticks.get(h) == tick]
-            for h in mine:
-                del ticks[h]
-            self.pool.promote(key, mine)
+            _, reg, key, hashes, blocks = fifo.popleft()
+            # still there: cached in its pending map by this very registration
+            live = (pool.cache_key[blocks] == key) & (self._block_reg[blocks] == reg)
+            if live.all():
+                pool.promote(key, hashes, blocks)
+            elif live.any():
+                pool.promote(key, [h for h, m in zip(hashes, live.tolist()) if m], blocks[live])
 
     def num_unconfirmed(self, writer: int) -> int:
         """Blocks of ``writer`` still waiting for its confirmation (still cached)."""
@@ -351,7 +353,7 @@ class BlockManager:
         dropped = set(doomed.values())
         for writer in {self._key_writer[k] for k in dropped if k in self._key_writer}:
             # Entries of dropped keys must go: a recycled key id would otherwise be promoted early.
-            kept = deque(e for e in self._unconfirmed.get(writer, ()) if e[1] not in dropped)
+            kept = deque(e for e in self._unconfirmed.get(writer, ()) if e[2] not in dropped)
             if kept:
                 self._unconfirmed[writer] = kept
             else:
@@ -360,7 +362,6 @@ class BlockManager:
             del self._cache_keys[owner]
             self.pool.pending_of.pop(key, None)
             self._key_writer.pop(key, None)
-            self._reg_tick.pop(key, None)
             self._free_key_ids.append(key)
         for space in spaces:
             ns, writer, _ = self._space_info.pop(space)
@@ -368,13 +369,13 @@ class BlockManager:
 
     def _check_pending(self) -> None:
         """Every unconfirmed block waits in its writer's queue under its latest registration."""
-        queued = {(key, h, tick) for w, fifo in self._unconfirmed.items() for tick, key, hashes in fifo
-                  for h in hashes if self._key_writer.get(key) == w}
+        queued = {(key, h, int(b), reg) for w, fifo in self._unconfirmed.items()
+                  for _, reg, key, hashes, blocks in fifo for h, b in zip(hashes, blocks)
+                  if self._key_writer.get(key) == w}
         for key, writer in self._key_writer.items():
             assert key in self.pool.pending_of
-            ticks = self._reg_tick.get(key, {})
-            for h in self.pool.caches.get(key, ()):
-                assert (key, h, ticks.get(h)) in queued, "an unconfirmed block would never be promoted"
+            for h, b in self.pool.caches.get(key, {}).items():
+                assert (key, h, b, int(self._block_reg[b])) in queued, "an unconfirmed block would never be promoted"
 
     # ================================================================== validation helpers
     def _hash_lists(self, block_hashes, num_tokens: int) -> list[np.ndarray]:
@@ -1780,7 +1781,8 @@ class _BatchAdmission:
                 if keys:
                     pool.log_stored(self.key, keys)
             if self.writer:
-                mgr._note_unconfirmed(self.writer, self.key, [h for keys in self.inserted for h in keys], mgr.tick)
+                mgr._note_unconfirmed(self.writer, self.key, [h for keys in self.inserted for h in keys], reg,
+                                      mgr.tick)
         tokens = np.fromiter((admits[i].num_tokens for i in admitted), np.int64, count=k)
         g.num_registered[rows] = reg_ends
         mgr.num_tokens[rows] = tokens

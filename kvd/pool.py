@@ -323,18 +323,19 @@ class BlockPool:
             hits.append(block)
         return np.array(hits, np.int32)
 
-    def register(self, key: int, hashes: np.ndarray, blocks: np.ndarray) -> list[bytes]:
-        """Put full blocks in cache ``key`` under their hashes; returns the hashes it stored. A
+    def register(self, key: int, hashes: np.ndarray, blocks: np.ndarray) -> tuple[list[bytes], np.ndarray]:
+        """Put full blocks in cache ``key`` under their hashes; returns what it stored (hashes as
+        map keys, blocks). A
         hash already cached (for a pending map: or in its shared map) keeps its block, and a block
         already cached keeps its hash (forks share blocks, and each sharer may register them), so
         the new entry is dropped in both cases."""
         if not blocks.size:
-            return []
+            return [], blocks
         uncached = self.cache_key[blocks] == NO_CACHE_KEY
         if not uncached.all():
             blocks, hashes = blocks[uncached], hashes[uncached]
             if not blocks.size:
-                return []
+                return [], blocks
         cache = self.cache_map(key)
         shared = self.caches.get(self.pending_of.get(key, NO_CACHE_KEY))  # a pending map defers to it
         keys = hashes.tolist()
@@ -345,7 +346,7 @@ class BlockPool:
                 self.block_hash[blocks] = hashes
                 self.cache_key[blocks] = key
                 self.log_stored(key, keys)
-                return keys
+                return keys, blocks
             for h in keys:  # a hash repeated within the batch: redo it one by one
                 cache.pop(h, None)
         mask = np.zeros(blocks.size, bool)
@@ -358,37 +359,32 @@ class BlockPool:
         stored = hashes[mask].tolist()
         if stored:
             self.log_stored(key, stored)
-        return stored
+        return stored, blocks[mask]
 
     def log_stored(self, key: int, keys: list[bytes]) -> None:
         if self.event_log is not None and key not in self.pending_of:
             self.event_log.append(("stored", key, keys))
 
-    def promote(self, pending_key: int, hashes: list[bytes]) -> None:
-        """Move confirmed entries of a pending map into its shared map, in the given (chain)
-        order. A hash the shared map already holds keeps that block: the pending duplicate stops
-        being cached (a free one goes to the front of the free queue, like any uncached block)."""
-        pending = self.caches.get(pending_key)
-        if not pending:
-            return
+    def promote(self, pending_key: int, hashes: list[bytes], blocks: np.ndarray) -> None:
+        """Move confirmed entries (``hashes`` -> ``blocks``, all still in the pending map) into its
+        shared map, in the given (chain) order. A hash the shared map already holds keeps that
+        block: the pending duplicate stops being cached (a free one goes to the front of the free
+        queue, like any uncached block)."""
+        pending = self.caches[pending_key]
         key = self.pending_of[pending_key]
         shared = self.cache_map(key)
-        moved_hashes, moved, dropped = [], [], []
         for h in hashes:
-            b = pending.pop(h, None)
-            if b is None:
-                continue  # evicted meanwhile, or promoted by an earlier confirmation
-            if h in shared:
-                dropped.append(b)
-            else:
-                shared[h] = b
-                moved_hashes.append(h)
-                moved.append(b)
-        if moved:
-            self.cache_key[moved] = key
-            self.log_stored(key, moved_hashes)
-        if dropped:
-            self._forget(np.array(dropped, np.int32))
+            del pending[h]
+        dup = shared.keys() & hashes
+        if dup:
+            keep = np.fromiter((h not in dup for h in hashes), bool, count=len(hashes))
+            self._forget(blocks[~keep])
+            hashes = [h for h in hashes if h not in dup]
+            blocks = blocks[keep]
+        if hashes:
+            shared.update(zip(hashes, blocks.tolist()))
+            self.cache_key[blocks] = key
+            self.log_stored(key, hashes)
 
     def _forget(self, blocks: np.ndarray) -> None:
         """Uncache blocks no map holds any more; free ones leave their eviction queue."""

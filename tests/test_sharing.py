@@ -70,19 +70,21 @@ def test_confirmation_is_per_tick_and_per_writer(m):
     assert m.pool.cache_key[m.block_table("x")[:3]].tolist() == [0, 0, 0]
 
 
-def test_an_entry_evicted_and_stored_again_waits_for_the_later_tick(m):
-    m.allocate("a", 13, HASHES, writer=1)  # tick 1: blocks 1-4
+def test_an_entry_evicted_and_stored_again_waits_for_the_later_tick():
+    m = BlockManager(ManagerConfig(num_gpu_blocks=5, max_model_len=64, max_num_reqs=8, groups=(GroupSpec(BS),),
+                                   debug_checks=True))
+    m.allocate("a", 13, HASHES, writer=1)  # tick 1: blocks 1-4, three of them pending
     m.free("a")
-    filler = hash_prompt(np.arange(100, 160, dtype=np.int32), BS)
-    m.allocate("f", 60, filler)  # tick 2: takes every free block, evicting a's
+    m.allocate("f", 16)  # tick 2: every block of the pool: a's are evicted
     assert m.stats()["num_pending_blocks"] == 0
     m.free("f")
-    m.reset_prefix_cache()
-    m.allocate("a2", 13, HASHES, writer=1)  # tick 3: stored again
+    a2 = m.allocate("a2", 13, HASHES, writer=1)  # tick 3: stored again, in the same four blocks
+    assert sorted(a2.block_ids.tolist()) == [1, 2, 3, 4]
     m.mark_computed(1, 1)
     assert m.lookup(HASHES) == 0, "tick 1's confirmation must not promote tick 3's blocks"
     m.mark_computed(1, 3)
-    assert m.lookup(HASHES) == 3
+    assert m.lookup(HASHES) == 3 and m.block_table("a2")[:3].tolist() == m.pool.lookup(
+        m._cache_key(0, 0), HASHES.tolist()).tolist()
 
 
 def test_drop_writer_forgets_what_it_never_confirmed(m):
