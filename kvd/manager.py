@@ -130,12 +130,13 @@ def _row_blocks(table: np.ndarray, rows: np.ndarray, starts: np.ndarray, stops: 
 class BlockManager:
     @staticmethod
     def estimate_bytes(config: ManagerConfig) -> int:
-        """Memory the manager's arrays will take, from above by a few percent (per GPU block 32
-        bytes, per CPU block 34, per request row 120 + 16 per group, plus the block tables)."""
+        """Memory the manager's arrays will take, from above by a few percent (per GPU block 40
+        bytes: the pool's 31 and a registration serial; per CPU block 34, per request row 120 + 16
+        per group, plus the block tables)."""
         R = config.max_num_reqs
         tables = sum(_cdiv(config.max_model_len + config.max_lookahead_tokens, g.block_size) for g in config.groups)
         cross = _cdiv(config.max_encoder_len, config.encoder_block_size)
-        return (32 * config.num_gpu_blocks + 34 * max(config.num_cpu_blocks, 1)
+        return (40 * config.num_gpu_blocks + 34 * max(config.num_cpu_blocks, 1)
                 + R * (120 + 16 * len(config.groups) + 4 * (tables + cross)))
 
     def __init__(self, config: ManagerConfig) -> None:
