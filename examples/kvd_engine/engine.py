@@ -1,0 +1,322 @@
+"""A continuous-batching engine on kvd: every scheduler step is ONE ``step`` round trip to kvd
+(frees, forks, decode appends, admissions with prefix hits), then one packed forward of the model.
+
+Scheduling per step, under a token budget (``max_tokens``):
+  1. decode: every running request whose prompt is done appends its last sampled token;
+  2. chunked prefill: requests admitted earlier whose uncached prompt is not done yet continue
+     (kvd allocated the whole prompt at admission: their slots come from the block table);
+  3. admissions: waiting requests while budget is left; each computes up to the remaining budget of
+     its uncached prompt this step, the rest in later steps.
+Preemption: a decode append kvd refuses for lack of blocks swaps out the newest running request
+(``swap_out``, a round trip of its own) which is swapped back in (``swap_in``) once blocks are free.
+KV memory: the daemon's (``client.kv_cache``: it performs copy-on-write copies and swaps) or the
+engine's own (``OwnedKv``: the engine performs ``res.copies`` and the swap copies itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvd.api import STATUS_NO_SPACE, STATUS_OK, AdmitRequest, StepBatch
+
+from .model import StepMeta, layer_groups, use_paged
+
+WAITING, PREFILL, RUNNING, SWAPPED, DONE = "waiting", "prefill", "running", "swapped", "done"
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt: list[int]
+    max_new_tokens: int
+    forced: dict[int, int] = field(default_factory=dict)   # output index -> token (forks, tests)
+    output: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)  # float32 CPU, one per output token
+    hashes: np.ndarray = field(default_factory=lambda: np.empty(0, "S16"))  # full blocks' chain
+    computed: int = 0          # tokens whose KV is written
+    cached_tokens: int = 0     # prefix hit at admission
+    prefilled_tokens: int = 0  # prompt tokens this engine computed
+    state: str = WAITING
+    first_token_step: int = -1
+    admitted_step: int = -1
+
+    @property
+    def seq(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def finished(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+class OwnedKv:
+    """Engine-owned KV memory: the GPU-side cache and a CPU swap pool, with kvd's layout."""
+
+    def __init__(self, layers, num_blocks, block_size, kv_heads, head_dim, dtype, device, num_cpu_blocks=0):
+        self.gpu = torch.zeros(layers, 2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+        self.cpu = torch.zeros(layers, 2, max(num_cpu_blocks, 1), block_size, kv_heads, head_dim, dtype=dtype)
+
+    def copy(self, pairs: np.ndarray) -> None:
+        if len(pairs):
+            p = torch.from_numpy(pairs.astype(np.int64)).to(self.gpu.device)
+            self.gpu[:, :, p[:, 1]] = self.gpu[:, :, p[:, 0]]
+
+    def swap_out(self, mapping: np.ndarray) -> None:
+        if len(mapping):
+            m = torch.from_numpy(mapping.astype(np.int64))
+            self.cpu[:, :, m[:, 1]] = self.gpu[:, :, m[:, 0].to(self.gpu.device)].cpu()
+
+    def swap_in(self, mapping: np.ndarray) -> None:
+        if len(mapping):
+            m = torch.from_numpy(mapping.astype(np.int64))
+            self.gpu[:, :, m[:, 1].to(self.gpu.device)] = self.cpu[:, :, m[:, 0]].to(self.gpu.device)
+
+
+def daemon_kv(client, dtype: torch.dtype) -> torch.Tensor:
+    """The daemon-owned cache as a torch tensor: CUDA IPC tensor as is, shm numpy memmap wrapped
+    (bfloat16/float16 arrive as integers of their width: reinterpret the bytes)."""
+    kv = client.kv_cache
+    if isinstance(kv, torch.Tensor):
+        return kv
+    t = torch.from_numpy(kv)
+    return t.view(dtype) if t.dtype != dtype else t
+
+
+class Engine:
+    """One engine: a model, a kvd client (daemon ``kvd_client.Client`` or ``InProcClient``), a queue."""
+
+    def __init__(self, client, model, *, kv: OwnedKv | None = None, max_tokens: int = 256, max_running: int = 64,
+                 device="cpu"):
+        self.c = client
+        self.model = model
+        self.device = torch.device(device)
+        self.owned = kv
+        dtype = next(model.parameters()).dtype
+        self.kv = kv.gpu if kv is not None else daemon_kv(client, dtype)
+        self.groups = layer_groups(model.config)
+        self.num_groups = len(client.block_sizes)
+        if max(self.groups) >= self.num_groups:
+            raise ValueError(f"the model has sliding-window layers: kvd needs {max(self.groups) + 1} KV-cache groups")
+        if len(set(client.block_sizes)) != 1:
+            raise ValueError("the engine needs one block size for all KV-cache groups (one KV cache)")
+        self.bs = client.block_sizes[0]
+        self.max_tokens = max_tokens
+        self.max_running = max_running
+        self.reqs: dict[str, Request] = {}
+        self.order: list[str] = []          # running/prefill requests in admission order
+        self.waiting: list[str] = []
+        self.swapped: list[str] = []
+        self.pending_forks: list[tuple[str, str, int]] = []
+        self.steps = 0
+        self.copies = 0
+        self.swaps_out = self.swaps_in = 0
+        self.forward_s = 0.0
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def add(self, rid: str, prompt, max_new_tokens: int, forced: dict[int, int] | None = None) -> None:
+        self.reqs[rid] = Request(rid, [int(t) for t in prompt], max_new_tokens, dict(forced or {}))
+        self.waiting.append(rid)
+
+    def fork(self, parent: str, child: str, first_token: int) -> None:
+        """Parallel sampling: ``child`` shares ``parent``'s blocks (kvd fork, copy-on-write) and
+        replaces the parent's last sampled token with ``first_token``."""
+        self.pending_forks.append((parent, child, first_token))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.order or self.waiting or self.swapped or self.pending_forks)
+
+    def run(self, max_steps: int = 100000) -> None:
+        for _ in range(max_steps):
+            if not self.busy:
+                return
+            self.step()
+        raise RuntimeError("the engine did not finish")
+
+    # ---- one step ------------------------------------------------------------------------------------
+    def step(self) -> None:
+        self._swap_in_some()
+        free = [rid for rid in self.order if self.reqs[rid].finished]
+        for rid in free:
+            self.order.remove(rid)
+            self.reqs[rid].state = DONE
+        forks = self._take_forks(free)
+        budget = self.max_tokens
+        decode = [rid for rid in self.order if self.reqs[rid].state == RUNNING]
+        budget -= len(decode)
+        filled = [self._filled_hash(self.reqs[rid]) for rid in decode]
+        new_hashes = [h for h in filled if len(h)]
+        counts = [len(h) for h in filled]
+        cont = [rid for rid in self.order if self.reqs[rid].state == PREFILL]
+        admits = []
+        while self.waiting and budget > 0 and not self.swapped and len(self.order) + len(admits) < self.max_running:
+            r = self.reqs[self.waiting.pop(0)]
+            r.hashes = self.c.hash_prompt(np.array(r.prompt))
+            admits.append(r)
+            budget -= 1  # at least one token each; the rest is shared out after the reply
+        hs = [np.concatenate(new_hashes)] if new_hashes else [np.empty(0, "S16")]
+        cnt = np.array(counts, np.int32)
+        batch = StepBatch(free=free, forks=[(p, c) for p, c, _ in forks], append_ids=decode, append_num_tokens=1,
+                          append_hashes=hs * self.num_groups if decode else (),
+                          append_hash_counts=[cnt] * self.num_groups if decode else (),
+                          admit=[AdmitRequest(r.rid, len(r.prompt), [r.hashes] * self.num_groups
+                                              if self.num_groups > 1 else r.hashes) for r in admits])
+        res = self.c.step(batch)
+        self.steps += 1
+        self._check(res)
+        if self.owned is not None:
+            self.owned.copy(res.copies)
+        self.copies += len(res.copies)
+        for p, c, _ in forks:
+            self.order.append(c)
+        sched = self._schedule(decode, filled, res, cont, admits)
+        if sched:
+            self._forward(sched)
+        self._preempt(decode, res)  # after the forward: a victim's KV of this step is written
+
+    def _take_forks(self, freed):
+        forks, self.pending_forks = [(p, c, t) for p, c, t in self.pending_forks if p not in freed], []
+        for p, c, tok in forks:
+            parent = self.reqs[p]
+            if parent.state != RUNNING:
+                raise RuntimeError(f"fork of {p}: the parent must be decoding")
+            child = Request(c, parent.prompt, parent.max_new_tokens, dict(parent.forced),
+                            list(parent.output), list(parent.logits), parent.hashes.copy(), parent.computed,
+                            parent.cached_tokens, 0, RUNNING, parent.first_token_step, parent.admitted_step)
+            child.output[-1] = tok
+            child.forced[len(child.output) - 1] = tok
+            self.reqs[c] = child
+        return forks
+
+    def _filled_hash(self, r: Request) -> np.ndarray:
+        """The hash of the block the decode token fills (empty when it fills none)."""
+        n = r.computed + 1
+        if n % self.bs:
+            return np.empty(0, "S16")
+        parent = bytes(r.hashes[-1]) if len(r.hashes) else None
+        return self.c.hash_prompt(np.array(r.seq[n - self.bs:n]), parent=parent, first_block_index=n // self.bs - 1)
+
+    def _check(self, res) -> None:
+        for what in ("free_status", "fork_status"):
+            st = getattr(res, what)
+            if st.any():
+                raise RuntimeError(f"kvd refused part of the step: {what}={st.tolist()}")
+        for st in (res.append_status, res.admit_status):
+            bad = (st != STATUS_OK) & (st != STATUS_NO_SPACE)
+            if bad.any():
+                raise RuntimeError(f"kvd refused part of the step: {st.tolist()}")
+
+    def _schedule(self, decode, filled, res, cont, admits):
+        """(request, first position, token count) of this step's forward, in any order."""
+        sched = []
+        for rid, h, st in zip(decode, filled, res.append_status.tolist()):
+            if st == STATUS_OK:  # a refused append registered nothing: its hash waits for the retry
+                r = self.reqs[rid]
+                r.hashes = np.concatenate([r.hashes, h]) if len(h) else r.hashes
+                sched.append((r, r.computed, 1))
+        budget = self.max_tokens - len(sched)
+        for rid in cont:
+            r = self.reqs[rid]
+            n = min(len(r.prompt) - r.computed, budget)
+            if n > 0:
+                sched.append((r, r.computed, n))
+                budget -= n
+        for i, r in enumerate(admits):
+            if int(res.admit_status[i]) != STATUS_OK:
+                self.waiting.insert(0, r.rid)  # no room now: first in line next time
+                continue
+            r.cached_tokens = r.computed = int(res.admit_cached_tokens[i])
+            r.state, r.admitted_step = PREFILL, self.steps
+            self.order.append(r.rid)
+            n = min(len(r.prompt) - r.computed, max(budget, 1))
+            sched.append((r, r.computed, n))
+            budget -= n
+        return sched
+
+    def _preempt(self, decode, res) -> None:
+        """Appends kvd refused (no free block): swap out the newest running request; the refused
+        requests retry next step."""
+        refused = [rid for rid, st in zip(decode, res.append_status.tolist()) if st == STATUS_NO_SPACE]
+        if not refused:
+            return
+        victims = [rid for rid in reversed(self.order) if self.reqs[rid].state == RUNNING]
+        for rid in victims[:1]:
+            out = self.c.swap_out([rid])
+            if not out.ok:
+                raise RuntimeError(f"swap_out({rid}) found no room in the CPU pool")
+            if self.owned is not None:
+                self.owned.swap_out(out.mapping)
+            self.order.remove(rid)
+            self.reqs[rid].state = SWAPPED
+            self.swapped.append(rid)
+            self.swaps_out += 1
+
+    def _swap_in_some(self) -> None:
+        while self.swapped:
+            rid = self.swapped[0]
+            got = self.c.swap_in([rid])
+            if not got.ok:
+                return
+            if self.owned is not None:
+                self.owned.swap_in(got.mapping)
+            self.swapped.pop(0)
+            self.order.append(rid)
+            self.reqs[rid].state = RUNNING
+            self.swaps_in += 1
+
+    # ---- the forward ---------------------------------------------------------------------------------
+    def _tables(self):
+        gpu = getattr(self.c, "gpu_tables", None) if self.device.type == "cuda" else None
+        if gpu is not None:
+            return list(gpu)
+        return [torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in self.c.tables]
+
+    def _forward(self, sched) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        dev = self.device
+        tokens, positions, lens, qsl, rows = [], [], [], [0], []
+        for r, start, n in sched:
+            tokens += r.seq[start:start + n]
+            positions += range(start, start + n)
+            lens.append(start + n)
+            qsl.append(qsl[-1] + n)
+            rows.append(self.c.row_of(r.rid))
+        pos = torch.tensor(positions, dtype=torch.int64)
+        rows_t = torch.tensor(rows, dtype=torch.int32)
+        tables = [t.to(dev) if t.device != dev else t for t in self._tables()]
+        rep = torch.repeat_interleave(rows_t.long(), torch.tensor([n for _, _, n in sched]))
+        pos_d, rep_d = pos.to(dev), rep.to(dev)
+        slots = [(t[rep_d, pos_d // self.bs].long() * self.bs + pos_d % self.bs) for t in tables]
+        meta = StepMeta(self.kv, self.groups, slots, tables, rows_t.to(dev),
+                        torch.tensor(lens, dtype=torch.int32, device=dev),
+                        torch.tensor(qsl, dtype=torch.int32, device=dev))
+        done = [i for i, (r, s, n) in enumerate(sched) if s + n == len(r.seq)]  # rows that sample
+        keep = torch.tensor([qsl[i + 1] - 1 for i in done], dtype=torch.int64, device=dev)
+        use_paged(self.model, True)
+        try:
+            with torch.no_grad():
+                out = self.model(input_ids=torch.tensor([tokens], device=dev), position_ids=pos_d[None],
+                                 kvd_meta=meta, use_cache=False, logits_to_keep=keep)
+        finally:
+            use_paged(self.model, False)
+        logits = out.logits[0].float().cpu()
+        for r, s, n in sched:
+            r.computed = s + n
+            if r.state == PREFILL and r.computed >= len(r.prompt):
+                r.state = RUNNING
+            if r.cached_tokens <= s < len(r.prompt):
+                r.prefilled_tokens += min(n, len(r.prompt) - s)
+        for j, i in enumerate(done):
+            r = sched[i][0]
+            k = len(r.output)
+            r.output.append(r.forced.get(k, int(torch.argmax(logits[j]))))
+            r.logits.append(logits[j])
+            if r.first_token_step < 0:
+                r.first_token_step = self.steps
+        self.forward_s += time.perf_counter() - t0
+
