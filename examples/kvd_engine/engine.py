@@ -15,6 +15,8 @@ engine's own (``OwnedKv``: the engine performs ``res.copies`` and the swap copie
 
 from __future__ import annotations
 
+import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,6 +44,8 @@ class Request:
     state: str = WAITING
     first_token_step: int = -1
     admitted_step: int = -1
+    added_at: float = 0.0      # perf_counter() when added (time to first token)
+    first_token_at: float = 0.0
 
     @property
     def seq(self) -> list[int]:
@@ -114,10 +118,13 @@ class Engine:
         self.copies = 0
         self.swaps_out = self.swaps_in = 0
         self.forward_s = 0.0
+        self.freed_since_preempt = True
+        self.after_reply = None  # hook(engine, StepResult) between kvd's reply and the forward (tests)
 
     # ---- requests ------------------------------------------------------------------------------------
     def add(self, rid: str, prompt, max_new_tokens: int, forced: dict[int, int] | None = None) -> None:
-        self.reqs[rid] = Request(rid, [int(t) for t in prompt], max_new_tokens, dict(forced or {}))
+        self.reqs[rid] = Request(rid, [int(t) for t in prompt], max_new_tokens, dict(forced or {}),
+                                 added_at=time.perf_counter())
         self.waiting.append(rid)
 
     def fork(self, parent: str, child: str, first_token: int) -> None:
@@ -143,6 +150,7 @@ class Engine:
         for rid in free:
             self.order.remove(rid)
             self.reqs[rid].state = DONE
+            self.freed_since_preempt = True
         forks = self._take_forks(free)
         budget = self.max_tokens
         decode = [rid for rid in self.order if self.reqs[rid].state == RUNNING]
@@ -167,6 +175,8 @@ class Engine:
         res = self.c.step(batch)
         self.steps += 1
         self._check(res)
+        if self.after_reply is not None:
+            self.after_reply(self, res)
         if self.owned is not None:
             self.owned.copy(res.copies)
         self.copies += len(res.copies)
@@ -185,7 +195,8 @@ class Engine:
                 raise RuntimeError(f"fork of {p}: the parent must be decoding")
             child = Request(c, parent.prompt, parent.max_new_tokens, dict(parent.forced),
                             list(parent.output), list(parent.logits), parent.hashes.copy(), parent.computed,
-                            parent.cached_tokens, 0, RUNNING, parent.first_token_step, parent.admitted_step)
+                            parent.cached_tokens, 0, RUNNING, parent.first_token_step, parent.admitted_step,
+                            parent.added_at, parent.first_token_at)
             child.output[-1] = tok
             child.forced[len(child.output) - 1] = tok
             self.reqs[c] = child
@@ -253,9 +264,12 @@ class Engine:
             self.reqs[rid].state = SWAPPED
             self.swapped.append(rid)
             self.swaps_out += 1
+            self.freed_since_preempt = False
 
     def _swap_in_some(self) -> None:
-        while self.swapped:
+        # only once a request finished since the last preemption: swapping straight back into the
+        # blocks the preemption freed would refuse the same appends again (a livelock)
+        while self.swapped and self.freed_since_preempt:
             rid = self.swapped[0]
             got = self.c.swap_in([rid])
             if not got.ok:
@@ -272,11 +286,11 @@ class Engine:
         gpu = getattr(self.c, "gpu_tables", None) if self.device.type == "cuda" else None
         if gpu is not None:
             return list(gpu)
-        return [torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in self.c.tables]
+        with warnings.catch_warnings():  # read-only shm views: the forward only reads them
+            warnings.simplefilter("ignore", UserWarning)
+            return [torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in self.c.tables]
 
     def _forward(self, sched) -> None:
-        import time
-
         t0 = time.perf_counter()
         dev = self.device
         tokens, positions, lens, qsl, rows = [], [], [], [0], []
@@ -317,6 +331,6 @@ class Engine:
             r.output.append(r.forced.get(k, int(torch.argmax(logits[j]))))
             r.logits.append(logits[j])
             if r.first_token_step < 0:
-                r.first_token_step = self.steps
+                r.first_token_step, r.first_token_at = self.steps, time.perf_counter()
         self.forward_s += time.perf_counter() - t0
 

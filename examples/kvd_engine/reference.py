@@ -19,7 +19,9 @@ def hf_generate(model, prompt, max_new_tokens: int, forced: dict[int, int] | Non
         n = stop - len(tokens) + (1 if stop < max_new_tokens else 0)
         if n > 0:
             with torch.no_grad():
-                out = model.generate(torch.tensor([seq], device=dev), max_new_tokens=n, min_new_tokens=n,
+                ids = torch.tensor([seq], device=dev)
+                # an explicit all-ones mask: generate would otherwise mask every token equal to pad_token_id
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                                      do_sample=False, output_logits=True, return_dict_in_generate=True,
                                      pad_token_id=0, eos_token_id=None)
             new = out.sequences[0, len(seq):].tolist()
