@@ -118,6 +118,8 @@ class Engine:
         self.copies = 0
         self.swaps_out = self.swaps_in = 0
         self.forward_s = 0.0
+        self.kvd_s = 0.0   # kvd's share of the steps: the round trips ...
+        self.meta_s = 0.0  # ... and building slots / table views / varlen layout from its answer
         self.freed_since_preempt = True
         self.after_reply = None  # hook(engine, StepResult) between kvd's reply and the forward (tests)
 
@@ -165,14 +167,17 @@ class Engine:
             r.hashes = self.c.hash_prompt(np.array(r.prompt))
             admits.append(r)
             budget -= 1  # at least one token each; the rest is shared out after the reply
-        hs = [np.concatenate(new_hashes)] if new_hashes else [np.empty(0, "S16")]
-        cnt = np.array(counts, np.int32)
-        batch = StepBatch(free=free, forks=[(p, c) for p, c, _ in forks], append_ids=decode, append_num_tokens=1,
-                          append_hashes=hs * self.num_groups if decode else (),
-                          append_hash_counts=[cnt] * self.num_groups if decode else (),
+        # no filled block: no hash frames (with nothing else in the step, kvd's decode fast path)
+        hs = [np.concatenate(new_hashes)] * self.num_groups if new_hashes else ()
+        cnt = [np.array(counts, np.int32)] * self.num_groups if new_hashes else ()
+        rows = np.asarray(self.c.rows_of(decode), np.int32) if decode else None
+        batch = StepBatch(free=free, forks=[(p, c) for p, c, _ in forks], append_rows=rows, append_num_tokens=1,
+                          append_hashes=hs, append_hash_counts=cnt,
                           admit=[AdmitRequest(r.rid, len(r.prompt), [r.hashes] * self.num_groups
                                               if self.num_groups > 1 else r.hashes) for r in admits])
+        t0 = time.perf_counter()
         res = self.c.step(batch)
+        self.kvd_s += time.perf_counter() - t0
         self.steps += 1
         self._check(res)
         if self.after_reply is not None:
@@ -309,6 +314,7 @@ class Engine:
         meta = StepMeta(self.kv, self.groups, slots, tables, rows_t.to(dev),
                         torch.tensor(lens, dtype=torch.int32, device=dev),
                         torch.tensor(qsl, dtype=torch.int32, device=dev))
+        self.meta_s += time.perf_counter() - t0
         done = [i for i, (r, s, n) in enumerate(sched) if s + n == len(r.seq)]  # rows that sample
         keep = torch.tensor([qsl[i + 1] - 1 for i in done], dtype=torch.int64, device=dev)
         use_paged(self.model, True)

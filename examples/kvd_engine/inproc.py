@@ -35,6 +35,9 @@ class InProcClient:
     def row_of(self, rid) -> int:
         return self.m.row_of(rid)
 
+    def rows_of(self, rids) -> np.ndarray:
+        return self.m.rows_of(rids)
+
     def hash_prompt(self, token_ids, group: int = 0, **kw) -> np.ndarray:
         kw.setdefault("algo", self.algo)
         return hash_prompt(token_ids, self.block_sizes[group], **kw)
