@@ -149,3 +149,25 @@ def test_kv_cache_serves_several_groups_of_one_block_size():
     ServeConfig(kv_cache="2,2,16,float32", kv_groups="8,8:12")
     with pytest.raises(ConfigError, match="one block size"):
         ServeConfig(kv_cache="2,2,16,float32", kv_groups="8,16:12")
+
+
+def test_the_triton_kernels_drive_the_same_engine(monkeypatch):
+    """The GPU code path's kernels (Triton; under TRITON_INTERPRET=1 on CPU tensors here) in the
+    engine: hybrid model, prefill chunks, decode, windows. Tokens identical to HF."""
+    import os
+
+    import kvd_kernels
+
+    if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("needs a GPU or the Triton interpreter")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(kvd_kernels, "write_kv", kvd_kernels.write_kv_triton)
+    monkeypatch.setattr(kvd_kernels, "paged_attention", kvd_kernels.paged_attention_triton)
+    model = model_of(HYBRID).to(dev)
+    prompts = _prompts(np.random.default_rng(9), 2, 14, 30)  # > the window: blocks get released
+    c = InProcClient(64, BLOCK, window=HYBRID["window"])
+    eng = Engine(c, model, kv=OwnedKv(2, 64, BLOCK, 2, 16, torch.float32, dev), max_tokens=24, device=dev)
+    for rid, p in prompts.items():
+        eng.add(rid, p, 8)
+    eng.run()
+    assert_matches_hf(model, eng, prompts, 8)

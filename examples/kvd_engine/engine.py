@@ -307,7 +307,11 @@ class Engine:
             rows.append(self.c.row_of(r.rid))
         pos = torch.tensor(positions, dtype=torch.int64)
         rows_t = torch.tensor(rows, dtype=torch.int32)
-        tables = [t.to(dev) if t.device != dev else t for t in self._tables()]
+        tables = self._tables()
+        if tables[0].device != dev:  # host tables, device model: move only the scheduled rows' used columns
+            width = -(-max(lens) // self.bs)
+            tables = [t[rows_t.long(), :width].to(dev) for t in tables]
+            rows_t = torch.arange(len(sched), dtype=torch.int32)
         rep = torch.repeat_interleave(rows_t.long(), torch.tensor([n for _, _, n in sched]))
         pos_d, rep_d = pos.to(dev), rep.to(dev)
         slots = [(t[rep_d, pos_d // self.bs].long() * self.bs + pos_d % self.bs) for t in tables]
