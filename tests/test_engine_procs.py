@@ -70,8 +70,8 @@ def _prompts():
 def test_cross_engine_prefix_hit_after_confirmation(daemon_factory):
     d = daemon_factory(**DAEMON)
     system, prompts = _prompts()
-    procs, ev, q = _start([dict(name="A", requests=[("a", prompts["a"], 8)], confirmed="confirmed"),
-                           dict(name="B", requests=[("b", prompts["b"], 8)], wait="confirmed")], d)
+    procs, ev, q = _start([dict(name="A", requests=[("a", prompts["a"], 8)], confirmed="confirmed", warmup=True),
+                           dict(name="B", requests=[("b", prompts["b"], 8)], wait="confirmed", warmup=True)], d)
     try:
         res = _results(q, 2)
     finally:

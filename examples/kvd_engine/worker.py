@@ -2,11 +2,12 @@
 "spawn"): runs a list of requests and puts its results on a queue.
 
 ``spec`` keys: endpoint, tenant, model (kwargs of ``tiny_config`` plus ``seed``), requests
-[(rid, prompt, max_new_tokens)], and optional choreography with named ``events``: ``wait`` (before
-adding the requests), ``confirmed`` (set once every prompt is computed and one more step ran: kvd
-has then been told that KV is written), ``admitted``/``hold`` (set ``admitted`` right after the
-reply that admitted the requests, then wait for ``hold`` before that step's forward), ``pause_at``
-(after that many steps set ``paused`` with the blocks held, wait for ``resume``), ``step_sleep``.
+[(rid, prompt, max_new_tokens)], and optional choreography with named ``events``: ``warmup`` (run
+one small request first), ``wait`` (before adding the requests), ``confirmed`` (set once every
+prompt is computed and one more step ran: kvd has then been told that KV is written),
+``admitted``/``hold`` (set ``admitted`` right after the reply that admitted the requests, then wait
+for ``hold`` before that step's forward), ``pause_at`` (after that many steps report the blocks
+held, set ``paused`` and wait for ``resume``), ``step_sleep``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ def run_worker(spec: dict, events: dict, queue) -> None:
     client = Client(spec["endpoint"], tenant=spec.get("tenant", "engine"), name=spec.get("name", "engine"))
     try:
         eng = Engine(client, build_model(tiny_config(**mk), seed=seed), max_tokens=spec.get("max_tokens", 256))
+        if spec.get("warmup"):  # first-call costs (allocator, kernels) out of the time to first token
+            eng.add("warmup", list(range(1, 2 * eng.bs + 2)), 2)
+            eng.run()
+            del eng.reqs["warmup"]
         if "wait" in spec:
             events[spec["wait"]].wait(120)
         if "hold" in spec:
