@@ -139,7 +139,9 @@ def main(argv=None) -> int:
         opts["device"] = str(dev)
     rng = np.random.default_rng(args.seed)
     rows, checks = {}, {}
-    with KvdDaemon(**opts) as d:
+    d = KvdDaemon(**opts)
+    try:
+        d.start(timeout=180)  # a CUDA daemon imports torch and creates its context first
         warm = {f"w{i}": rng.integers(1, cfg["vocab"], cfg["prompt"]).tolist() for i in range(2)}
         with Client(d.endpoint, tenant="warm-up", name="bench") as c:  # numba compiles, CUDA contexts
             _decode_run(Engine(c, model, device=dev), warm, 2, dev)
@@ -173,6 +175,8 @@ def main(argv=None) -> int:
                   f"{inproc['step_ms']:7.2f} ms  HF generate {hf['tokens_per_s']:9.1f} tok/s {hf['step_ms']:7.2f} ms  "
                   f"agreement {rows[n]['token_agreement']:.3f}", flush=True)
         ttft = _ttft(d.endpoint, model, cfg, dev, rng)
+    finally:
+        d.stop()
     full_hit = (cfg["prefix"] // cfg["block"]) * cfg["block"]
     checks["hit_tokens_equal_prefix_blocks"] = ttft["hit_tokens"] == full_hit
     checks["hit_prefilled_only_suffix"] = ttft["hit_prefilled"] == cfg["prefix"] + 16 - full_hit

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.conftest_daemon import daemon_factory, short_tmp  # noqa: F401
-from tests.engine_common import BLOCK, DAEMON, LLAMA, model_of
+from tests.engine_common import DAEMON, LLAMA, model_of
 
 from kvd_client import Client  # noqa: E402
 from kvd_engine import hf_generate  # noqa: E402

@@ -121,6 +121,7 @@ class Engine:
         self.kvd_s = 0.0   # kvd's share of the steps: the round trips ...
         self.meta_s = 0.0  # ... and building slots / table views / varlen layout from its answer
         self.freed_since_preempt = True
+        self.check_slots = False  # tests: compare kvd's slot mapping with the one from the tables
         self.after_reply = None  # hook(engine, StepResult) between kvd's reply and the forward (tests)
 
     # ---- requests ------------------------------------------------------------------------------------
@@ -153,6 +154,7 @@ class Engine:
             self.order.remove(rid)
             self.reqs[rid].state = DONE
             self.freed_since_preempt = True
+        self.check_slots = False  # tests: compare kvd's slot mapping with the one from the tables
         forks = self._take_forks(free)
         budget = self.max_tokens
         decode = [rid for rid in self.order if self.reqs[rid].state == RUNNING]
@@ -189,7 +191,10 @@ class Engine:
             self.order.append(c)
         sched = self._schedule(decode, filled, res, cont, admits)
         if sched:
-            self._forward(sched)
+            # kvd's own slot mapping is this step's when the forward is exactly kvd's schedule (all
+            # appends granted, in batch order, nothing admitted or continuing)
+            exact = not admits and not cont and len(sched) == len(decode)
+            self._forward(sched, kvd_slots=exact)
         self._preempt(decode, res)  # after the forward: a victim's KV of this step is written
 
     def _take_forks(self, freed):
@@ -295,30 +300,47 @@ class Engine:
             warnings.simplefilter("ignore", UserWarning)
             return [torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in self.c.tables]
 
-    def _forward(self, sched) -> None:
+    def _kvd_slots(self, n: int):
+        """The step's slot mappings as kvd wrote them (None where the client has none)."""
+        if self.device.type == "cuda" and getattr(self.c, "gpu_slot_mappings", None) is not None:
+            return [m[:n] for m in self.c.gpu_slot_mappings]
+        maps = getattr(self.c, "slot_mappings", None)
+        if maps is None or self.device.type == "cuda":
+            return None
+        return [torch.from_numpy(np.asarray(m[:n], np.int64)) for m in maps]
+
+    def _forward(self, sched, kvd_slots: bool = False) -> None:
         t0 = time.perf_counter()
         dev = self.device
-        tokens, positions, lens, qsl, rows = [], [], [], [0], []
+        tokens, positions = [], []  # the model's input: engine work, not kvd's share
         for r, start, n in sched:
             tokens += r.seq[start:start + n]
             positions += range(start, start + n)
-            lens.append(start + n)
-            qsl.append(qsl[-1] + n)
-            rows.append(self.c.row_of(r.rid))
         pos = torch.tensor(positions, dtype=torch.int64)
+        t_meta = time.perf_counter()
+        lens, qsl = [s + n for _, s, n in sched], np.cumsum([0] + [n for _, _, n in sched]).tolist()
+        rows = self.c.rows_of([r.rid for r, _, _ in sched]).tolist()
         rows_t = torch.tensor(rows, dtype=torch.int32)
         tables = self._tables()
         if tables[0].device != dev:  # host tables, device model: move only the scheduled rows' used columns
             width = -(-max(lens) // self.bs)
             tables = [t[rows_t.long(), :width].to(dev) for t in tables]
             rows_t = torch.arange(len(sched), dtype=torch.int32)
-        rep = torch.repeat_interleave(rows_t.long(), torch.tensor([n for _, _, n in sched]))
-        pos_d, rep_d = pos.to(dev), rep.to(dev)
-        slots = [(t[rep_d, pos_d // self.bs].long() * self.bs + pos_d % self.bs) for t in tables]
+        pos_d = pos.to(dev)
+
+        def from_tables():  # slot = block_id * block_size + position % block_size
+            rep = torch.repeat_interleave(rows_t.long(), torch.tensor([n for _, _, n in sched])).to(dev)
+            return [t[rep, pos_d // self.bs].long() * self.bs + pos_d % self.bs for t in tables]
+
+        slots = self._kvd_slots(len(tokens)) if kvd_slots else None
+        if slots is None:
+            slots = from_tables()
+        elif self.check_slots:
+            assert all(torch.equal(a, b) for a, b in zip(slots, from_tables())), "kvd slot mapping differs"
         meta = StepMeta(self.kv, self.groups, slots, tables, rows_t.to(dev),
                         torch.tensor(lens, dtype=torch.int32, device=dev),
                         torch.tensor(qsl, dtype=torch.int32, device=dev))
-        self.meta_s += time.perf_counter() - t0
+        self.meta_s += time.perf_counter() - t_meta
         done = [i for i, (r, s, n) in enumerate(sched) if s + n == len(r.seq)]  # rows that sample
         keep = torch.tensor([qsl[i + 1] - 1 for i in done], dtype=torch.int64, device=dev)
         use_paged(self.model, True)
