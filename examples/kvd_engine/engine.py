@@ -154,7 +154,6 @@ class Engine:
             self.order.remove(rid)
             self.reqs[rid].state = DONE
             self.freed_since_preempt = True
-        self.check_slots = False  # tests: compare kvd's slot mapping with the one from the tables
         forks = self._take_forks(free)
         budget = self.max_tokens
         decode = [rid for rid in self.order if self.reqs[rid].state == RUNNING]
