@@ -167,8 +167,9 @@ class ServeConfig:
             problem = check(getattr(self, name))
             if problem:
                 raise ConfigError(name, f"{getattr(self, name)!r} {problem}")
-        if self.kv_cache and len(self.group_specs()) > 1:
-            raise ConfigError("kv_cache", "a daemon-owned KV cache serves one KV-cache group, kv_groups has several")
+        if self.kv_cache and len({size for size, _ in self.group_specs()}) > 1:
+            # one [layers, 2, blocks, block_size, ...] cache: each layer reads its group's block ids
+            raise ConfigError("kv_cache", "a daemon-owned KV cache needs one block size for all KV-cache groups")
         if self.log_level != self.log_level.lower():
             object.__setattr__(self, "log_level", self.log_level.lower())
 

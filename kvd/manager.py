@@ -13,7 +13,8 @@ Semantics worth knowing:
 - a batch of appends runs in three phases: every request grows (decided in batch order, greedily:
   a request fits if its blocks fit in what is left), then the blocks that became full are
   registered in the prefix cache, then blocks that fell out of a sliding window are returned (only
-  for requests that grew: a no-space request stays exactly as it was). So a cached block evicted
+  for requests that grew: a no-space request stays exactly as it was, and a 0-token append, which
+  registers a prefill chunk's blocks, releases nothing). So a cached block evicted
   to grow one request is gone before another request of the batch registers the same content;
 - blocks of one batch are taken group by group, and within a group in batch order (a request's
   copy-on-write block first, then its new blocks);
@@ -769,9 +770,10 @@ class BlockManager:
             self._grow_group(g, orows, oold, onew - oold, grow[gi][ok], cow[gi][ok] if cow is not None else no_copy)
         self.num_tokens[orows] = onew
         self._register_appends(rows, status, hash_lists, hash_counts)
+        grew = onew > oold  # a 0-token append (registering a prefill chunk's blocks) releases nothing
         for g in self.groups:
             if g.window:
-                self._release_out_of_window(g, orows, oold)
+                self._release_out_of_window(g, orows[grew], oold[grew])
         return status, None
 
     def _append_fast(self, rows, n_new, hashes, counts, lookahead, defer: bool = False):

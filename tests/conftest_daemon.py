@@ -20,7 +20,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # Named tenants the tests take, all open to the uid running them (kvd.tenancy).
 TEST_TENANTS = ("p", "t", "g", "a", "b", "A", "B", "x", "alice", "bob", "async", "forks", "hybrid", "shared", "observer",
-                "good", "fuzz", "sharer", "engine")
+                "good", "fuzz", "sharer", "engine", "ta", "tb", "tc")
 SMALL = dict(num_gpu_blocks=1024, max_num_reqs=256, max_reqs_per_session=64, max_sessions=16,
              max_num_batched_tokens=2048, max_model_len=2048, lease_s=1.5,
              tenants=" ".join(f"{name}=uid:{os.getuid()}" for name in TEST_TENANTS))

@@ -27,8 +27,9 @@ def test_kv_cache_spec_parsing():
             parse_kv_cache(bad)
     with pytest.raises(ConfigError, match="kv_cache"):
         ServeConfig(kv_cache="2,2")
-    with pytest.raises(ConfigError, match="one KV-cache group"):
-        ServeConfig(kv_cache=SPEC, kv_groups="16,16:64")
+    ServeConfig(kv_cache=SPEC, kv_groups="16,16:64")  # one cache serves groups of one block size
+    with pytest.raises(ConfigError, match="one block size"):
+        ServeConfig(kv_cache=SPEC, kv_groups="16,32:64")
 
 
 def test_a_cache_bigger_than_shared_memory_is_refused_at_start():

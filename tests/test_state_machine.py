@@ -159,7 +159,7 @@ class Model:
                         self.pool.register(h, r["blocks"][r["reg"] + i])
                 r["reg"] += len(hashes)
         for rid, status, old in zip(rids, statuses, olds):
-            if status == STATUS_OK:
+            if status == STATUS_OK and k > 0:  # only requests that grew
                 r = self.reqs[rid]
                 skip = min(self.skip_for(old), len(r["blocks"]))
                 for i in reversed(range(skip)):

@@ -1,0 +1,393 @@
+"""A continuous-batching engine on kvd: every scheduler step is ONE ``step`` round trip to kvd
+(frees, forks, decode appends, admissions with prefix hits), then one packed forward of the model.
+
+Scheduling per step, under a token budget (``max_tokens``):
+  1. decode: every running request whose prompt is done appends its last sampled token;
+  2. chunked prefill: requests admitted earlier whose uncached prompt is not done yet continue
+     (kvd allocated the whole prompt at admission: their slots come from the block table);
+  3. admissions: waiting requests while budget is left; each computes up to its share of the
+     budget (decided before the round trip) of its uncached prompt this step, the rest in later steps.
+Prefix-cache registration follows the KV actually written: a step registers exactly the full blocks
+its forward pass computes (an admission's hashes reach only as far as its first chunk; a continuing
+prefill registers the next chunk's blocks with a 0-token append), so no block is ever a prefix hit,
+for this engine or (after the confirmation kvd's client sends with a later step) for another one,
+before its K/V is written.
+Preemption: a decode append kvd refuses for lack of blocks swaps out the newest running request
+(``swap_out``, a round trip of its own) which is swapped back in (``swap_in``) once blocks are free.
+KV memory: the daemon's (``client.kv_cache``: it performs copy-on-write copies and swaps) or the
+engine's own (``OwnedKv``: the engine performs ``res.copies`` and the swap copies itself).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvd.api import STATUS_NO_SPACE, STATUS_OK, AdmitRequest, StepBatch
+
+from .model import StepMeta, layer_groups, use_paged
+
+WAITING, PREFILL, RUNNING, SWAPPED, DONE = "waiting", "prefill", "running", "swapped", "done"
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt: list[int]
+    max_new_tokens: int
+    forced: dict[int, int] = field(default_factory=dict)   # output index -> token (forks, tests)
+    output: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)  # float32 CPU, one per output token
+    hashes: np.ndarray = field(default_factory=lambda: np.empty(0, "S16"))  # full blocks' chain
+    computed: int = 0          # tokens whose KV is written
+    cached_tokens: int = 0     # prefix hit at admission
+    prefilled_tokens: int = 0  # prompt tokens this engine computed
+    state: str = WAITING
+    first_token_step: int = -1
+    admitted_step: int = -1
+    added_at: float = 0.0      # perf_counter() when added (time to first token)
+    first_token_at: float = 0.0
+    registered: int = 0        # leading full blocks registered in kvd's prefix cache
+    chunk: int = 0             # prompt tokens this step computes (planned before the round trip)
+
+    @property
+    def seq(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def finished(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+class OwnedKv:
+    """Engine-owned KV memory: the GPU-side cache and a CPU swap pool, with kvd's layout."""
+
+    def __init__(self, layers, num_blocks, block_size, kv_heads, head_dim, dtype, device, num_cpu_blocks=0):
+        self.gpu = torch.zeros(layers, 2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+        self.cpu = torch.zeros(layers, 2, max(num_cpu_blocks, 1), block_size, kv_heads, head_dim, dtype=dtype)
+
+    def copy(self, pairs: np.ndarray) -> None:
+        if len(pairs):
+            p = torch.from_numpy(pairs.astype(np.int64)).to(self.gpu.device)
+            self.gpu[:, :, p[:, 1]] = self.gpu[:, :, p[:, 0]]
+
+    def swap_out(self, mapping: np.ndarray) -> None:
+        if len(mapping):
+            m = torch.from_numpy(mapping.astype(np.int64))
+            self.cpu[:, :, m[:, 1]] = self.gpu[:, :, m[:, 0].to(self.gpu.device)].cpu()
+
+    def swap_in(self, mapping: np.ndarray) -> None:
+        if len(mapping):
+            m = torch.from_numpy(mapping.astype(np.int64))
+            self.gpu[:, :, m[:, 1].to(self.gpu.device)] = self.cpu[:, :, m[:, 0]].to(self.gpu.device)
+
+
+def daemon_kv(client, dtype: torch.dtype) -> torch.Tensor:
+    """The daemon-owned cache as a torch tensor: CUDA IPC tensor as is, shm numpy memmap wrapped
+    (bfloat16/float16 arrive as integers of their width: reinterpret the bytes)."""
+    kv = client.kv_cache
+    if isinstance(kv, torch.Tensor):
+        return kv
+    t = torch.from_numpy(kv)
+    return t.view(dtype) if t.dtype != dtype else t
+
+
+class Engine:
+    """One engine: a model, a kvd client (daemon ``kvd_client.Client`` or ``InProcClient``), a queue."""
+
+    def __init__(self, client, model, *, kv: OwnedKv | None = None, max_tokens: int = 256, max_running: int = 64,
+                 device="cpu"):
+        self.c = client
+        self.model = model
+        self.device = torch.device(device)
+        self.owned = kv
+        dtype = next(model.parameters()).dtype
+        self.kv = kv.gpu if kv is not None else daemon_kv(client, dtype)
+        self.groups = layer_groups(model.config)
+        self.num_groups = len(client.block_sizes)
+        if max(self.groups) >= self.num_groups:
+            raise ValueError(f"the model has sliding-window layers: kvd needs {max(self.groups) + 1} KV-cache groups")
+        if len(set(client.block_sizes)) != 1:
+            raise ValueError("the engine needs one block size for all KV-cache groups (one KV cache)")
+        self.bs = client.block_sizes[0]
+        self.hashes_dtype = f"S{getattr(client, 'hash_width', 16)}"
+        self.max_tokens = max_tokens
+        self.max_running = max_running
+        self.reqs: dict[str, Request] = {}
+        self.order: list[str] = []          # running/prefill requests in admission order
+        self.waiting: list[str] = []
+        self.swapped: list[str] = []
+        self.pending_forks: list[tuple[str, str, int]] = []
+        self.steps = 0
+        self.copies = 0
+        self.swaps_out = self.swaps_in = 0
+        self.forward_s = 0.0
+        self.kvd_s = 0.0   # kvd's share of the steps: the round trips ...
+        self.meta_s = 0.0  # ... and building slots / table views / varlen layout from its answer
+        self.freed_since_preempt = True
+        self.check_slots = False  # tests: compare kvd's slot mapping with the one from the tables
+        self.after_reply = None  # hook(engine, StepResult) between kvd's reply and the forward (tests)
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def add(self, rid: str, prompt, max_new_tokens: int, forced: dict[int, int] | None = None) -> None:
+        self.reqs[rid] = Request(rid, [int(t) for t in prompt], max_new_tokens, dict(forced or {}),
+                                 added_at=time.perf_counter())
+        self.waiting.append(rid)
+
+    def fork(self, parent: str, child: str, first_token: int) -> None:
+        """Parallel sampling: ``child`` shares ``parent``'s blocks (kvd fork, copy-on-write) and
+        replaces the parent's last sampled token with ``first_token``."""
+        self.pending_forks.append((parent, child, first_token))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.order or self.waiting or self.swapped or self.pending_forks)
+
+    def run(self, max_steps: int = 100000) -> None:
+        for _ in range(max_steps):
+            if not self.busy:
+                return
+            self.step()
+        raise RuntimeError("the engine did not finish")
+
+    # ---- one step ------------------------------------------------------------------------------------
+    def step(self) -> None:
+        self._swap_in_some()
+        free = [rid for rid in self.order if self.reqs[rid].finished]
+        for rid in free:
+            self.order.remove(rid)
+            self.reqs[rid].state = DONE
+            self.freed_since_preempt = True
+        forks = self._take_forks(free)
+        budget = self.max_tokens
+        decode = [rid for rid in self.order if self.reqs[rid].state == RUNNING]
+        budget -= len(decode)
+        filled = [self._filled_hash(self.reqs[rid]) for rid in decode]
+        cont = [rid for rid in self.order if self.reqs[rid].state == PREFILL]
+        for rid in cont:  # each continuing prefill's chunk, fixed now: its blocks register with it
+            r = self.reqs[rid]
+            r.chunk = max(min(len(r.prompt) - r.computed, budget), 0)
+            budget -= r.chunk
+        admits = []
+        while self.waiting and budget > 0 and not self.swapped and len(self.order) + len(admits) < self.max_running:
+            r = self.reqs[self.waiting.pop(0)]
+            r.hashes = self.c.hash_prompt(np.array(r.prompt))
+            r.chunk = min(len(r.prompt), budget)  # computes at least these tokens (more after a hit)
+            budget -= r.chunk
+            admits.append(r)
+        # per append: the blocks its tokens (decode: one; continuing prefill: none, its chunk's
+        # slots are in its table already) complete this step, registered now
+        regs = [self._unregistered(self.reqs[rid], self.reqs[rid].computed + 1) + list(h)
+                for rid, h in zip(decode, filled)]
+        regs += [self._unregistered(self.reqs[rid], self.reqs[rid].computed + self.reqs[rid].chunk) for rid in cont]
+        rows = np.asarray(self.c.rows_of(decode + cont), np.int32) if decode or cont else None
+        counts = [len(x) for x in regs]
+        if any(counts):  # no filled block: no hash frames (decode only: kvd's decode fast path)
+            hs = [np.array([h for x in regs for h in x], self.hashes_dtype)] * self.num_groups
+            cnt = [np.array(counts, np.int32)] * self.num_groups
+        else:
+            hs = cnt = ()
+        ntok = 1 if not cont else np.array([1] * len(decode) + [0] * len(cont), np.int32)
+        adm = [AdmitRequest(r.rid, len(r.prompt), self._group_hashes(r.hashes[: r.chunk // self.bs])) for r in admits]
+        batch = StepBatch(free=free, forks=[(p, c) for p, c, _ in forks], append_rows=rows, append_num_tokens=ntok,
+                          append_hashes=hs, append_hash_counts=cnt, admit=adm)
+        t0 = time.perf_counter()
+        res = self.c.step(batch)
+        self.kvd_s += time.perf_counter() - t0
+        self.steps += 1
+        self._check(res)
+        if self.after_reply is not None:
+            self.after_reply(self, res)
+        if self.owned is not None:
+            self.owned.copy(res.copies)
+        self.copies += len(res.copies)
+        for rid, st, n in zip(decode + cont, res.append_status.tolist(), counts):
+            if st == STATUS_OK:  # a refused append registered nothing: its hashes wait for the retry
+                self.reqs[rid].registered += n
+        for p, c, _ in forks:
+            self.order.append(c)
+        sched = self._schedule(decode, filled, res, cont, admits)
+        if sched:
+            # kvd's own slot mapping is this step's when the forward is exactly kvd's schedule (all
+            # appends granted, in batch order, nothing admitted or continuing)
+            exact = not admits and not cont and len(sched) == len(decode)
+            self._forward(sched, kvd_slots=exact)
+        self._preempt(decode, res)  # after the forward: a victim's KV of this step is written
+
+    def _unregistered(self, r: Request, written: int) -> list[bytes]:
+        """Hashes of ``r``'s full blocks past those registered, up to ``written`` tokens' worth."""
+        return list(r.hashes[r.registered: min(written // self.bs, len(r.hashes))])
+
+    def _group_hashes(self, hashes: np.ndarray):
+        return [hashes] * self.num_groups if self.num_groups > 1 else hashes
+
+    def _take_forks(self, freed):
+        forks, self.pending_forks = [(p, c, t) for p, c, t in self.pending_forks if p not in freed], []
+        for p, c, tok in forks:
+            parent = self.reqs[p]
+            if parent.state != RUNNING:
+                raise RuntimeError(f"fork of {p}: the parent must be decoding")
+            child = Request(c, parent.prompt, parent.max_new_tokens, dict(parent.forced),
+                            list(parent.output), list(parent.logits), parent.hashes.copy(), parent.computed,
+                            parent.cached_tokens, 0, RUNNING, parent.first_token_step, parent.admitted_step,
+                            parent.added_at, parent.first_token_at)
+            child.registered = parent.registered
+            child.output[-1] = tok
+            child.forced[len(child.output) - 1] = tok
+            self.reqs[c] = child
+        return forks
+
+    def _filled_hash(self, r: Request) -> np.ndarray:
+        """The hash of the block the decode token fills (empty when it fills none)."""
+        n = r.computed + 1
+        if n % self.bs:
+            return np.empty(0, "S16")
+        parent = bytes(r.hashes[-1]) if len(r.hashes) else None
+        return self.c.hash_prompt(np.array(r.seq[n - self.bs:n]), parent=parent, first_block_index=n // self.bs - 1)
+
+    def _check(self, res) -> None:
+        for what in ("free_status", "fork_status"):
+            st = getattr(res, what)
+            if st.any():
+                raise RuntimeError(f"kvd refused part of the step: {what}={st.tolist()}")
+        for st in (res.append_status, res.admit_status):
+            bad = (st != STATUS_OK) & (st != STATUS_NO_SPACE)
+            if bad.any():
+                raise RuntimeError(f"kvd refused part of the step: {st.tolist()}")
+
+    def _schedule(self, decode, filled, res, cont, admits):
+        """(request, first position, token count) of this step's forward, in any order."""
+        sched = []
+        for rid, h, st in zip(decode, filled, res.append_status.tolist()):
+            if st == STATUS_OK:  # a refused append registered nothing: its hash waits for the retry
+                r = self.reqs[rid]
+                r.hashes = np.concatenate([r.hashes, h]) if len(h) else r.hashes
+                sched.append((r, r.computed, 1))
+        for rid in cont:
+            r = self.reqs[rid]
+            if r.chunk > 0:
+                sched.append((r, r.computed, r.chunk))
+        for i, r in enumerate(admits):
+            if int(res.admit_status[i]) != STATUS_OK:
+                self.waiting.insert(0, r.rid)  # no room now: first in line next time
+                continue
+            r.cached_tokens = r.computed = int(res.admit_cached_tokens[i])
+            r.registered = max(r.computed // self.bs, r.chunk // self.bs)  # what kvd registered
+            r.state, r.admitted_step = PREFILL, self.steps
+            self.order.append(r.rid)
+            sched.append((r, r.computed, min(len(r.prompt) - r.computed, r.chunk)))
+        return sched
+
+    def _preempt(self, decode, res) -> None:
+        """Appends kvd refused (no free block): swap out the newest running request; the refused
+        requests retry next step."""
+        refused = [rid for rid, st in zip(decode, res.append_status.tolist()) if st == STATUS_NO_SPACE]
+        if not refused:
+            return
+        victims = [rid for rid in reversed(self.order) if self.reqs[rid].state == RUNNING]
+        for rid in victims[:1]:
+            out = self.c.swap_out([rid])
+            if not out.ok:
+                raise RuntimeError(f"swap_out({rid}) found no room in the CPU pool")
+            if self.owned is not None:
+                self.owned.swap_out(out.mapping)
+            self.order.remove(rid)
+            self.reqs[rid].state = SWAPPED
+            self.swapped.append(rid)
+            self.swaps_out += 1
+            self.freed_since_preempt = False
+
+    def _swap_in_some(self) -> None:
+        # only once a request finished since the last preemption: swapping straight back into the
+        # blocks the preemption freed would refuse the same appends again (a livelock)
+        while self.swapped and self.freed_since_preempt:
+            rid = self.swapped[0]
+            got = self.c.swap_in([rid])
+            if not got.ok:
+                return
+            if self.owned is not None:
+                self.owned.swap_in(got.mapping)
+            self.swapped.pop(0)
+            self.order.append(rid)
+            self.reqs[rid].state = RUNNING
+            self.swaps_in += 1
+
+    # ---- the forward ---------------------------------------------------------------------------------
+    def _tables(self):
+        gpu = getattr(self.c, "gpu_tables", None) if self.device.type == "cuda" else None
+        if gpu is not None:
+            return list(gpu)
+        with warnings.catch_warnings():  # read-only shm views: the forward only reads them
+            warnings.simplefilter("ignore", UserWarning)
+            return [torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in self.c.tables]
+
+    def _kvd_slots(self, n: int):
+        """The step's slot mappings as kvd wrote them (None where the client has none)."""
+        if self.device.type == "cuda" and getattr(self.c, "gpu_slot_mappings", None) is not None:
+            return [m[:n] for m in self.c.gpu_slot_mappings]
+        maps = getattr(self.c, "slot_mappings", None)
+        if maps is None or self.device.type == "cuda":
+            return None
+        return [torch.from_numpy(np.asarray(m[:n], np.int64)) for m in maps]
+
+    def _forward(self, sched, kvd_slots: bool = False) -> None:
+        t0 = time.perf_counter()
+        dev = self.device
+        tokens, positions = [], []  # the model's input: engine work, not kvd's share
+        for r, start, n in sched:
+            tokens += r.seq[start:start + n]
+            positions += range(start, start + n)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        t_meta = time.perf_counter()
+        lens, qsl = [s + n for _, s, n in sched], np.cumsum([0] + [n for _, _, n in sched]).tolist()
+        rows = self.c.rows_of([r.rid for r, _, _ in sched]).tolist()
+        rows_t = torch.tensor(rows, dtype=torch.int32)
+        tables = self._tables()
+        if tables[0].device != dev:  # host tables, device model: move only the scheduled rows' used columns
+            width = -(-max(lens) // self.bs)
+            tables = [t[rows_t.long(), :width].to(dev) for t in tables]
+            rows_t = torch.arange(len(sched), dtype=torch.int32)
+        pos_d = pos.to(dev)
+
+        def from_tables():  # slot = block_id * block_size + position % block_size
+            rep = torch.repeat_interleave(rows_t.long(), torch.tensor([n for _, _, n in sched])).to(dev)
+            return [t[rep, pos_d // self.bs].long() * self.bs + pos_d % self.bs for t in tables]
+
+        slots = self._kvd_slots(len(tokens)) if kvd_slots else None
+        if slots is None:
+            slots = from_tables()
+        elif self.check_slots:
+            assert all(torch.equal(a, b) for a, b in zip(slots, from_tables())), "kvd slot mapping differs"
+        meta = StepMeta(self.kv, self.groups, slots, tables, rows_t.to(dev),
+                        torch.tensor(lens, dtype=torch.int32, device=dev),
+                        torch.tensor(qsl, dtype=torch.int32, device=dev))
+        self.meta_s += time.perf_counter() - t_meta
+        done = [i for i, (r, s, n) in enumerate(sched) if s + n == len(r.seq)]  # rows that sample
+        keep = torch.tensor([qsl[i + 1] - 1 for i in done], dtype=torch.int64, device=dev)
+        use_paged(self.model, True)
+        try:
+            with torch.no_grad():
+                out = self.model(input_ids=torch.tensor([tokens], device=dev), position_ids=pos_d[None],
+                                 kvd_meta=meta, use_cache=False, logits_to_keep=keep)
+        finally:
+            use_paged(self.model, False)
+        logits = out.logits[0].float().cpu()
+        for r, s, n in sched:
+            r.computed = s + n
+            if r.state == PREFILL and r.computed >= len(r.prompt):
+                r.state = RUNNING
+            if r.cached_tokens <= s < len(r.prompt):
+                r.prefilled_tokens += min(n, len(r.prompt) - s)
+        for j, i in enumerate(done):
+            r = sched[i][0]
+            k = len(r.output)
+            r.output.append(r.forced.get(k, int(torch.argmax(logits[j]))))
+            r.logits.append(logits[j])
+            if r.first_token_step < 0:
+                r.first_token_step, r.first_token_at = self.steps, time.perf_counter()
+        self.forward_s += time.perf_counter() - t0
+

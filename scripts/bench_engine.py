@@ -1,0 +1,201 @@
+"""Engine benchmark (issue 11): a Hugging Face Llama decoder on kvd, decode throughput and kvd's
+share of a step, against kvd's in-process BlockManager and HF ``generate``; time to first token
+with a cross-engine prefix hit.
+
+    python scripts/bench_engine.py                # GPU: 8 layers, hidden 2048, 16/4 heads, bf16
+    python scripts/bench_engine.py --tiny         # CPU: tiny float32 model (a test runs this)
+
+For each batch size N (64 and 256; --tiny: 8 and 16) and backend -- (a) the kvd daemon (daemon-owned
+KV cache: shm on CPU, CUDA IPC on GPU), (b) kvd's in-process BlockManager (engine-owned KV), (c) HF
+``generate`` with its contiguous DynamicCache (batched, equal prompt lengths, no padding) -- it
+prefills N prompts, then times ``--steps`` decode steps. kvd's share = (step round trips + building
+slots, table views and the varlen layout) / decode step time. Tokens: the daemon run's tokens vs
+per-request HF generate (identity required in float32, agreement reported in bf16). TTFT: engine B
+(its own kvd session) admits a prompt sharing engine A's ``--prefix``-token system prompt after A
+confirmed it, vs A's cold prefill. Ends with ONE JSON line; exits 1 if an honesty check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples"))
+
+from kvd_engine import Engine, InProcClient, OwnedKv, build_model, hf_generate, tiny_config  # noqa: E402
+from paged_engine import KvdDaemon  # noqa: E402
+
+from kvd_client import Client  # noqa: E402
+
+GPU = dict(layers=8, hidden=2048, heads=16, kv_heads=4, vocab=32000, dtype="bfloat16", batches=(64, 256),
+           prompt=128, steps=32, prefix=1024, block=16, agree=16)
+TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, dtype="float32", batches=(8, 16),
+            prompt=16, steps=4, prefix=64, block=8, agree=16)
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _decode_run(eng, prompts, steps, dev):
+    """Prefill every prompt, then time ``steps`` decode steps; per-step figures."""
+    for rid, p in prompts.items():
+        eng.add(rid, p, steps + 2)
+    while any(r.state != "running" or not r.output for r in eng.reqs.values()):
+        eng.step()
+    _sync(dev)
+    k0, m0, f0 = eng.kvd_s, eng.meta_s, eng.forward_s
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    _sync(dev)
+    wall = time.perf_counter() - t0
+    eng.run()
+    n = len(prompts)
+    return {"step_ms": wall / steps * 1e3, "tokens_per_s": n * steps / wall,
+            "kvd_share": (eng.kvd_s - k0 + eng.meta_s - m0) / wall,
+            "round_trip_ms": (eng.kvd_s - k0) / steps * 1e3, "meta_ms": (eng.meta_s - m0) / steps * 1e3}
+
+
+def _hf_run(model, prompts, steps, dev):
+    ids = torch.tensor(list(prompts.values()), device=dev)
+
+    def gen(n):
+        _sync(dev)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0, eos_token_id=None)
+        _sync(dev)
+        return time.perf_counter() - t0
+
+    gen(1)  # warm-up
+    wall = gen(steps + 1) - gen(1)
+    return {"step_ms": wall / steps * 1e3, "tokens_per_s": len(prompts) * steps / wall}
+
+
+def _ttft(endpoint, model, cfg, dev, rng):
+    """A cold 1,024-token prefill in engine A vs engine B's admission with A's prefix cached."""
+    system = rng.integers(1, cfg["vocab"], cfg["prefix"]).tolist()
+    tail = lambda: rng.integers(1, cfg["vocab"], 16).tolist()  # noqa: E731
+    with Client(endpoint, name="A", steps_in_flight=0) as ca, Client(endpoint, name="B", steps_in_flight=0) as cb:
+        a = Engine(ca, model, device=dev, max_tokens=4096)
+        b = Engine(cb, model, device=dev, max_tokens=4096)
+        a.add("warm", tail(), 2)
+        a.run()
+        a.add("a", system + tail(), 4)
+        a.step()
+        a.step()  # A's next step confirms the previous one (a synchronous engine: steps_in_flight=0)
+        b.add("b", system + tail(), 2)
+        b.step()
+        _sync(dev)
+        b.run()
+        a.run()
+        ra, rb = a.reqs["a"], b.reqs["b"]
+        return {"ttft_cold_ms": (ra.first_token_at - ra.added_at) * 1e3,
+                "ttft_hit_ms": (rb.first_token_at - rb.added_at) * 1e3,
+                "hit_tokens": rb.cached_tokens, "hit_prefilled": rb.prefilled_tokens}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny float32 model on the CPU")
+    ap.add_argument("--device", default=None, help="default: cuda:0 unless --tiny")
+    ap.add_argument("--dtype", default=None, help="override the model dtype (float32 for the identity check)")
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    cfg = dict(TINY if args.tiny else GPU)
+    if args.dtype:
+        cfg["dtype"] = args.dtype
+    if args.batches:
+        cfg["batches"] = tuple(int(x) for x in args.batches.split(","))
+    if args.steps:
+        cfg["steps"] = args.steps
+    dev = torch.device(args.device or ("cpu" if args.tiny else "cuda:0"))
+    dtype = getattr(torch, cfg["dtype"])
+    torch.set_num_threads(1 if args.tiny else torch.get_num_threads())
+    model = build_model(tiny_config("llama", layers=cfg["layers"], hidden=cfg["hidden"], heads=cfg["heads"],
+                                    kv_heads=cfg["kv_heads"], vocab=cfg["vocab"], max_pos=4096),
+                        seed=args.seed, dtype=dtype, device=dev)
+    head_dim = cfg["hidden"] // cfg["heads"]
+    max_n = max(cfg["batches"])
+    per_req = -(-(cfg["prompt"] + cfg["steps"] + 4) // cfg["block"])
+    num_blocks = max_n * per_req + 4 * -(-(cfg["prefix"] + 64) // cfg["block"]) + 16
+    opts = dict(num_gpu_blocks=num_blocks, block_size=cfg["block"], max_num_reqs=max_n + 8,
+                max_reqs_per_session=max_n + 4, max_sessions=8, max_num_batched_tokens=max(4096, max_n * cfg["prompt"]),
+                max_model_len=4096, kv_cache=f"{cfg['layers']},{cfg['kv_heads']},{head_dim},{cfg['dtype']}")
+    if dev.type == "cuda":
+        opts["device"] = str(dev)
+    rng = np.random.default_rng(args.seed)
+    rows, checks = {}, {}
+    d = KvdDaemon(**opts)
+    try:
+        d.start(timeout=180)  # a CUDA daemon imports torch and creates its context first
+        warm = {f"w{i}": rng.integers(1, cfg["vocab"], cfg["prompt"]).tolist() for i in range(2)}
+        with Client(d.endpoint, name="bench") as c:  # numba compiles, CUDA contexts
+            _decode_run(Engine(c, model, device=dev), warm, 2, dev)
+        _decode_run(Engine(InProcClient(num_blocks, cfg["block"]), model, device=dev, kv=OwnedKv(
+            cfg["layers"], num_blocks + 1, cfg["block"], cfg["kv_heads"], head_dim, dtype, dev)), warm, 2, dev)
+        for n in cfg["batches"]:
+            prompts = {f"r{i}": rng.integers(1, cfg["vocab"], cfg["prompt"]).tolist() for i in range(n)}
+            with Client(d.endpoint, name="bench") as c:
+                eng = Engine(c, model, device=dev, max_tokens=max(4096, n * cfg["prompt"]), max_running=n)
+                daemon = _decode_run(eng, prompts, cfg["steps"], dev)
+                used_after = c.stats()["num_used_blocks"]
+            inproc_c = InProcClient(num_blocks, cfg["block"], max_num_reqs=n + 8)
+            kv = OwnedKv(cfg["layers"], num_blocks + 1, cfg["block"], cfg["kv_heads"], head_dim, dtype, dev)
+            ieng = Engine(inproc_c, model, kv=kv, device=dev, max_tokens=max(4096, n * cfg["prompt"]), max_running=n)
+            inproc = _decode_run(ieng, prompts, cfg["steps"], dev)
+            hf = _hf_run(model, prompts, cfg["steps"], dev)
+            same = total = full = 0
+            for rid in list(prompts)[: cfg["agree"]]:
+                ref, _ = hf_generate(model, prompts[rid], cfg["steps"] + 2)
+                out = eng.reqs[rid].output
+                same += sum(int(x == y) for x, y in zip(out, ref))
+                total += len(ref)
+                full += int(out == ref)
+            rows[n] = {"daemon": daemon, "inproc": inproc, "hf_generate": hf,
+                       "token_agreement": same / total, "identical_requests": f"{full}/{min(n, cfg['agree'])}",
+                       "inproc_tokens_equal_daemon": all(ieng.reqs[r].output == eng.reqs[r].output for r in prompts)}
+            checks[f"pool_empty_after_{n}"] = used_after == 0
+            print(f"N={n:4d}  daemon {daemon['tokens_per_s']:9.1f} tok/s {daemon['step_ms']:7.2f} ms/step "
+                  f"(kvd {daemon['kvd_share'] * 100:5.2f} %: rt {daemon['round_trip_ms']:.3f} ms + meta "
+                  f"{daemon['meta_ms']:.3f} ms)  in-process {inproc['tokens_per_s']:9.1f} tok/s "
+                  f"{inproc['step_ms']:7.2f} ms  HF generate {hf['tokens_per_s']:9.1f} tok/s {hf['step_ms']:7.2f} ms  "
+                  f"agreement {rows[n]['token_agreement']:.3f}", flush=True)
+        ttft = _ttft(d.endpoint, model, cfg, dev, rng)
+    finally:
+        d.stop()
+    full_hit = (cfg["prefix"] // cfg["block"]) * cfg["block"]
+    checks["hit_tokens_equal_prefix_blocks"] = ttft["hit_tokens"] == full_hit
+    checks["hit_prefilled_only_suffix"] = ttft["hit_prefilled"] == cfg["prefix"] + 16 - full_hit
+    if dtype == torch.float32:
+        checks["float32_tokens_identical"] = all(r["token_agreement"] == 1.0 for r in rows.values())
+    checks["inproc_equals_daemon"] = all(r["inproc_tokens_equal_daemon"] for r in rows.values())
+    big = rows[max(cfg["batches"])]["daemon"]
+    print(f"TTFT {cfg['prefix']}-token prefix: cold {ttft['ttft_cold_ms']:.1f} ms, cross-engine hit "
+          f"{ttft['ttft_hit_ms']:.1f} ms ({ttft['ttft_hit_ms'] / ttft['ttft_cold_ms']:.3f}x)")
+    out = {"device": str(dev), "dtype": cfg["dtype"], "layers": cfg["layers"], "hidden": cfg["hidden"],
+           "heads": [cfg["heads"], cfg["kv_heads"]], "prompt": cfg["prompt"], "decode_steps": cfg["steps"],
+           "batches": {str(k): v for k, v in rows.items()}, "ttft": ttft,
+           "ttft_ratio": ttft["ttft_hit_ms"] / ttft["ttft_cold_ms"],
+           "kvd_share_at_max_batch": big["kvd_share"],
+           "targets": {"kvd_share_le_2pct": big["kvd_share"] <= 0.02,
+                       "ttft_ratio_le_0.2": ttft["ttft_hit_ms"] / ttft["ttft_cold_ms"] <= 0.2},
+           "checks": checks, "ok": all(checks.values())}
+    print(json.dumps(out))
+    return 0 if out["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
