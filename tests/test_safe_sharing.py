@@ -68,6 +68,9 @@ def as_user(fn, uid: int, gids: list[int]) -> str:
 
 
 WRITER = """
+if ARGS and ARGS[0] == "cuda":  # CUDA's first touch holds the GIL for seconds: before the lease starts
+    import torch
+    torch.cuda.init()
 c = Client(EP)
 hs = c.hash_prompt(np.arange(64, dtype=np.int32) + 7)
 r = c.step(StepBatch(admit=[AdmitRequest("a", 64, hs)]))
@@ -100,9 +103,10 @@ def test_a_block_is_a_hit_for_another_engine_only_after_its_writer_confirms(daem
         torch = pytest.importorskip("torch")
         if not torch.cuda.is_available():
             pytest.skip("no CUDA device")
-    d = daemon_factory(kv_cache=SPEC, device=device)
+    # a CUDA client maps the KV cache with torch: a longer lease covers its first CUDA calls
+    d = daemon_factory(kv_cache=SPEC, device=device, lease_s=1.5 if device == "cpu" else 20.0)
     hs = hash_prompt(PROMPT, BS)
-    a = script(d.endpoint, WRITER)
+    a = script(d.endpoint, WRITER, "cuda" if device != "cpu" else "cpu")
     b, c = Client(d.endpoint), Client(d.endpoint)
     try:
         first = a.stdout.readline().split()
