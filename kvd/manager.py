@@ -200,7 +200,7 @@ class BlockManager:
         self.tick = 0
         """Counts the calls that may register blocks (step, allocate, append_slots, swap_in)."""
         self._copies: list[np.ndarray] = []
-        self._deferred: list[tuple[int, np.ndarray, np.ndarray, int]] = []
+        self._deferred: list[tuple] = []  # (key, hashes, blocks, tick) or (_CONFIRM, writer, tick)
         self._watermark_blocks = int(config.watermark * config.num_gpu_blocks)
         self._no_hashes = [self._empty_hashes] * len(self.groups)
         self.counters = dict(prefix_queries=0, prefix_hits=0, swaps_out=0, swaps_in=0, cow_copies=0)
@@ -316,7 +316,15 @@ class BlockManager:
         fifo = self._unconfirmed.get(writer)
         if not fifo or fifo[0][0] > through_tick:
             return
-        self.flush_deferred()
+        if self.config.defer_cache_registration:
+            # like a decode step's registrations: after the reply, before anything reads the cache
+            self._deferred.append((_CONFIRM, writer, through_tick))
+        else:
+            self.flush_deferred()
+            self._promote(writer, through_tick)
+
+    def _promote(self, writer: int, through_tick: int) -> None:
+        fifo = self._unconfirmed.get(writer)
         pool = self.pool
         while fifo and fifo[0][0] <= through_tick:
             _, reg, key, hashes, blocks = fifo.popleft()
@@ -1072,8 +1080,11 @@ class BlockManager:
         """Finish prefix-cache registrations a decode step left for later (see
         ``ManagerConfig.defer_cache_registration``)."""
         if self._deferred:
-            for key, hashes, blocks, tick in self._deferred:
-                self._store(key, hashes, blocks, tick)
+            for item in self._deferred:
+                if item[0] is _CONFIRM:
+                    self._promote(item[1], item[2])
+                else:
+                    self._store(*item)
             self._deferred.clear()
 
     def take_copies(self) -> np.ndarray:
@@ -1258,6 +1269,8 @@ class BlockManager:
         space = self._space(namespace, writer) if batch.admit else 0
         if batch.computed_through is not None:
             self.mark_computed(writer, batch.computed_through)
+            if batch.admit and self._deferred:  # admissions see the free queue as confirmed
+                self.flush_deferred()
         self.tick += 1
         if (
             self._simple
@@ -1580,6 +1593,9 @@ class BlockManager:
                 np.add.at(cpu_expected, blocks[blocks >= 0], 1)
         assert np.array_equal(cpu_expected, self.cpu_pool.ref_cnt), "CPU reference counts disagree with swap records"
         assert set(self._swapped) == set(np.flatnonzero(self.swapped & self.active).tolist())
+
+
+_CONFIRM = object()  # a deferred confirmation in ``_deferred``: (_CONFIRM, writer, through_tick)
 
 
 class _BatchAdmission:
