@@ -323,17 +323,28 @@ class BlockManager:
             self.flush_deferred()
             self._promote(writer, through_tick)
 
-    def _promote(self, writer: int, through_tick: int) -> None:
+    def _promote(self, writer: int, through_tick: int, budget: int | None = None) -> bool:
+        """Promote what ``writer`` confirmed, at most ``budget`` blocks (None: all). True when done."""
         fifo = self._unconfirmed.get(writer)
         pool = self.pool
         while fifo and fifo[0][0] <= through_tick:
-            _, reg, key, hashes, blocks = fifo.popleft()
+            tick, reg, key, hashes, blocks = fifo[0]
+            if budget is not None and len(hashes) > budget:
+                if budget <= 0:
+                    return False
+                fifo[0] = (tick, reg, key, hashes[budget:], blocks[budget:])  # the rest stays queued
+                hashes, blocks = hashes[:budget], blocks[:budget]
+            else:
+                fifo.popleft()
+            if budget is not None:
+                budget -= len(hashes)
             # still there: cached in its pending map by this very registration
             live = (pool.cache_key[blocks] == key) & (self._block_reg[blocks] == reg)
             if live.all():
                 pool.promote(key, hashes, blocks)
             elif live.any():
                 pool.promote(key, [h for h, m in zip(hashes, live.tolist()) if m], blocks[live])
+        return True
 
     def num_unconfirmed(self, writer: int) -> int:
         """Blocks of ``writer`` still waiting for its confirmation (still cached)."""
@@ -1080,12 +1091,13 @@ class BlockManager:
         """Finish prefix-cache registrations a decode step left for later (see
         ``ManagerConfig.defer_cache_registration``)."""
         if self._deferred:
+            unfinished = []
             for item in self._deferred:
-                if item[0] is _CONFIRM:
-                    self._promote(item[1], item[2])
-                else:
+                if item[0] is not _CONFIRM:
                     self._store(*item)
-            self._deferred.clear()
+                elif not self._promote(item[1], item[2], PROMOTE_BATCH):
+                    unfinished.append(item)  # the next call (or reply) goes on with it
+            self._deferred[:] = unfinished
 
     def take_copies(self) -> np.ndarray:
         """Copy-on-write ``(src, dst)`` pairs since the last call; the KV owner performs them
@@ -1596,6 +1608,9 @@ class BlockManager:
 
 
 _CONFIRM = object()  # a deferred confirmation in ``_deferred``: (_CONFIRM, writer, through_tick)
+# Blocks a daemon's flush promotes at most: a confirmation of a whole admission wave (tens of
+# thousands of prompt blocks) is spread over the next messages instead of pausing every client.
+PROMOTE_BATCH = 1024
 
 
 class _BatchAdmission:

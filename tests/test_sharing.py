@@ -129,3 +129,18 @@ def test_steps_confirm_the_previous_step_and_batched_admissions_stay_pending(m):
     r4 = m.step(StepBatch(admit=[AdmitRequest("c", 13, HASHES)], computed_through=r2.tick), writer=2)
     assert r4.admit_cached_tokens.tolist() == [12]
     assert m.block_table("c")[:3].tolist() == m.block_table("a")[:3].tolist() == [1, 2, 3]
+
+
+def test_a_daemon_promotes_a_large_confirmation_in_bounded_batches(monkeypatch):
+    import kvd.manager as M
+
+    monkeypatch.setattr(M, "PROMOTE_BATCH", 2)
+    m = BlockManager(ManagerConfig(num_gpu_blocks=16, max_model_len=64, max_num_reqs=8, groups=(GroupSpec(BS),),
+                                   debug_checks=True, defer_cache_registration=True))
+    m.allocate("a", 13, HASHES, writer=1)
+    m.mark_computed(1, m.tick)
+    m.flush_deferred()  # two of the three blocks: the third waits for the next call
+    assert m.pool.cache_key[1:4].tolist() == [1, 1, 2]  # shared, shared, still pending
+    assert m.pool.lookup(m._cache_key(0, 0), HASHES.tolist()).tolist() == [1, 2]
+    assert m.lookup(HASHES) == 3  # the next call goes on with it first
+    assert m.pool.cache_key[1:4].tolist() == [1, 1, 1] and m.stats()["num_pending_blocks"] == 0
