@@ -323,15 +323,16 @@ class BlockManager:
             self.flush_deferred()
             self._promote(writer, through_tick)
 
-    def _promote(self, writer: int, through_tick: int, budget: int | None = None) -> bool:
-        """Promote what ``writer`` confirmed, at most ``budget`` blocks (None: all). True when done."""
+    def _promote(self, writer: int, through_tick: int, budget: int | None = None) -> int | None:
+        """Promote what ``writer`` confirmed, at most ``budget`` blocks (None: all). Returns the
+        budget left, or None when it ran out first."""
         fifo = self._unconfirmed.get(writer)
         pool = self.pool
         while fifo and fifo[0][0] <= through_tick:
             tick, reg, key, hashes, blocks = fifo[0]
             if budget is not None and len(hashes) > budget:
                 if budget <= 0:
-                    return False
+                    return None
                 fifo[0] = (tick, reg, key, hashes[budget:], blocks[budget:])  # the rest stays queued
                 hashes, blocks = hashes[:budget], blocks[:budget]
             else:
@@ -344,7 +345,7 @@ class BlockManager:
                 pool.promote(key, hashes, blocks)
             elif live.any():
                 pool.promote(key, [h for h, m in zip(hashes, live.tolist()) if m], blocks[live])
-        return True
+        return budget if budget is not None else 0
 
     def num_unconfirmed(self, writer: int) -> int:
         """Blocks of ``writer`` still waiting for its confirmation (still cached)."""
@@ -1092,10 +1093,11 @@ class BlockManager:
         ``ManagerConfig.defer_cache_registration``)."""
         if self._deferred:
             unfinished = []
+            budget: int | None = PROMOTE_BATCH  # for the whole flush
             for item in self._deferred:
                 if item[0] is not _CONFIRM:
                     self._store(*item)
-                elif not self._promote(item[1], item[2], PROMOTE_BATCH):
+                elif budget is None or (budget := self._promote(item[1], item[2], budget)) is None:
                     unfinished.append(item)  # the next call (or reply) goes on with it
             self._deferred[:] = unfinished
 
