@@ -960,15 +960,19 @@ class Daemon:
         self.owner_sid[mrows] = 0
         self.owner_srow[mrows] = -1
         sess.mrow[:] = -1
-        if sess.writer:  # what it never confirmed may never have been written
-            self.manager.drop_writer(sess.writer)
-        else:  # its K/V memory goes with it
-            ns = sess.namespace
-            self._retired = {k: (self.topic_of[ns], self.block_sizes[g], g) for k, g in self.manager.cache_keys_of(ns)}
-            self.manager.drop_namespace(ns)
-            self.publish_events()  # now: the dropped keys' ids may be given to a new namespace next
-            self._retired = {}
-            del self.topic_of[ns]
+        try:
+            if sess.writer:  # what it never confirmed may never have been written
+                self.manager.drop_writer(sess.writer)
+            else:  # its K/V memory goes with it
+                ns = sess.namespace
+                self._retired = {k: (self.topic_of[ns], self.block_sizes[g], g)
+                                 for k, g in self.manager.cache_keys_of(ns)}
+                self.manager.drop_namespace(ns)
+                self.publish_events()  # now: the dropped keys' ids may be given to a new namespace next
+                self._retired = {}
+                del self.topic_of[ns]
+        except KvdError as e:  # a request it held could not be freed above: keep its cache, say so
+            log.error("session %d: its prefix cache could not be dropped: %s", sess.sid, e)
         if sess.gpu is not None:
             sess.gpu.close()  # torch keeps the arena in its IPC limbo while the client maps it
             sess.gpu = None
