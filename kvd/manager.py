@@ -38,10 +38,9 @@ blocks itself; at confirmation a hash already shared keeps its first block. A wr
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-from collections import deque
 
 import numpy as np
 
@@ -346,11 +345,6 @@ class BlockManager:
             elif live.any():
                 pool.promote(key, [h for h, m in zip(hashes, live.tolist()) if m], blocks[live])
         return budget if budget is not None else 0
-
-    def num_unconfirmed(self, writer: int) -> int:
-        """Blocks of ``writer`` still waiting for its confirmation (still cached)."""
-        self.flush_deferred()
-        return sum(len(self.pool.caches.get(k, ())) for k, w in self._key_writer.items() if w == writer)
 
     def drop_writer(self, writer: int) -> None:
         """Forget a writer that has gone (its session ended): blocks it never confirmed leave the
@@ -1540,9 +1534,7 @@ class BlockManager:
 
     def reset_prefix_cache(self, namespace: int | None = None) -> bool:
         self.flush_deferred()
-        keys = None if namespace is None else {
-            k for (space, _), k in self._cache_keys.items() if self._space_info[space][0] == namespace
-        }
+        keys = None if namespace is None else {k for k, _ in self.cache_keys_of(namespace)}
         return self.pool.reset_cache(keys)
 
     @property

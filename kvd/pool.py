@@ -325,10 +325,9 @@ class BlockPool:
 
     def register(self, key: int, hashes: np.ndarray, blocks: np.ndarray) -> tuple[list[bytes], np.ndarray]:
         """Put full blocks in cache ``key`` under their hashes; returns what it stored (hashes as
-        map keys, blocks). A
-        hash already cached (for a pending map: or in its shared map) keeps its block, and a block
-        already cached keeps its hash (forks share blocks, and each sharer may register them), so
-        the new entry is dropped in both cases."""
+        map keys, blocks). A hash already cached (for a pending map: or in its shared map) keeps
+        its block, and a block already cached keeps its hash (forks share blocks, and each sharer
+        may register them), so the new entry is dropped in both cases."""
         if not blocks.size:
             return [], blocks
         uncached = self.cache_key[blocks] == NO_CACHE_KEY
@@ -377,9 +376,9 @@ class BlockPool:
             del pending[h]
         dup = shared.keys() & hashes
         if dup:
-            keep = np.fromiter((h not in dup for h in hashes), bool, count=len(hashes))
-            self._forget(blocks[~keep])
-            hashes = [h for h in hashes if h not in dup]
+            keep = [h not in dup for h in hashes]
+            self._forget(blocks[np.logical_not(keep)])
+            hashes = [h for h, k in zip(hashes, keep) if k]
             blocks = blocks[keep]
         if hashes:
             shared.update(zip(hashes, blocks.tolist()))

@@ -9,7 +9,9 @@ Sessions: ``hello`` creates one (a shared-memory segment, a row map, a tenant de
 credentials, kvd.tenancy). Its prefix-cache namespace is its tenant's shared one when the KV memory
 is shared (the daemon owns it, ``kv_cache``, or the client says so with ``kv_shared``), each session
 then being one *writer* of the manager's computed state (kvd.manager); otherwise a namespace of its
-own, dropped when it ends: a block's K/V then lives only in that engine's memory. Every message renews its lease; a session silent for ``lease_s`` (or silent for two heartbeat
+own, dropped when it ends: a block's K/V then lives only in that engine's memory.
+
+Every message renews its lease; a session silent for ``lease_s`` (or silent for two heartbeat
 intervals when ZeroMQ reports a peer disconnect) is ended: all its requests are freed and its segment
 unlinked. Manager request ids are ints ``sid << 32 | session_row``, so sessions never collide and a
 client can only name its own requests.
@@ -224,7 +226,7 @@ class Daemon:
         self.namespaces: dict[str, int] = {}  # tenant -> its shared namespace
         self.topic_of: dict[int, str] = {}  # namespace -> topic of its KV events
         self.next_namespace = 1  # 0 is the in-process manager's default; no session uses it
-        self._retired: dict[int, tuple[str, int]] = {}  # keys of a namespace being dropped
+        self._retired: dict[int, tuple[str, int, int]] = {}  # keys of a namespace being dropped
         self.events = None  # kvd.events.KvEventPublisher, when kv_events_endpoint is set
         self.next_sid = 1
         # sid -> (name, why) of recently ended sessions, so a late message learns why (bounded)
@@ -779,8 +781,7 @@ class Daemon:
                               append_hashes=(hs,), append_hash_counts=(cnt,))
         else:
             batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la)
-        if "c" in h:
-            self._confirm(sess, h)
+        self._confirm(sess, h)
         res = self.manager.step(batch, namespace=sess.namespace, writer=sess.writer)
         changed = self._sync_rows(sess, res.changed_rows, full=res.copies.size > 0)
         nt = self._write_slots(sess, res.sched_rows, res.sched_start, res.sched_len, uniform=an)
@@ -892,8 +893,7 @@ class Daemon:
             admit=admits, **app,
         )
         m = self.manager
-        if "c" in h:
-            self._confirm(sess, h)
+        self._confirm(sess, h)
         res = m.step(batch, namespace=sess.namespace, writer=sess.writer)
 
         # -- publish: unmap freed rows, map forks and admissions, copy changed rows, slot mapping
