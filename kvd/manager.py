@@ -27,13 +27,13 @@ Who may hit a cached block (the *computed* state). Every request has a namespace
 lookups read) and a *writer*: who computes its KV. Writer 0 means "computed by the time anyone else
 looks": its full blocks are registered straight into the namespace's shared map (the in-process
 manager, and sessions with private memory). A writer > 0 is one of several engines sharing a
-namespace: the blocks it registers go into its own *pending* map (``kvd.pool``), visible to its own
-later lookups only (its forward passes run in order, and within one pass K/V are written before
-attention reads them), and move into the shared map when the writer confirms with
+namespace: the blocks it registers go into the shared map *unconfirmed* (``kvd.pool``), visible to its
+own later lookups only (its forward passes run in order, and within one pass K/V are written before
+attention reads them), and become visible to all when the writer confirms with
 ``mark_computed(writer, tick)`` that every step up to ``tick`` (``StepResult.tick``, ``self.tick``)
 has finished its forward pass. Until then another writer's lookup misses them and it computes the
-blocks itself; at confirmation a hash already shared keeps its first block. A writer that ends
-(``drop_writer``) forgets what it never confirmed.
+blocks itself (keeping its copies in its side map); the first copy confirmed is the one kept. A writer
+that ends (``drop_writer``) forgets what it never confirmed.
 """
 
 from __future__ import annotations
@@ -130,13 +130,13 @@ def _row_blocks(table: np.ndarray, rows: np.ndarray, starts: np.ndarray, stops: 
 class BlockManager:
     @staticmethod
     def estimate_bytes(config: ManagerConfig) -> int:
-        """Memory the manager's arrays will take, from above by a few percent (per GPU block 40
-        bytes: the pool's 31 and a registration serial; per CPU block 34, per request row 120 + 16
+        """Memory the manager's arrays will take, from above by a few percent (per GPU block 42
+        bytes: the pool's 33 and a registration serial; per CPU block 36, per request row 120 + 16
         per group, plus the block tables)."""
         R = config.max_num_reqs
         tables = sum(_cdiv(config.max_model_len + config.max_lookahead_tokens, g.block_size) for g in config.groups)
         cross = _cdiv(config.max_encoder_len, config.encoder_block_size)
-        return (40 * config.num_gpu_blocks + 34 * max(config.num_cpu_blocks, 1)
+        return (42 * config.num_gpu_blocks + 36 * max(config.num_cpu_blocks, 1)
                 + R * (120 + 16 * len(config.groups) + 4 * (tables + cross)))
 
     def __init__(self, config: ManagerConfig) -> None:
@@ -189,11 +189,11 @@ class BlockManager:
         self._spaces: dict[tuple[int, int], int] = {(0, 0): 0}
         self._space_info: dict[int, tuple[int, int, int]] = {0: (0, 0, 0)}
         self._next_space = 1
-        self._key_writer: dict[int, int] = {}  # pending cache key -> its writer
-        # writer -> (tick, registration, pending key, [hash, ...], blocks) in registration order
+        self._key_writer: dict[int, int] = {}  # side key -> its writer
+        # writer -> (tick, registration, side key, blocks) in registration order
         self._unconfirmed: dict[int, deque] = {}
-        # the registration (a serial number) that put a block in a pending map, meaningful while it
-        # sits there: a confirmation promotes a block only for that registration
+        # the registration (a serial number) that cached a block unconfirmed, meaningful while it
+        # is: a confirmation confirms a block only for that registration
         self._block_reg = np.zeros(config.num_gpu_blocks, np.int64)
         self._num_regs = 0
         self.tick = 0
@@ -244,8 +244,8 @@ class BlockManager:
         return space
 
     def _cache_key(self, space: int, group: int) -> int:
-        """The pool cache key a space registers into: the namespace's shared map for writer 0,
-        the writer's pending map otherwise."""
+        """The pool cache key a space registers under: the namespace's shared map for writer 0,
+        the writer's side key otherwise (its blocks go into the shared map, unconfirmed)."""
         key = self._cache_keys.get((space, group))
         if key is None:
             _, writer, shared = self._space_info[space]
@@ -259,19 +259,19 @@ class BlockManager:
                 self._next_key_id += 1
             self._cache_keys[(space, group)] = key
             if writer:
-                self.pool.pending_of[key] = shared_key
+                self.pool.side_of[key] = shared_key
                 self._key_writer[key] = writer
         return key
 
     def _lookup_keys(self, space: int, group: int) -> tuple[int, int]:
-        """(shared key, pending key or 0) that lookups of a space read."""
+        """(shared key, side key or 0) that lookups of a space read."""
         _, writer, shared = self._space_info[space]
         if not writer:
             return self._cache_key(space, group), 0
         return self._cache_key(shared, group), self._cache_key(space, group)
 
     def cache_keys_of(self, namespace: int) -> list[tuple[int, int]]:
-        """(cache key, group) of every prefix-cache map of a namespace, shared and pending."""
+        """(cache key, group) of every prefix-cache map of a namespace, shared maps and side keys."""
         return [(k, g) for (space, g), k in self._cache_keys.items() if self._space_info[space][0] == namespace]
 
     def cache_key_owner(self, key: int) -> tuple[int, int]:
@@ -283,28 +283,33 @@ class BlockManager:
 
     # ================================================================== computed state
     def _register_in(self, key: int, hashes: np.ndarray, blocks: np.ndarray, defer: bool = False) -> None:
-        """Register full blocks in cache ``key`` (now, or with ``defer`` at the next flush); what a
-        pending key stores waits for its writer's confirmation of this call's tick."""
+        """Register full blocks under cache key ``key`` (now, or with ``defer`` at the next flush);
+        what a writer's side key stores waits for its confirmation of this call's tick."""
         if defer:
             self._deferred.append((key, hashes, blocks, self.tick))
         else:
             self._store(key, hashes, blocks, self.tick)
 
     def _store(self, key: int, hashes: np.ndarray, blocks: np.ndarray, tick: int) -> None:
-        stored, stored_blocks = self.pool.register(key, hashes, blocks)
-        writer = self._key_writer.get(key)
-        if writer is not None and stored:
-            self._note_unconfirmed(writer, key, stored, stored_blocks, tick)
+        shared = self.pool.side_of.get(key)
+        if shared is None:
+            self.pool.register(key, hashes, blocks)
+            return
+        _, in_shared, _, in_side = self.pool.register(shared, hashes, blocks, key)
+        if in_shared.size or in_side.size:
+            stored = in_shared if not in_side.size else np.concatenate([in_shared, in_side])
+            self._note_unconfirmed(self._key_writer[key], key, stored, tick)
 
-    def _note_unconfirmed(self, writer: int, key: int, hashes: list, blocks: np.ndarray, tick: int) -> None:
-        """Queue blocks ``writer`` stored at ``tick`` for promotion when it confirms that tick.
-        ``_block_reg`` remembers each pending block's registration: an entry evicted (its block
-        reused, perhaps stored again) must not be promoted by the earlier registration's turn."""
+    def _note_unconfirmed(self, writer: int, key: int, blocks: np.ndarray, tick: int) -> None:
+        """Queue blocks ``writer`` stored (under side key ``key``) at ``tick`` for confirmation
+        when it confirms that tick. ``_block_reg`` remembers each block's registration: an entry
+        evicted (its block reused, perhaps stored again) must not be confirmed by the earlier
+        registration's turn."""
         fifo = self._unconfirmed.get(writer)
         if fifo is None:
             fifo = self._unconfirmed[writer] = deque()
         self._num_regs += 1
-        fifo.append((tick, self._num_regs, key, hashes, blocks))
+        fifo.append((tick, self._num_regs, key, blocks))
         self._block_reg[blocks] = self._num_regs
 
     def mark_computed(self, writer: int, through_tick: int) -> None:
@@ -323,28 +328,49 @@ class BlockManager:
             self._promote(writer, through_tick)
 
     def _promote(self, writer: int, through_tick: int, budget: int | None = None) -> int | None:
-        """Promote what ``writer`` confirmed, at most ``budget`` blocks (None: all). Returns the
+        """Confirm what ``writer`` confirmed, at most ``budget`` blocks (None: all). Returns the
         budget left, or None when it ran out first."""
         fifo = self._unconfirmed.get(writer)
-        pool = self.pool
+        taken = []
         while fifo and fifo[0][0] <= through_tick:
-            tick, reg, key, hashes, blocks = fifo[0]
-            if budget is not None and len(hashes) > budget:
+            tick, reg, key, blocks = fifo[0]
+            if budget is not None and blocks.size > budget:
                 if budget <= 0:
-                    return None
-                fifo[0] = (tick, reg, key, hashes[budget:], blocks[budget:])  # the rest stays queued
-                hashes, blocks = hashes[:budget], blocks[:budget]
+                    break
+                fifo[0] = (tick, reg, key, blocks[budget:])  # the rest stays queued
+                blocks = blocks[:budget]
             else:
                 fifo.popleft()
             if budget is not None:
-                budget -= len(hashes)
-            # still there: cached in its pending map by this very registration
-            live = (pool.cache_key[blocks] == key) & (self._block_reg[blocks] == reg)
-            if live.all():
-                pool.promote(key, hashes, blocks)
-            elif live.any():
-                pool.promote(key, [h for h, m in zip(hashes, live.tolist()) if m], blocks[live])
-        return budget if budget is not None else 0
+                budget -= blocks.size
+            taken.append((reg, key, blocks))
+        if taken:
+            self._confirm_entries(taken)
+        if budget is None:
+            return 0
+        return None if budget <= 0 and fifo and fifo[0][0] <= through_tick else budget
+
+    def _confirm_entries(self, taken: list) -> None:
+        """Make registrations' blocks that are still cached by those very registrations visible:
+        shared entries in place (one array write), side entries by moving them."""
+        pool = self.pool
+        sizes = [e[2].size for e in taken]
+        blocks = taken[0][2] if len(taken) == 1 else np.concatenate([e[2] for e in taken])
+        regs = np.repeat(np.array([e[0] for e in taken], np.int64), sizes)
+        keys = np.repeat(np.array([e[1] for e in taken], np.uint16), sizes)
+        live = (self._block_reg[blocks] == regs) & (pool.unconfirmed_by[blocks] == keys)
+        in_side = live & (pool.cache_key[blocks] == keys)
+        in_shared = live & ~in_side
+        if pool.event_log is None and not in_side.any():
+            pool.confirm(blocks[in_shared])
+            return
+        ends = np.cumsum(sizes)
+        for (reg, key, entry), end, size in zip(taken, ends.tolist(), sizes):
+            sl = slice(end - size, end)
+            pool.confirm(entry[in_shared[sl]])
+            moving = entry[in_side[sl]]
+            if moving.size:
+                pool.promote(key, moving)
 
     def drop_writer(self, writer: int) -> None:
         """Forget a writer that has gone (its session ended): blocks it never confirmed leave the
@@ -364,7 +390,8 @@ class BlockManager:
         if held.any():
             raise errors.InvalidArgument("cannot drop a namespace or writer that still holds requests")
         doomed = {(s, g): k for (s, g), k in self._cache_keys.items() if s in spaces}
-        ok = self.pool.reset_cache(set(doomed.values()))
+        side_keys = {k for k in doomed.values() if k in self._key_writer}
+        ok = self.pool.reset_cache(set(doomed.values()), side_keys)
         assert ok, "blocks of a dropped space are still held"
         dropped = set(doomed.values())
         for writer in {self._key_writer[k] for k in dropped if k in self._key_writer}:
@@ -376,7 +403,7 @@ class BlockManager:
                 self._unconfirmed.pop(writer, None)
         for owner, key in doomed.items():
             del self._cache_keys[owner]
-            self.pool.pending_of.pop(key, None)
+            self.pool.side_of.pop(key, None)
             self._key_writer.pop(key, None)
             self._free_key_ids.append(key)
         for space in spaces:
@@ -385,13 +412,13 @@ class BlockManager:
 
     def _check_pending(self) -> None:
         """Every unconfirmed block waits in its writer's queue under its latest registration."""
-        queued = {(key, h, int(b), reg) for w, fifo in self._unconfirmed.items()
-                  for _, reg, key, hashes, blocks in fifo for h, b in zip(hashes, blocks)
-                  if self._key_writer.get(key) == w}
-        for key, writer in self._key_writer.items():
-            assert key in self.pool.pending_of
-            for h, b in self.pool.caches.get(key, {}).items():
-                assert (key, h, b, int(self._block_reg[b])) in queued, "an unconfirmed block would never be promoted"
+        queued = {(key, int(b), reg) for w, fifo in self._unconfirmed.items()
+                  for _, reg, key, blocks in fifo for b in blocks.tolist() if self._key_writer.get(key) == w}
+        pool = self.pool
+        for b in np.flatnonzero(pool.unconfirmed_by).tolist():
+            key = int(pool.unconfirmed_by[b])
+            assert key in self._key_writer and key in pool.side_of
+            assert (key, b, int(self._block_reg[b])) in queued, "an unconfirmed block would never be confirmed"
 
     # ================================================================== validation helpers
     def _hash_lists(self, block_hashes, num_tokens: int) -> list[np.ndarray]:
@@ -464,8 +491,8 @@ class BlockManager:
             for g, h in zip(self.groups, hash_lists)
         ]
         if G == 1 and not self.groups[0].window:
-            key, pending_key = self._lookup_keys(space, 0)
-            hits = self.pool.lookup(key, hash_lists[0][: limits[0]].tolist(), pending_key)
+            key, side_key = self._lookup_keys(space, 0)
+            hits = self.pool.lookup(key, hash_lists[0][: limits[0]].tolist(), side_key)
             return hits.size * self.groups[0].block_size, [hits]
         found = [self._hit_mask(gi, hash_lists[gi][: limits[gi]], space) for gi in range(G)]
         length = min(lim * g.block_size for lim, g in zip(limits, self.groups))
@@ -484,10 +511,8 @@ class BlockManager:
 
     def _hit_mask(self, g: int, hashes: np.ndarray, space: int):
         """Per-block hit flags and block ids (every block looked up: windows need no leading run)."""
-        key, pending_key = self._lookup_keys(space, g)
-        cache = self.pool.caches.get(key, {})
-        pending = self.pool.caches.get(pending_key, {})
-        blocks = np.array([cache.get(h, pending.get(h, -1)) for h in hashes.tolist()], np.int64)
+        key, side_key = self._lookup_keys(space, g)
+        blocks = self.pool.visible(key, hashes.tolist(), side_key)
         if not self.groups[g].window:
             miss = np.flatnonzero(blocks < 0)
             if miss.size:
@@ -1563,7 +1588,7 @@ class BlockManager:
             "num_requests": self.num_requests,
             "num_cpu_blocks": self.config.num_cpu_blocks,
             "num_free_cpu_blocks": self.cpu_pool.num_free if self.config.num_cpu_blocks else 0,
-            "num_pending_blocks": sum(len(self.pool.caches.get(k, ())) for k in self._key_writer),
+            "num_pending_blocks": self.pool.num_unconfirmed,
         }
 
     # ================================================================== invariants
@@ -1618,17 +1643,20 @@ class _BatchAdmission:
     Tables, reference counts and per-block hashes are then written for the whole batch with a few
     array operations. Any unexpected exception removes the new cache entries again.
 
-    ``cache`` is the map the batch registers into: the shared one for writer 0, else the writer's
-    pending map, consulted after the shared one (``shared``) by lookups.
+    ``cache`` is the shared map the batch registers into, unconfirmed by ``mark`` (the writer's side
+    key; 0: confirmed at once). Lookups see its confirmed entries and the writer's own, then the
+    writer's side map. A request whose blocks would need the side map or would replace another
+    writer's unconfirmed entry (a race on one prefix) ends the batch: ``_admit`` does those.
     """
 
     def __init__(self, mgr: BlockManager, space: int) -> None:
         self.mgr = mgr
         self.space = space
         self.writer = mgr._space_info[space][1]
-        self.key = mgr._cache_key(space, 0)
+        self.key, side_key = mgr._lookup_keys(space, 0)
+        self.mark = side_key
         self.cache = mgr.pool.cache_map(self.key)
-        self.shared = mgr.pool.cache_map(mgr._lookup_keys(space, 0)[0]) if self.writer else None
+        self.side = mgr.pool.caches.get(side_key) or None
         self.inserted: list[list[bytes]] = []
 
     def run(self, admits, status, rows_out, cached_out) -> int:
@@ -1639,6 +1667,37 @@ class _BatchAdmission:
                 for h in keys:
                     self.cache.pop(h, None)
             raise
+
+    def _visible_run(self, keys: list, hits: list) -> list:
+        """``hits`` (the shared map's leading run for ``keys``) cut to what this writer may see,
+        then continued through its side map."""
+        mgr_pool = self.mgr.pool
+        if hits and mgr_pool.num_unconfirmed:
+            marks = mgr_pool.unconfirmed_by[np.array(hits, np.int32)]
+            hidden = (marks != 0) & (marks != self.mark)
+            if hidden.any():
+                hits = hits[: int(np.argmax(hidden))]
+        if self.side is not None and len(hits) < len(keys):
+            get, side_get, marks, mark = self.cache.get, self.side.get, mgr_pool.unconfirmed_by, self.mark
+            for h in keys[len(hits):]:
+                b = get(h)
+                if b is None or marks[b] not in (0, mark):
+                    b = side_get(h)
+                    if b is None:
+                        break
+                hits.append(b)
+        return hits
+
+    def _races(self, keys: list) -> bool:
+        """Whether registering ``keys`` meets another writer's unconfirmed entry (or, for a
+        writer of side entries, needs the side map's rules)."""
+        if self.side is not None:
+            return True
+        pool = self.mgr.pool
+        if not pool.num_unconfirmed or self.cache.keys().isdisjoint(keys):
+            return False
+        get, marks, mark = self.cache.get, pool.unconfirmed_by, self.mark
+        return any((b := get(h)) is not None and marks[b] not in (0, mark) for h in keys)
 
     @staticmethod
     def _fast_valid(req, bs, max_len, max_la, known, seen, hdt) -> bool:
@@ -1662,9 +1721,9 @@ class _BatchAdmission:
 
     def _register(self, keys: list, hashes: np.ndarray, blocks: np.ndarray, reg_hashes, reg_blocks) -> None:
         """Cache ``keys`` -> ``blocks`` unless a key is cached already (the first block keeps it)."""
-        cache, shared = self.cache, self.shared
+        cache = self.cache
         before = len(cache)
-        if cache.keys().isdisjoint(keys) and (shared is None or shared.keys().isdisjoint(keys)):
+        if cache.keys().isdisjoint(keys):
             cache.update(zip(keys, blocks.tolist()))
             if len(cache) - before == len(keys):
                 self.inserted.append(keys)
@@ -1676,7 +1735,7 @@ class _BatchAdmission:
         mask = np.zeros(len(keys), bool)
         mine = []
         for j, (h, b) in enumerate(zip(keys, blocks.tolist())):
-            if h not in cache and (shared is None or h not in shared):
+            if h not in cache:
                 cache[h] = b
                 mine.append(h)
                 mask[j] = True
@@ -1692,7 +1751,6 @@ class _BatchAdmission:
         max_len, max_la = mgr.config.max_model_len, mgr.max_lookahead
         max_blocks = pool.num_blocks - 1 - mgr._watermark_blocks
         cache_get = self.cache.get
-        shared_get = self.shared.get if self.shared is not None else None
         ref = pool.ref_cnt
         check_revived = pool.num_evictable > 0
         revived: set[int] = set()
@@ -1730,18 +1788,14 @@ class _BatchAdmission:
                 continue
             keys = hashes.tolist() if (caching and hashes.size) else []
             hits = []
-            if shared_get is None:
-                for h in keys[: (n - 1) // bs]:
-                    b = cache_get(h)
-                    if b is None:
-                        break
-                    hits.append(b)
-            else:  # the shared map, then the writer's own unconfirmed blocks
-                for h in keys[: (n - 1) // bs]:
-                    b = shared_get(h)
-                    if b is None and (b := cache_get(h)) is None:
-                        break
-                    hits.append(b)
+            lookup_keys = keys[: (n - 1) // bs]
+            for h in lookup_keys:
+                b = cache_get(h)
+                if b is None:
+                    break
+                hits.append(b)
+            if pool.num_unconfirmed or self.side is not None:
+                hits = self._visible_run(lookup_keys, hits)
             nhit = len(hits)
             new = total_blocks - nhit
             extra = 0
@@ -1753,12 +1807,14 @@ class _BatchAdmission:
                 continue
             if offset + new > stack_top:
                 break  # would evict: the rest go one by one
+            reg_end = min(len(keys), n // bs)
+            if reg_end > nhit and (pool.num_unconfirmed or self.side is not None) and self._races(keys[nhit:reg_end]):
+                break
             if check_revived:
                 revived.update(b for b in hits if ref[b] == 0)
             seen.add(req.req_id)
             free_rows -= 1
             headroom -= new + extra
-            reg_end = min(len(keys), n // bs)
             if reg_end > nhit:
                 self._register(keys[nhit:reg_end], hashes[nhit:reg_end],
                                upcoming[offset : offset + reg_end - nhit], reg_hashes, reg_blocks)
@@ -1805,12 +1861,14 @@ class _BatchAdmission:
             reg = np.concatenate(reg_blocks)
             pool.block_hash[reg] = np.concatenate(reg_hashes)
             pool.cache_key[reg] = self.key
-            for keys in self.inserted:
-                if keys:
-                    pool.log_stored(self.key, keys)
-            if self.writer:
-                mgr._note_unconfirmed(self.writer, self.key, [h for keys in self.inserted for h in keys], reg,
-                                      mgr.tick)
+            if self.mark:
+                pool.unconfirmed_by[reg] = self.mark
+                pool.num_unconfirmed += reg.size
+                mgr._note_unconfirmed(self.writer, self.mark, reg, mgr.tick)
+            else:
+                for keys in self.inserted:
+                    if keys:
+                        pool.log_stored(self.key, keys)
         tokens = np.fromiter((admits[i].num_tokens for i in admitted), np.int64, count=k)
         g.num_registered[rows] = reg_ends
         mgr.num_tokens[rows] = tokens

@@ -5,6 +5,8 @@ Per block (numpy arrays, no Python object per block):
     ref_cnt     int32   holders of the block (requests, forks, swap copies)
     block_hash  S16     its prefix-cache hash; meaningful only while cache_key != 0
     cache_key   uint16  which prefix-cache map holds it; 0 = not cached
+    unconfirmed_by uint16  side key of the writer whose confirmation it awaits; 0 = confirmed (or
+                        not cached)
     evict_prio  uint8   eviction priority it was freed with
     queue_pos   int32   its index in an eviction queue's buffer, or -1
 
@@ -21,12 +23,18 @@ This is the order vLLM's doubly linked free list gives (uncached blocks at the h
 appended at the tail), but every operation works on arrays of blocks at once: popping k blocks is a
 slice, not k pointer hops. Block 0 is the null block: never free, never handed out, never counted.
 
-Prefix-cache maps (``caches``, hash -> block, one per cache key) come in two kinds. A *shared* map is
-what lookups of a namespace see. A *pending* map holds blocks one writer registered whose KV that
-writer has not yet confirmed as written (``pending_of[key]`` = its shared map): only that writer's
-own lookups consult it, and ``promote`` moves confirmed entries into the shared map. A pending block
-is cached in every other respect (it has a hash, sits in an eviction queue when free, is evicted
-like any other); only shared maps produce KV events.
+Prefix-cache maps (``caches``, hash -> block, one per cache key) come in two kinds. A *shared* map
+is what lookups of a namespace see. Several writers may fill one shared map; a block whose KV its
+writer has not yet confirmed as written is *unconfirmed*: ``unconfirmed_by[block]`` names the writer
+(by the cache key of its side map, below; 0 = confirmed) and only that writer's lookups may hit it.
+Confirming is one array write: no entry moves between maps. A writer that computes a hash another
+writer's unconfirmed entry holds keeps its copy in its own *side* map (``side_of[side key]`` = the
+shared map's key; lookups of that writer consult it after the shared map), because its own later
+lookups must hit the copy it computed; a side entry moves into the shared map when confirmed,
+replacing the other writer's unconfirmed block if that is still there. A confirmed registration
+always takes the place of an unconfirmed one: the unconfirmed block stops being cached. An
+unconfirmed block is cached in every other respect (it has a hash, sits in an eviction queue when
+free, is evicted like any other); KV events are published for confirmed shared entries only.
 
 Conservation, always: fresh + evictable + in use == num_blocks - 1.
 """
@@ -133,15 +141,17 @@ class BlockPool:
         self._stack_top = num_blocks - 1
         self._queues: dict[int, _EvictionQueue] = {}
         self._queue_order: list[int] = []
+        self.unconfirmed_by = np.zeros(num_blocks, np.uint16)
+        self.num_unconfirmed = 0
         self.caches: dict[int, dict[bytes, int]] = {}
-        self.pending_of: dict[int, int] = {}  # pending map's key -> its shared map's key
+        self.side_of: dict[int, int] = {}  # a writer's side key -> its shared map's key
         self.num_evictions = 0
         # Prefix-cache changes, recorded only when a KV events publisher (kvd.events) asks for them:
         # ("stored" | "removed", cache key, [hash, ...]) or ("cleared", cache key, []).
         self.event_log: list[tuple[str, int, list[bytes]]] | None = None
         # Conservation is checked against these counts on every call that changes them.
         self._num_evictable = 0
-        for arr in (self.ref_cnt, self.block_hash, self.cache_key, self.evict_prio):
+        for arr in (self.ref_cnt, self.block_hash, self.cache_key, self.evict_prio, self.unconfirmed_by):
             arr.fill(0)  # touch every page now rather than on the first step that writes it
 
     # ---------------------------------------------------------------- counts
@@ -168,6 +178,7 @@ class BlockPool:
             self.ref_cnt.nbytes
             + self.block_hash.nbytes
             + self.cache_key.nbytes
+            + self.unconfirmed_by.nbytes
             + self.evict_prio.nbytes
             + self.queue_pos.nbytes
             + self._stack.nbytes
@@ -219,16 +230,29 @@ class BlockPool:
         return blocks
 
     def _uncache(self, blocks: np.ndarray) -> None:
-        pairs = list(zip(self.cache_key[blocks].tolist(), self.block_hash[blocks].tolist()))
+        keys = self.cache_key[blocks]
+        pairs = list(zip(keys.tolist(), self.block_hash[blocks].tolist()))
         for key, h in pairs:
             del self.caches[key][h]
         self.cache_key[blocks] = NO_CACHE_KEY
+        published = self._forget_unconfirmed(blocks)
         if self.event_log is not None:
             removed: dict[int, list[bytes]] = {}
-            for key, h in pairs:
-                if key not in self.pending_of:
+            for (key, h), pub in zip(pairs, published.tolist()):
+                if pub and key not in self.side_of:
                     removed.setdefault(key, []).append(h)
             self.event_log.extend(("removed", key, hashes) for key, hashes in removed.items())
+
+    def _forget_unconfirmed(self, blocks: np.ndarray) -> np.ndarray:
+        """Clear the unconfirmed mark of blocks leaving the cache; returns which were confirmed."""
+        if not self.num_unconfirmed:
+            return np.ones(blocks.size, bool)
+        marked = self.unconfirmed_by[blocks] != 0
+        n = int(np.count_nonzero(marked))
+        if n:
+            self.unconfirmed_by[blocks] = 0
+            self.num_unconfirmed -= n
+        return ~marked
 
     def touch(self, blocks: np.ndarray) -> None:
         """Take a reference on blocks found in the prefix cache (unique ids), reviving free ones."""
@@ -304,118 +328,214 @@ class BlockPool:
             cache = self.caches[key] = {}
         return cache
 
-    def lookup(self, key: int, hashes: list[bytes], pending_key: int = NO_CACHE_KEY) -> np.ndarray:
-        """Blocks of the leading run of ``hashes`` found in cache ``key`` or, when given, in the
-        pending map ``pending_key`` (the looking writer's own unconfirmed blocks)."""
+    def lookup(self, key: int, hashes: list[bytes], side_key: int = NO_CACHE_KEY) -> np.ndarray:
+        """Blocks of the leading run of ``hashes`` that the writer of side map ``side_key`` (0: a
+        writer whose blocks are confirmed at once) sees in shared map ``key``: confirmed entries,
+        its own unconfirmed ones, then its side map."""
         cache = self.caches.get(key)
-        pending = self.caches.get(pending_key) if pending_key else None
-        if not cache and not pending:
-            return np.empty(0, np.int32)
-        get = (cache or {}).get
-        pget = pending.get if pending else None
+        if not cache:
+            return self._lookup_slow(key, hashes, side_key, 0) if side_key else np.empty(0, np.int32)
+        get = cache.get
         hits = []
         for h in hashes:
             block = get(h)
-            if block is None and pget is not None:
-                block = pget(h)
             if block is None:
                 break
             hits.append(block)
+        run = np.array(hits, np.int32)
+        if self.num_unconfirmed and run.size:
+            mark = self.unconfirmed_by[run]
+            hidden = (mark != 0) & (mark != side_key)
+            if hidden.any():
+                run = run[: int(np.argmax(hidden))]
+        if side_key and run.size < len(hashes) and self.caches.get(side_key):
+            return self._lookup_slow(key, hashes, side_key, run.size, run)
+        return run
+
+    def _lookup_slow(self, key: int, hashes: list[bytes], side_key: int, start: int, head=None) -> np.ndarray:
+        """Go on from ``hashes[start]`` one hash at a time, the side map behind the shared one."""
+        get = self.caches.get(key, {}).get
+        side_get = self.caches.get(side_key, {}).get
+        mark = self.unconfirmed_by
+        hits = [] if head is None else head.tolist()
+        for h in hashes[start:]:
+            block = get(h)
+            if block is None or mark[block] not in (0, side_key):
+                block = side_get(h)
+                if block is None:
+                    break
+            hits.append(block)
         return np.array(hits, np.int32)
 
-    def register(self, key: int, hashes: np.ndarray, blocks: np.ndarray) -> tuple[list[bytes], np.ndarray]:
-        """Put full blocks in cache ``key`` under their hashes; returns what it stored (hashes as
-        map keys, blocks). A hash already cached (for a pending map: or in its shared map) keeps
-        its block, and a block already cached keeps its hash (forks share blocks, and each sharer
-        may register them), so the new entry is dropped in both cases."""
+    def visible(self, key: int, hashes: list[bytes], side_key: int = NO_CACHE_KEY) -> np.ndarray:
+        """Block per hash (or -1) that the writer of ``side_key`` sees, every hash looked up."""
+        get = self.caches.get(key, {}).get
+        blocks = np.array([get(h, -1) for h in hashes], np.int64)
+        if self.num_unconfirmed and blocks.size:
+            found = blocks >= 0
+            mark = self.unconfirmed_by[blocks[found]]
+            keep = np.zeros(blocks.size, bool)
+            keep[found] = (mark == 0) | (mark == side_key)
+            blocks[~keep] = -1
+        if side_key and self.caches.get(side_key):
+            side_get = self.caches[side_key].get
+            for i in np.flatnonzero(blocks < 0).tolist():
+                blocks[i] = side_get(hashes[i], -1)
+        return blocks
+
+    def register(self, key: int, hashes: np.ndarray, blocks: np.ndarray,
+                 side_key: int = NO_CACHE_KEY) -> tuple[list[bytes], np.ndarray, list[bytes], np.ndarray]:
+        """Put full blocks in shared map ``key`` under their hashes: confirmed at once (``side_key``
+        0), or unconfirmed by the writer of ``side_key``, whose copies of hashes another writer's
+        unconfirmed entry holds go into its side map. Returns what it stored: (hashes, blocks) in
+        the shared map, then in the side map. A hash the writer already sees keeps its block, and a
+        block already cached keeps its hash (forks share blocks, and each sharer may register
+        them): such entries are dropped. A confirmed entry replaces an unconfirmed one."""
         if not blocks.size:
-            return [], blocks
+            return [], blocks, [], blocks
         uncached = self.cache_key[blocks] == NO_CACHE_KEY
         if not uncached.all():
             blocks, hashes = blocks[uncached], hashes[uncached]
             if not blocks.size:
-                return [], blocks
+                return [], blocks, [], blocks
         cache = self.cache_map(key)
-        shared = self.caches.get(self.pending_of.get(key, NO_CACHE_KEY))  # a pending map defers to it
+        side = self.caches.get(side_key) if side_key else None
         keys = hashes.tolist()
         before = len(cache)
-        if cache.keys().isdisjoint(keys) and (shared is None or shared.keys().isdisjoint(keys)):
+        if cache.keys().isdisjoint(keys) and not side:
             cache.update(zip(keys, blocks.tolist()))
             if len(cache) - before == len(keys):
-                self.block_hash[blocks] = hashes
-                self.cache_key[blocks] = key
-                self.log_stored(key, keys)
-                return keys, blocks
+                self._mark_cached(key, blocks, hashes, side_key)
+                if not side_key:
+                    self.log_stored(key, keys)
+                return keys, blocks, [], blocks[:0]
             for h in keys:  # a hash repeated within the batch: redo it one by one
                 cache.pop(h, None)
-        mask = np.zeros(blocks.size, bool)
+        return self._register_each(key, keys, hashes, blocks, side_key)
+
+    def _register_each(self, key, keys, hashes, blocks, side_key):
+        cache = self.caches[key]
+        mark = self.unconfirmed_by
+        in_main, in_side, replaced = np.zeros(blocks.size, bool), np.zeros(blocks.size, bool), []
+        side = self.caches.get(side_key) if side_key else None
         for i, (h, b) in enumerate(zip(keys, blocks.tolist())):
-            if h not in cache and (shared is None or h not in shared) and self.cache_key[b] == NO_CACHE_KEY:
+            if self.cache_key[b] != NO_CACHE_KEY or (side and h in side):
+                continue  # repeated within the batch, or the writer's own side copy
+            old = cache.get(h)
+            if old is None or (not side_key and mark[old]):
+                if old is not None:
+                    replaced.append(old)
                 cache[h] = b
+                in_main[i] = True
                 self.cache_key[b] = key
-                mask[i] = True
-        self.block_hash[blocks[mask]] = hashes[mask]
-        stored = hashes[mask].tolist()
-        if stored:
+            elif side_key and mark[old] not in (0, side_key):
+                side = side if side is not None else self.cache_map(side_key)
+                side[h] = b
+                in_side[i] = True
+                self.cache_key[b] = side_key
+        if replaced:
+            self._forget(np.array(replaced, np.int32))
+        self._mark_cached(key, blocks[in_main], hashes[in_main], side_key)
+        self._mark_cached(side_key, blocks[in_side], hashes[in_side], side_key)
+        stored = hashes[in_main].tolist()
+        if stored and not side_key:
             self.log_stored(key, stored)
-        return stored, blocks[mask]
+        return stored, blocks[in_main], hashes[in_side].tolist(), blocks[in_side]
+
+    def _mark_cached(self, key: int, blocks: np.ndarray, hashes: np.ndarray, side_key: int) -> None:
+        if blocks.size:
+            self.block_hash[blocks] = hashes
+            self.cache_key[blocks] = key
+            if side_key:
+                self.unconfirmed_by[blocks] = side_key
+                self.num_unconfirmed += blocks.size
 
     def log_stored(self, key: int, keys: list[bytes]) -> None:
-        if self.event_log is not None and key not in self.pending_of:
+        if self.event_log is not None and key not in self.side_of:
             self.event_log.append(("stored", key, keys))
 
-    def promote(self, pending_key: int, hashes: list[bytes], blocks: np.ndarray) -> None:
-        """Move confirmed entries (``hashes`` -> ``blocks``, all still in the pending map) into its
-        shared map, in the given (chain) order. A hash the shared map already holds keeps that
-        block: the pending duplicate stops being cached (a free one goes to the front of the free
-        queue, like any uncached block)."""
-        pending = self.caches[pending_key]
-        key = self.pending_of[pending_key]
+    def confirm(self, blocks: np.ndarray) -> None:
+        """Unconfirmed shared entries (one registration, chain order) become visible to all."""
+        self.unconfirmed_by[blocks] = 0
+        self.num_unconfirmed -= blocks.size
+        if self.event_log is not None and blocks.size:
+            self.log_stored(int(self.cache_key[blocks[0]]), self.block_hash[blocks].tolist())
+
+    def promote(self, side_key: int, blocks: np.ndarray) -> None:
+        """Move confirmed side entries (all still in the side map; chain order) into its shared
+        map. A hash the shared map holds confirmed keeps that block: the side copy stops being
+        cached (a free one goes to the front of the free queue, like any uncached block); an
+        unconfirmed one gives way to the side copy."""
+        side = self.caches[side_key]
+        key = self.side_of[side_key]
         shared = self.cache_map(key)
+        hashes = self.block_hash[blocks].tolist()
         for h in hashes:
-            del pending[h]
-        dup = shared.keys() & hashes
-        if dup:
-            keep = [h not in dup for h in hashes]
-            self._forget(blocks[np.logical_not(keep)])
-            hashes = [h for h, k in zip(hashes, keep) if k]
-            blocks = blocks[keep]
-        if hashes:
-            shared.update(zip(hashes, blocks.tolist()))
-            self.cache_key[blocks] = key
-            self.log_stored(key, hashes)
+            del side[h]
+        self.unconfirmed_by[blocks] = 0
+        self.num_unconfirmed -= blocks.size
+        mark = self.unconfirmed_by
+        keep, doomed = np.ones(blocks.size, bool), []
+        for i, h in enumerate(hashes):
+            old = shared.get(h)
+            if old is not None:
+                if mark[old]:
+                    doomed.append(old)
+                else:
+                    keep[i] = False
+        if doomed:
+            self._forget(np.array(doomed, np.int32))
+        self._forget(blocks[~keep])
+        moved = blocks[keep]
+        if moved.size:
+            shared.update(zip(self.block_hash[moved].tolist(), moved.tolist()))
+            self.cache_key[moved] = key
+            self.log_stored(key, self.block_hash[moved].tolist())
+
+    def cached_in(self, key: int, hashes: np.ndarray) -> np.ndarray:
+        """Block per hash (or -1) that registrations into ``key`` (a shared map, or a writer's side
+        key) would find: what swapped-in content may reuse."""
+        shared = self.side_of.get(key)
+        if shared is None:
+            return self.visible(key, hashes.tolist())
+        return self.visible(shared, hashes.tolist(), key)
 
     def _forget(self, blocks: np.ndarray) -> None:
         """Uncache blocks no map holds any more; free ones leave their eviction queue."""
+        if not blocks.size:
+            return
         self.cache_key[blocks] = NO_CACHE_KEY
+        self._forget_unconfirmed(blocks)
         free = blocks[self.ref_cnt[blocks] == 0]
         if free.size:
             self._dequeue(free)
             self._push_fresh(free)
 
-    def cached_in(self, key: int, hashes: np.ndarray) -> np.ndarray:
-        """Block per hash (or -1) in cache ``key`` (a pending map: or in its shared map, where a
-        confirmation may have moved it) — used to revive swapped-in content."""
-        cache = self.caches.get(key, {})
-        shared = self.caches.get(self.pending_of.get(key, NO_CACHE_KEY), {})
-        return np.array([cache.get(h, shared.get(h, -1)) for h in hashes.tolist()], np.int64)
-
-    def reset_cache(self, keys: set[int] | None = None) -> bool:
-        """Forget cached hashes (of ``keys`` only, if given) provided no request holds any such
-        block; evictable ones become fresh free blocks. Returns whether it reset."""
+    def reset_cache(self, keys: set[int] | None = None, side_keys: set[int] = frozenset()) -> bool:
+        """Forget cached hashes (of ``keys`` only, if given; and the shared entries the writers of
+        ``side_keys`` have not confirmed) provided no request holds any such block; evictable ones
+        become fresh free blocks. Returns whether it reset."""
         cached = np.flatnonzero(self.cache_key != NO_CACHE_KEY)
         if keys is not None:
-            cached = cached[np.isin(self.cache_key[cached], list(keys))]
+            chosen = np.isin(self.cache_key[cached], list(keys))
+            if side_keys and self.num_unconfirmed:
+                chosen |= np.isin(self.unconfirmed_by[cached], list(side_keys))
+            cached = cached[chosen]
         if np.any(self.ref_cnt[cached] > 0):
             return False
         # In eviction order, so that pushing them makes the most recently freed the front.
         evictable = self.free_queue_order()[self._stack_top :]
         cached = evictable[np.isin(evictable, cached)]
-        for key in keys if keys is not None else list(self.caches):
+        dropped = set(keys) if keys is not None else set(self.caches)
+        for key, h in zip(self.cache_key[cached].tolist(), self.block_hash[cached].tolist()):
+            if key not in dropped:
+                del self.caches[key][h]  # another writer's shared map: only the unconfirmed entry
+        for key in dropped:
             self.caches.pop(key, None)
-            if self.event_log is not None and key not in self.pending_of:
+            if self.event_log is not None and key not in self.side_of:
                 self.event_log.append(("cleared", key, []))
         self.cache_key[cached] = NO_CACHE_KEY
+        self._forget_unconfirmed(cached)
         self.queue_pos[cached] = -1
         for queue in self._queues.values():
             queue.live = len(queue.members(self.queue_pos))
@@ -460,5 +580,11 @@ class BlockPool:
         for key, cache in self.caches.items():
             for h, b in cache.items():
                 assert self.cache_key[b] == key and self.block_hash[b].tobytes().rstrip(b"\0") == h
+                if key in self.side_of:
+                    assert self.unconfirmed_by[b] == key, "a side entry is its writer's, unconfirmed"
+                elif self.unconfirmed_by[b]:
+                    assert self.side_of.get(int(self.unconfirmed_by[b])) == key
             total += len(cache)
         assert total == np.count_nonzero(self.cache_key)
+        assert not np.any(self.unconfirmed_by[self.cache_key == NO_CACHE_KEY])
+        assert self.num_unconfirmed == np.count_nonzero(self.unconfirmed_by)

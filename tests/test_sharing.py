@@ -140,7 +140,56 @@ def test_a_daemon_promotes_a_large_confirmation_in_bounded_batches(monkeypatch):
     m.allocate("a", 13, HASHES, writer=1)
     m.mark_computed(1, m.tick)
     m.flush_deferred()  # two of the three blocks: the third waits for the next call
-    assert m.pool.cache_key[1:4].tolist() == [1, 1, 2]  # shared, shared, still pending
+    assert m.pool.cache_key[1:4].tolist() == [1, 1, 1]  # one shared map (key 1) ...
+    assert m.pool.unconfirmed_by[1:4].tolist() == [0, 0, 2]  # ... the third still writer 1's (side key 2)
     assert m.pool.lookup(m._cache_key(0, 0), HASHES.tolist()).tolist() == [1, 2]
     assert m.lookup(HASHES) == 3  # the next call goes on with it first
-    assert m.pool.cache_key[1:4].tolist() == [1, 1, 1] and m.stats()["num_pending_blocks"] == 0
+    assert m.pool.unconfirmed_by[1:4].tolist() == [0, 0, 0] and m.stats()["num_pending_blocks"] == 0
+
+
+def test_a_race_loser_keeps_its_copy_in_its_side_map_and_the_first_confirmed_copy_wins(m):
+    m.allocate("a", 13, HASHES, writer=1)  # blocks 1-3 in the shared map, unconfirmed by writer 1
+    b = m.allocate("b", 13, HASHES, writer=2)  # A's entries are hidden from B: B's copies, side map
+    assert b.block_ids.tolist() == [5, 6, 7, 8]
+    shared, side_a, side_b = m._cache_key(0, 0), m._cache_key(m._space(0, 1), 0), m._cache_key(m._space(0, 2), 0)
+    assert m.pool.cache_key[1:9].tolist() == [shared] * 3 + [0] + [side_b] * 3 + [0]
+    assert m.pool.unconfirmed_by[1:9].tolist() == [side_a] * 3 + [0] + [side_b] * 3 + [0]
+    assert m.lookup(HASHES, writer=2) == 3 and m.block_table("b")[:3].tolist() == [5, 6, 7]
+    assert m.pool.lookup(shared, HASHES.tolist(), side_b).tolist() == [5, 6, 7]
+    m.mark_computed(2, m.tick)  # B confirms first: its copies replace A's unconfirmed entries
+    assert m.pool.caches[shared] == dict(zip(HASHES.tolist(), [5, 6, 7])) and not m.pool.caches[side_b]
+    assert m.pool.cache_key[1:4].tolist() == [0, 0, 0] and m.stats()["num_pending_blocks"] == 0
+    assert m.lookup(HASHES) == 3 and m.lookup(HASHES, writer=1) == 3  # A now sees B's blocks
+    m.mark_computed(1, m.tick)  # nothing of A's is still cached unconfirmed: a no-op
+    assert m.pool.cache_key[1:4].tolist() == [0, 0, 0]
+    m.free("a")
+    assert m.pool.free_queue_order()[:4].tolist() == [1, 2, 3, 4]  # uncached: front of the queue
+    m.check_invariants(heavy=True)
+
+
+def test_a_confirmed_registration_replaces_an_unconfirmed_entry(m):
+    m.allocate("a", 13, HASHES, writer=1)
+    z = m.allocate("z", 13, HASHES)  # writer 0: computed by the time anyone looks
+    assert z.num_cached_tokens == 0 and z.block_ids.tolist() == [5, 6, 7, 8]
+    assert m.pool.lookup(m._cache_key(0, 0), HASHES.tolist()).tolist() == [5, 6, 7]
+    assert m.pool.cache_key[1:4].tolist() == [0, 0, 0] and m.stats()["num_pending_blocks"] == 0
+    assert m.lookup(HASHES, writer=1) == 3
+    m.check_invariants(heavy=True)
+
+
+def test_drop_writer_removes_its_unconfirmed_shared_and_side_entries_only(m):
+    m.allocate("a", 13, HASHES, writer=1)  # 1-3: shared, unconfirmed by 1
+    m.allocate("b", 13, HASHES, writer=2)  # 5-7: writer 2's side map
+    other = hash_prompt(PROMPT + 100, BS)
+    m.allocate("c", 13, other, writer=2)  # 9-11: shared, unconfirmed by 2
+    m.mark_computed(1, m.tick)
+    for r in ("a", "b", "c"):
+        m.free(r)
+    m.drop_writer(2)
+    shared = m._cache_key(0, 0)
+    assert m.pool.caches[shared] == dict(zip(HASHES.tolist(), [1, 2, 3]))
+    assert m.pool.cache_key[5:12].tolist() == [0] * 7 and m.stats()["num_pending_blocks"] == 0
+    # the dropped blocks became fresh, the most recently freed first; writer 1's stay evictable
+    assert m.pool.free_queue_order().tolist() == [9, 10, 11, 5, 6, 7, 12, 8, 4, 13, 14, 15, 3, 2, 1]
+    assert m.lookup(HASHES, writer=3) == 3 and m.lookup(other, writer=3) == 0
+    m.check_invariants(heavy=True)

@@ -1,10 +1,11 @@
 """Model-based test of the computed state: several writers of one namespace against a list model.
 
-The model keeps one shared map and one pending map per writer, the tick each pending hash was last
-stored at, and each writer's confirmation queue; requests admit (one by one or in a step), grow,
-fork, free; writers confirm any tick up to now and go away. After every rule the manager and the
-model agree on every reference count, the whole free-queue order, every map, every block table, and
-what each writer's lookup finds.
+The model keeps one shared map whose entries are confirmed or unconfirmed by one writer, one side
+map per writer (its copies of hashes another writer's unconfirmed entry held), the registration
+each cached block was last stored by, and each writer's confirmation queue; requests admit (one by
+one or in a step), grow, fork, free; writers confirm any tick up to now and go away. After every rule
+the manager and the model agree on every reference count, the whole free-queue order, every map
+(and who each shared entry awaits), every block table, and what each writer's lookup finds.
 """
 
 from collections import deque
@@ -31,11 +32,13 @@ def cdiv(a, b):
 
 
 class Pool:
-    """Free queue as lists (fresh blocks front-inserted, cached ones appended), maps per writer."""
+    """Free queue as lists (fresh blocks front-inserted, cached ones appended), the maps."""
 
     def __init__(self):
         self.ref = [0] * NUM_BLOCKS
         self.where = [None] * NUM_BLOCKS  # (map, hash) of a cached block
+        self.unconf = [0] * NUM_BLOCKS  # writer whose confirmation a cached block awaits
+        self.reg = [0] * NUM_BLOCKS  # registration that cached it unconfirmed
         self.fresh = list(range(1, NUM_BLOCKS))
         self.evict: list[int] = []
         self.maps = {SHARED: {}, 1: {}, 2: {}}
@@ -51,6 +54,7 @@ class Pool:
                 m, h = self.where[b]
                 del self.maps[m][h]
                 self.where[b] = None
+                self.unconf[b] = 0
             self.ref[b] = 1
             out.append(b)
         return out
@@ -65,8 +69,15 @@ class Pool:
         if self.ref[b] == 0:
             (self.evict.append if self.where[b] is not None else lambda x: self.fresh.insert(0, x))(b)
 
+    def cache(self, m, h, b, w):
+        self.maps[m][h] = b
+        self.where[b] = (m, h)
+        self.unconf[b] = w
+
     def forget(self, b):
+        """Uncache b (its map entry already gone); a free one goes to the front."""
         self.where[b] = None
+        self.unconf[b] = 0
         if self.ref[b] == 0:
             self.evict.remove(b)
             self.fresh.insert(0, b)
@@ -76,17 +87,21 @@ class Model:
     def __init__(self):
         self.pool = Pool()
         self.tick = 0
-        self.reg_tick = {1: {}, 2: {}}
+        self.num_regs = 0
         self.fifo = {1: deque(), 2: deque()}
         self.reqs = {}  # id -> dict(tokens, blocks, reg, writer)
 
+    def seen_by(self, w, h):
+        pool = self.pool
+        b = pool.maps[SHARED].get(h)
+        if b is not None and pool.unconf[b] in (0, w):
+            return b
+        return pool.maps[w].get(h) if w else None
+
     def lookup(self, w, hashes):
-        maps = self.pool.maps
         hits = []
         for h in hashes:
-            b = maps[SHARED].get(h)
-            if b is None and w:
-                b = maps[w].get(h)
+            b = self.seen_by(w, h)
             if b is None:
                 break
             hits.append(b)
@@ -95,14 +110,24 @@ class Model:
     def register(self, w, hashes, blocks):
         pool, stored = self.pool, []
         for h, b in zip(hashes, blocks):
-            if not b or pool.where[b] is not None or h in pool.maps[SHARED] or (w and h in pool.maps[w]):
+            if not b or pool.where[b] is not None or (w and h in pool.maps[w]):
                 continue
-            pool.maps[w or SHARED][h] = b
-            pool.where[b] = (w or SHARED, h)
-            stored.append(h)
+            old = pool.maps[SHARED].get(h)
+            if old is None or (not w and pool.unconf[old]):
+                if old is not None:  # a confirmed entry takes an unconfirmed one's place
+                    del pool.maps[SHARED][h]
+                    pool.forget(old)
+                pool.cache(SHARED, h, b, w)
+            elif w and pool.unconf[old] not in (0, w):
+                pool.cache(w, h, b, w)
+            else:
+                continue
+            stored.append(b)
         if w and stored:
-            self.fifo[w].append((self.tick, stored))
-            self.reg_tick[w].update(dict.fromkeys(stored, self.tick))
+            self.num_regs += 1
+            for b in stored:
+                pool.reg[b] = self.num_regs
+            self.fifo[w].append((self.tick, self.num_regs, stored))
 
     def allocate(self, rid, w, n, hashes):
         hits = self.lookup(w, hashes[: (n - 1) // BS])
@@ -147,29 +172,33 @@ class Model:
         self.reqs[c] = dict(tokens=r["tokens"], blocks=r["blocks"][:n], reg=min(r["reg"], n), writer=r["writer"])
 
     def confirm(self, w, through):
-        fifo, ticks, pool = self.fifo[w], self.reg_tick[w], self.pool
+        fifo, pool = self.fifo[w], self.pool
         while fifo and fifo[0][0] <= through:
-            tick, hashes = fifo.popleft()
-            for h in hashes:
-                if ticks.get(h) != tick:
-                    continue  # stored again later: that tick's confirmation promotes it
-                del ticks[h]
-                b = pool.maps[w].pop(h, None)
-                if b is None:
-                    continue  # evicted meanwhile
-                if h in pool.maps[SHARED]:
-                    pool.forget(b)
-                else:
-                    pool.maps[SHARED][h] = b
-                    pool.where[b] = (SHARED, h)
+            _, reg, blocks = fifo.popleft()
+            for b in blocks:
+                if pool.reg[b] != reg or pool.unconf[b] != w:
+                    continue  # evicted, or stored again later: that registration's turn confirms it
+                m, h = pool.where[b]
+                if m == SHARED:
+                    pool.unconf[b] = 0
+                    continue
+                del pool.maps[w][h]  # a side copy moves into the shared map ...
+                old = pool.maps[SHARED].get(h)
+                if old is not None and not pool.unconf[old]:
+                    pool.forget(b)  # ... unless a confirmed copy is there already
+                    continue
+                if old is not None:
+                    pool.forget(old)
+                pool.cache(SHARED, h, b, 0)
 
     def drop_writer(self, w):
         pool = self.pool
-        for b in [b for b in pool.evict if pool.where[b] is not None and pool.where[b][0] == w]:
+        for b in [b for b in pool.evict if pool.where[b] is not None and pool.unconf[b] == w]:
+            m, h = pool.where[b]
+            del pool.maps[m][h]
             pool.forget(b)
-        pool.maps[w] = {}
+        assert not pool.maps[w]
         self.fifo[w].clear()
-        self.reg_tick[w].clear()
 
 
 tokens_st = st.lists(st.integers(0, 1), min_size=1, max_size=24)
@@ -273,9 +302,13 @@ class SharingMachine(RuleBasedStateMachine):
         assert mgr.pool.free_queue_order().tolist() == model.pool.fresh + model.pool.evict
         key = mgr._cache_keys.get((mgr._spaces.get((0, 0)), 0))
         assert mgr.pool.caches.get(key, {}) == model.pool.maps[SHARED]
+        writer_of = {0: 0}
         for w in WRITERS[1:]:
             key = mgr._cache_keys.get((mgr._spaces.get((0, w)), 0))
             assert mgr.pool.caches.get(key, {}) == model.pool.maps[w], w
+            if key is not None:
+                writer_of[key] = w
+        assert [writer_of[k] for k in mgr.pool.unconfirmed_by.tolist()] == model.pool.unconf
         for rid, r in model.reqs.items():
             assert mgr.block_table(rid).tolist() == r["blocks"], rid
         probe = hash_prompt(np.zeros(MAX_LEN, np.int32), BS).tolist()
