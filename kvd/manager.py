@@ -1517,23 +1517,31 @@ class BlockManager:
         status = np.zeros(m, np.int16)
         rows = np.full(m, -1, np.int32)
         cached = np.zeros(m, np.int64)
-        first = 0
-        if m > 1 and self._simple and not self.config.admit_full_sequence and not self.config.reserve_decode_blocks:
-            first = _BatchAdmission(self, space).run(admits, status, rows, cached)
-        for i in range(first, m):
-            req = admits[i]
-            try:
-                result = self._admit(req, space)
-            except errors.KvdError as exc:
-                status[i] = exc.code
-                continue
-            except (TypeError, ValueError, AttributeError):
-                status[i] = errors.InvalidArgument.code
-                continue
-            status[i] = result.status
-            rows[i] = result.row
-            cached[i] = result.num_cached_tokens
+        i = 0
+        batching = m > 1 and self._simple and not self.config.admit_full_sequence and not self.config.reserve_decode_blocks
+        while i < m:
+            if batching:
+                batch = _BatchAdmission(self, space)
+                i = batch.run(admits, status, rows, cached, i)
+                batching = batch.raced  # after a race, the batch goes on past that one request
+                if i >= m:
+                    break
+            self._admit_one(admits[i], space, i, status, rows, cached)
+            i += 1
         return status, rows, cached
+
+    def _admit_one(self, req, space: int, i: int, status, rows, cached) -> None:
+        try:
+            result = self._admit(req, space)
+        except errors.KvdError as exc:
+            status[i] = exc.code
+            return
+        except (TypeError, ValueError, AttributeError):
+            status[i] = errors.InvalidArgument.code
+            return
+        status[i] = result.status
+        rows[i] = result.row
+        cached[i] = result.num_cached_tokens
 
     # ================================================================== queries
     def block_table(self, req_id: ReqId, group: int = 0) -> np.ndarray:
@@ -1658,10 +1666,13 @@ class _BatchAdmission:
         self.cache = mgr.pool.cache_map(self.key)
         self.side = mgr.pool.caches.get(side_key) or None
         self.inserted: list[list[bytes]] = []
+        self.raced = False
 
-    def run(self, admits, status, rows_out, cached_out) -> int:
+    def run(self, admits, status, rows_out, cached_out, start: int = 0) -> int:
+        """Decide ``admits[start:]`` in order; returns the index of the first one left undecided
+        (``raced``: it stopped at a race on a prefix, not at an eviction or the end)."""
         try:
-            return self._run(admits, status, rows_out, cached_out)
+            return self._run(admits, status, rows_out, cached_out, start)
         except BaseException:
             for keys in self.inserted:
                 for h in keys:
@@ -1689,9 +1700,9 @@ class _BatchAdmission:
         return hits
 
     def _races(self, keys: list) -> bool:
-        """Whether registering ``keys`` meets another writer's unconfirmed entry (or, for a
-        writer of side entries, needs the side map's rules)."""
-        if self.side is not None:
+        """Whether registering ``keys`` meets another writer's unconfirmed entry or this writer's
+        side map (``pool.register``'s rules, not the batch's, decide those)."""
+        if self.side is not None and not self.side.keys().isdisjoint(keys):
             return True
         pool = self.mgr.pool
         if not pool.num_unconfirmed or self.cache.keys().isdisjoint(keys):
@@ -1743,7 +1754,7 @@ class _BatchAdmission:
         reg_hashes.append(hashes[mask])
         reg_blocks.append(blocks[mask])
 
-    def _run(self, admits, status, rows_out, cached_out) -> int:
+    def _run(self, admits, status, rows_out, cached_out, start: int) -> int:
         mgr = self.mgr
         pool = mgr.pool
         bs = mgr.groups[0].block_size
@@ -1763,8 +1774,9 @@ class _BatchAdmission:
         seen: set = set()
         admitted, flat_hits, hit_counts, new_counts, reg_hashes, reg_blocks, reg_ends = [], [], [], [], [], [], []
         offset = 0
-        done = 0
-        for i, req in enumerate(admits):
+        done = start
+        for i in range(start, len(admits)):
+            req = admits[i]
             if not isinstance(req, AdmitRequest) or req.num_encoder_tokens:
                 break
             try:
@@ -1809,6 +1821,7 @@ class _BatchAdmission:
                 break  # would evict: the rest go one by one
             reg_end = min(len(keys), n // bs)
             if reg_end > nhit and (pool.num_unconfirmed or self.side is not None) and self._races(keys[nhit:reg_end]):
+                self.raced = True
                 break
             if check_revived:
                 revived.update(b for b in hits if ref[b] == 0)

@@ -193,3 +193,17 @@ def test_drop_writer_removes_its_unconfirmed_shared_and_side_entries_only(m):
     assert m.pool.free_queue_order().tolist() == [9, 10, 11, 5, 6, 7, 12, 8, 4, 13, 14, 15, 3, 2, 1]
     assert m.lookup(HASHES, writer=3) == 3 and m.lookup(other, writer=3) == 0
     m.check_invariants(heavy=True)
+
+
+def test_a_batched_admission_goes_on_after_a_request_that_races(m):
+    m.allocate("a", 13, HASHES, writer=1)  # 1-4, its three full blocks unconfirmed
+    other = hash_prompt(PROMPT + 100, BS)
+    res = m.step(StepBatch(admit=[AdmitRequest("x", 13, HASHES), AdmitRequest("y", 13, HASHES),
+                                  AdmitRequest("z", 13, other)]), writer=2)
+    assert res.admit_status.tolist() == [STATUS_OK] * 3
+    assert res.admit_cached_tokens.tolist() == [0, 12, 0]  # y hits x's side copy, not a's blocks
+    assert [m.block_table(r).tolist() for r in "xyz"] == [[5, 6, 7, 8], [5, 6, 7, 9], [10, 11, 12, 13]]
+    side = m._cache_key(m._space(0, 2), 0)
+    assert m.pool.caches[side] == dict(zip(HASHES.tolist(), [5, 6, 7]))
+    assert m.pool.unconfirmed_by[10:13].tolist() == [side] * 3 and m.pool.cache_key[10:13].tolist() == [1] * 3
+    m.check_invariants(heavy=True)

@@ -13,7 +13,7 @@ from collections import deque
 import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
 from kvd.api import STATUS_NO_SPACE, STATUS_OK, AdmitRequest, GroupSpec, ManagerConfig, StepBatch
 from kvd.hashing import hash_prompt
@@ -237,20 +237,24 @@ class SharingMachine(RuleBasedStateMachine):
         assert (res.status, res.num_cached_tokens) == (status, cached)
         return rid if status == STATUS_OK else -1
 
-    @rule(target=reqs, w=st.sampled_from(WRITERS), toks=tokens_st, data=st.data())
-    def step_admit(self, w, toks, data):
+    @rule(target=reqs, w=st.sampled_from(WRITERS), many=st.lists(tokens_st, min_size=1, max_size=3), data=st.data())
+    def step_admit(self, w, many, data):
         """A step's batched admission, carrying the writer's confirmation of some earlier tick."""
         through = data.draw(st.one_of(st.none(), st.integers(0, self.mgr.tick)))
-        rid, hashes = self._new(toks)
-        res = self.mgr.step(StepBatch(admit=[AdmitRequest(rid, len(toks), hashes)], computed_through=through),
-                            writer=w)
+        new = [self._new(toks) for toks in many]
+        res = self.mgr.step(StepBatch(admit=[AdmitRequest(rid, len(self.tokens[rid]), hashes) for rid, hashes in new],
+                                      computed_through=through), writer=w)
         if w and through is not None:
             self.model.confirm(w, through)
         self._ticked()
-        status, cached = self.model.allocate(rid, w, len(toks), hashes.tolist())
         assert res.tick == self.mgr.tick
-        assert (res.admit_status[0], res.admit_cached_tokens[0]) == (status, cached if status == STATUS_OK else 0)
-        return rid if status == STATUS_OK else -1
+        admitted = []
+        for i, (rid, hashes) in enumerate(new):
+            status, cached = self.model.allocate(rid, w, len(self.tokens[rid]), hashes.tolist())
+            assert (res.admit_status[i], res.admit_cached_tokens[i]) == (status, cached if status == STATUS_OK else 0)
+            if status == STATUS_OK:
+                admitted.append(rid)
+        return multiple(*admitted)
 
     @rule(rid=reqs, more=st.lists(st.integers(0, 1), max_size=9))
     def append(self, rid, more):
