@@ -199,7 +199,7 @@ class BlockManager:
         self.tick = 0
         """Counts the calls that may register blocks (step, allocate, append_slots, swap_in)."""
         self._copies: list[np.ndarray] = []
-        self._deferred: list[tuple] = []  # (key, hashes, blocks, tick) or (_CONFIRM, writer, tick)
+        self._deferred: list[tuple] = []  # (_APPENDS, rows, hashes, counts, tick) or (_CONFIRM, writer, tick)
         self._watermark_blocks = int(config.watermark * config.num_gpu_blocks)
         self._no_hashes = [self._empty_hashes] * len(self.groups)
         self.counters = dict(prefix_queries=0, prefix_hits=0, swaps_out=0, swaps_in=0, cow_copies=0)
@@ -282,13 +282,10 @@ class BlockManager:
         raise errors.InvalidArgument(f"no prefix-cache key {key}")
 
     # ================================================================== computed state
-    def _register_in(self, key: int, hashes: np.ndarray, blocks: np.ndarray, defer: bool = False) -> None:
-        """Register full blocks under cache key ``key`` (now, or with ``defer`` at the next flush);
-        what a writer's side key stores waits for its confirmation of this call's tick."""
-        if defer:
-            self._deferred.append((key, hashes, blocks, self.tick))
-        else:
-            self._store(key, hashes, blocks, self.tick)
+    def _register_in(self, key: int, hashes: np.ndarray, blocks: np.ndarray, tick: int | None = None) -> None:
+        """Register full blocks under cache key ``key``; what a writer's side key stores waits for
+        its confirmation of the tick of the call that filled them (``tick``, default this one)."""
+        self._store(key, hashes, blocks, self.tick if tick is None else tick)
 
     def _store(self, key: int, hashes: np.ndarray, blocks: np.ndarray, tick: int) -> None:
         shared = self.pool.side_of.get(key)
@@ -845,7 +842,10 @@ class BlockManager:
             )
         self._record_copies(n_copies)
         if hashes.size:
-            self._register_appends(rows, np.zeros(n, np.int16), [hashes], [counts], defer)
+            if defer:  # the whole registration after the reply (the tables do not change before)
+                self._deferred.append((_APPENDS, rows.copy(), hashes, counts, self.tick))
+            else:
+                self._register_appends(rows, np.zeros(n, np.int16), [hashes], [counts])
         return old, self._changed_buf[:n_changed]  # views of scratch: valid until the next append
 
     @staticmethod
@@ -928,7 +928,7 @@ class BlockManager:
             self._copies.append(self._copies_buf[:n_copies].copy())
             self.counters["cow_copies"] += n_copies
 
-    def _register_one_each(self, gi: int, rows, hashes, counts, defer: bool = False) -> bool:
+    def _register_one_each(self, gi: int, rows, hashes, counts, tick: int | None = None) -> bool:
         """Registration when each request filled at most one block (a decode step): a few array
         operations. False when the requests span several registration spaces (the general path then)."""
         g = self.groups[gi]
@@ -941,19 +941,19 @@ class BlockManager:
         present = blocks != NULL_BLOCK
         if not present.all():
             blocks, hashes = blocks[present], hashes[present]
-        self._register_in(self._cache_key(int(ns[0]), gi), hashes, blocks, defer)
+        self._register_in(self._cache_key(int(ns[0]), gi), hashes, blocks, tick)
         g.num_registered[sel] = reg + 1
         return True
 
-    def _register_appends(self, rows, status, hash_lists, hash_counts, defer: bool = False) -> None:
-        """Register the blocks that became full, with the hashes given (``defer``: see
-        ``ManagerConfig.defer_cache_registration``; only the one-block-each case defers)."""
+    def _register_appends(self, rows, status, hash_lists, hash_counts, tick: int | None = None) -> None:
+        """Register the blocks that became full, with the hashes given (``tick``: of the call that
+        filled them, when a flush registers them later)."""
         if not self.config.enable_prefix_caching:
             return
         for gi, (g, hashes, counts) in enumerate(zip(self.groups, hash_lists, hash_counts)):
             if not hashes.size:
                 continue
-            if counts.max() == 1 and not status.any() and self._register_one_each(gi, rows, hashes, counts, defer):
+            if counts.max() == 1 and not status.any() and self._register_one_each(gi, rows, hashes, counts, tick):
                 continue
             take = counts * (status == STATUS_OK)
             sel = np.flatnonzero(take)
@@ -967,11 +967,11 @@ class BlockManager:
             ns = self.namespace[srows]
             present = blocks != NULL_BLOCK
             if np.all(ns == ns[0]):
-                self._register_in(self._cache_key(int(ns[0]), gi), hashes[hash_idx][present], blocks[present])
+                self._register_in(self._cache_key(int(ns[0]), gi), hashes[hash_idx][present], blocks[present], tick)
             else:
                 for ns_value in np.unique(ns).tolist():
                     m = present & (ns[rep] == ns_value)
-                    self._register_in(self._cache_key(ns_value, gi), hashes[hash_idx][m], blocks[m])
+                    self._register_in(self._cache_key(ns_value, gi), hashes[hash_idx][m], blocks[m], tick)
             g.num_registered[srows] += counts[sel]
 
     def _release_out_of_window(self, g: _Group, rows, num_computed) -> None:
@@ -1114,8 +1114,9 @@ class BlockManager:
             unfinished = []
             budget: int | None = PROMOTE_BATCH  # for the whole flush
             for item in self._deferred:
-                if item[0] is not _CONFIRM:
-                    self._store(*item)
+                if item[0] is _APPENDS:
+                    _, rows, hashes, counts, tick = item
+                    self._register_appends(rows, np.zeros(rows.size, np.int16), [hashes], [counts], tick)
                 elif budget is None or (budget := self._promote(item[1], item[2], budget)) is None:
                     unfinished.append(item)  # the next call (or reply) goes on with it
             self._deferred[:] = unfinished
@@ -1635,6 +1636,7 @@ class BlockManager:
 
 
 _CONFIRM = object()  # a deferred confirmation in ``_deferred``: (_CONFIRM, writer, through_tick)
+_APPENDS = object()  # a decode step's deferred registration: (_APPENDS, rows, hashes, counts, tick)
 # Blocks a daemon's flush promotes at most: a confirmation of a whole admission wave (tens of
 # thousands of prompt blocks) is spread over the next messages instead of pausing every client.
 PROMOTE_BATCH = 1024
