@@ -409,6 +409,12 @@ class _Core:
         """Whether this session's prefix cache is its tenant's shared one (else its own)."""
         return bool(self.info.get("shared"))
 
+    @staticmethod
+    def _header(op: str, sid: int, seq: int, fields: dict) -> bytes:
+        if op is P.DECODE:
+            return P.decode_request(sid, seq, **fields)
+        return P.request(op, sid, seq, **fields)
+
     def _confirmation(self, explicit: int | None) -> int | None:
         """The ``c`` of a step: the caller's, or in auto mode the tick of the step ``steps_in_flight``
         steps before the last (whose forward pass has finished when this step is scheduled)."""
@@ -423,7 +429,7 @@ class _Core:
         t = h.get("t")
         if t is not None:
             self.tick = t
-            if op == P.STEP:
+            if op is P.DECODE or op == P.STEP:
                 self._step_ticks.append(t)
 
     def _on_session(self, h: dict) -> None:
@@ -585,25 +591,39 @@ class _Core:
     def _req_step(self, batch: StepBatch):
         G = int(self.info.get("num_groups", 1))
         rows = batch.append_rows
-        if (rows is not None and G == 1 and not batch.admit and not batch.free and not batch.forks
-                and not batch.append_hashes and type(batch.append_num_tokens) is int):
-            return self._req_decode(rows, batch.append_num_tokens, batch.num_lookahead_tokens,
-                                    batch.computed_through)
+        if (rows is not None and not batch.admit and not batch.free and not batch.forks
+                and type(batch.append_num_tokens) is int):
+            spec = self._req_decode(rows, batch.append_num_tokens, batch.num_lookahead_tokens,
+                                    batch.computed_through, batch.append_hashes, batch.append_hash_counts, G)
+            if spec is not None:
+                return spec
         return StepMessage(self, batch, G).spec()
 
-
-    def _req_decode(self, rows, num_tokens: int, lookahead: int, computed_through: int | None = None):
-        """The decode fast path of ``step``: appends by row, one token count for all, no hashes,
-        nothing else (one array copy each way, no per-request Python)."""
+    def _req_decode(self, rows, num_tokens: int, lookahead: int, computed_through: int | None = None,
+                    hashes=(), counts=(), num_groups: int = 1):
+        """The decode fast path of ``step`` (the ``decode`` op, a binary header): appends by row,
+        one token count for all, and with one KV-cache group the hashes of the blocks that filled;
+        one array copy each way, no per-request Python. None when the batch needs the general
+        message (hashes of several groups, counts that do not fit the rows)."""
         if type(rows) is not np.ndarray or rows.dtype != np.int32 or not rows.flags.c_contiguous:
             rows = np.ascontiguousarray(rows, np.int32)
         na = rows.shape[0]
-        fields = {"la": int(lookahead), "nf": 0, "nk": 0, "na": na, "an": num_tokens, "nd": 0}
-        c = self._confirmation(computed_through)
-        if c is not None:
-            fields["c"] = c
+        if not 0 <= num_tokens <= P.MAX_COUNT or not 0 <= lookahead <= P.MAX_COUNT:
+            return None
         rows_b = rows.tobytes()
-        return P.STEP, fields, [P.EMPTY, P.EMPTY, P.EMPTY, rows_b], functools.partial(_decode_post, rows_b, num_tokens)
+        frames = [rows_b]
+        if len(hashes) or len(counts):
+            if num_groups != 1 or len(hashes) != 1 or len(counts) != 1:
+                return None
+            cnt = counts[0]
+            if (type(cnt) is not np.ndarray or cnt.dtype != np.int32 or cnt.shape != (na,)
+                    or type(hashes[0]) is not np.ndarray or hashes[0].ndim != 1
+                    or hashes[0].dtype.itemsize != self.hash_width or hashes[0].dtype.kind != "S"
+                    or (na and int(cnt.min()) < 0) or int(cnt.sum(dtype=np.int64)) != hashes[0].shape[0]):
+                return None
+            frames += [hashes[0].tobytes(), cnt.tobytes()]
+        fields = {"na": na, "an": num_tokens, "la": int(lookahead), "c": self._confirmation(computed_through)}
+        return P.DECODE, fields, frames, functools.partial(_decode_post, rows_b, num_tokens)
 
     def _release_local(self) -> None:
         """Close the socket and unmap the session's buffers (never unlinks: the daemon owns them)."""
@@ -762,7 +782,7 @@ class Client(_Core):
 
     def _call(self, op: str, fields: dict, frames: list, sid: int | None = None) -> tuple[dict, list]:
         seq = self._next_seq()
-        msg = [P.request(op, self.sid if sid is None else sid, seq, **fields), *frames]
+        msg = [self._header(op, self.sid if sid is None else sid, seq, fields), *frames]
         sock = self._sock
         if sock is None:
             raise SessionError("client is closed")
@@ -785,8 +805,8 @@ class Client(_Core):
                 except zmq.Again:
                     break
                 try:
-                    h = orjson.loads(rep[0])
-                except orjson.JSONDecodeError:
+                    h = P.parse_reply(rep[0])
+                except ProtocolError:
                     h = None
                 if h is not None and self._check(h, seq):
                     return h, rep[1:]
@@ -1019,7 +1039,7 @@ class AsyncClient(_Core):
     async def _call(self, op: str, fields: dict, frames: list, sid: int | None = None):
         async with self._lock:
             seq = self._next_seq()
-            msg = [P.request(op, self.sid if sid is None else sid, seq, **fields), *frames]
+            msg = [self._header(op, self.sid if sid is None else sid, seq, fields), *frames]
             sock = self._sock
             if sock is None:
                 raise SessionError("client is closed")
@@ -1036,8 +1056,8 @@ class AsyncClient(_Core):
                         break
                     rep = await sock.recv_multipart()
                     try:
-                        h = orjson.loads(rep[0])
-                    except orjson.JSONDecodeError:
+                        h = P.parse_reply(rep[0])
+                    except ProtocolError:
                         continue
                     if self._check(h, seq):
                         return h, rep[1:]

@@ -115,6 +115,24 @@ step       hdr: la (lookahead tokens, int), an (uniform append token count used 
            into shared memory before the reply is sent, and with a GPU pool into the session's GPU
            arena too (the daemon synchronizes its stream before replying). This holds for every op
            that changes tables or counts (allocate, append, free, fork, swap, step).
+decode     The decode step again, with a *binary* header instead of JSON (the hot path: a JSON
+           header costs both sides ~15 µs of encoding, parsing and per-field checks per step).
+           The header frame is ``DECODE_REQUEST`` (little-endian, 40 bytes)::
+
+               magic  4s  DECODE_MAGIC (b"kvD" + version byte; a JSON header starts with "{")
+               sid    u64 session id           seq  i64  q (>= 0)
+               c      i64 confirmation tick, or NO_CONFIRM (-1)
+               na     u32 append rows          an   u32  tokens each   la  u32  lookahead tokens
+           frames after it: append rows int32[na]; optionally (one KV-cache group only) the hashes
+           of the blocks that filled S16[*] and their counts int32[na]. Same meaning, checks and
+           effects as a ``step`` of appends only. The reply header is ``DECODE_REPLY`` (48 bytes +
+           4 per group)::
+
+               magic  4s  DECODE_REPLY_MAGIC   seq  i64  q    epoch  12s  the boot epoch (ASCII)
+               t      i64 tick   nc u32 copies   nch u32 changed rows   ns u32 scheduled
+               G      u32 groups, then nt int32[G] (slot-mapping tokens written per group)
+           and its one body frame is the decode step reply's. Errors are ordinary JSON error
+           replies (a client tells them apart by the first byte).
 lookup     frames: hashes S16[n] (group 0). reply hdr: n (leading cached blocks).
 can_alloc  hdr: nt, la, mnt, net. frames: per group hashes S16. reply hdr: status (AllocStatus).
 allocate   hdr: row, tag, nt, la, pri, net, mnt. frames: per group hashes S16.
@@ -145,6 +163,7 @@ goodbye    frees every request of the session, unlinks its shared memory; reply:
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import numpy as np
@@ -176,6 +195,7 @@ COMPUTED = "computed"
 COMMON_PREFIX = "common_prefix"
 CROSS_TABLE = "cross_table"
 STATUS = "status"
+DECODE = "decode"  # the binary-header decode step (never a JSON "op")
 
 OPS = frozenset(
     {
@@ -250,6 +270,66 @@ def hashes_frame(h: Any, width: int = HASH_WIDTH) -> bytes:
     from kvd.hashing import as_hash_array
 
     return as_hash_array(h, width).tobytes()
+
+
+# ---- the decode op's binary headers --------------------------------------------------------------
+
+DECODE_MAGIC = b"kvD" + bytes([VERSION])
+DECODE_REPLY_MAGIC = b"kvR" + bytes([VERSION])
+NO_CONFIRM = -1
+EPOCH_BYTES = 12  # the daemon's boot epoch: 12 hex digits
+DECODE_REQUEST = struct.Struct("<4sQqqIII")
+DECODE_REPLY = struct.Struct(f"<4sq{EPOCH_BYTES}sqIIII")
+MAX_GROUPS = 64
+_NT: dict[int, struct.Struct] = {}
+
+
+def _nt(groups: int) -> struct.Struct:
+    fmt = _NT.get(groups)
+    if fmt is None:
+        fmt = _NT[groups] = struct.Struct(f"<{groups}i")
+    return fmt
+
+
+def decode_request(sid: int, seq: int, na: int, an: int, la: int, c: int | None = None) -> bytes:
+    return DECODE_REQUEST.pack(DECODE_MAGIC, sid, seq, NO_CONFIRM if c is None else c, na, an, la)
+
+
+def parse_decode_request(raw: bytes) -> tuple[int, int, int, int, int, int]:
+    """(sid, seq, c or NO_CONFIRM, na, an, la) of a decode header; ranges are the caller's to check
+    (every field is an integer by construction)."""
+    if len(raw) != DECODE_REQUEST.size:
+        raise ProtocolError(f"decode header of {len(raw)} bytes, expected {DECODE_REQUEST.size}")
+    _, sid, seq, c, na, an, la = DECODE_REQUEST.unpack(raw)
+    if seq < 0 or not 0 < sid <= MAX_INT or not NO_CONFIRM <= c <= MAX_INT:
+        raise ProtocolError("decode header: session, sequence number or confirmation out of range")
+    if an > MAX_COUNT or la > MAX_COUNT:
+        raise ProtocolError("decode header: token count out of range")
+    return sid, seq, c, na, an, la
+
+
+def decode_reply(seq: int, epoch: bytes, tick: int, nc: int, nch: int, ns: int, nt: list[int]) -> bytes:
+    return DECODE_REPLY.pack(DECODE_REPLY_MAGIC, seq, epoch, tick, nc, nch, ns, len(nt)) + _nt(len(nt)).pack(*nt)
+
+
+def parse_reply(raw: bytes) -> dict:
+    """A reply header (JSON, or a decode reply) as a dict; raises ProtocolError when it is neither."""
+    if raw[:4] == DECODE_REPLY_MAGIC:
+        if len(raw) < DECODE_REPLY.size:
+            raise ProtocolError("short decode reply header")
+        _, seq, epoch, tick, nc, nch, ns, G = DECODE_REPLY.unpack_from(raw)
+        if not 0 < G <= MAX_GROUPS or len(raw) != DECODE_REPLY.size + 4 * G:
+            raise ProtocolError("decode reply header: bad group count")
+        nt = list(_nt(G).unpack_from(raw, DECODE_REPLY.size))
+        return {"v": VERSION, "q": seq, "e": epoch.decode("ascii"), "ok": 1, "t": tick, "nt": nt, "nc": nc,
+                "nch": nch, "nfr": 0, "ns": ns}
+    try:
+        h = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ProtocolError(f"reply header is not JSON: {e}") from None
+    if not isinstance(h, dict):
+        raise ProtocolError("reply header is not an object")
+    return h
 
 
 # ---- decoding / validation (daemon and client side) ---------------------------------------------

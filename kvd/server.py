@@ -156,7 +156,8 @@ class Daemon:
         from kvd.manager import BlockManager
 
         self.config = config
-        self.epoch = secrets.token_hex(6)
+        self.epoch = secrets.token_hex(P.EPOCH_BYTES // 2)
+        self.epoch_b = self.epoch.encode("ascii")
         self.pid = os.getpid()
         self.groups = tuple(GroupSpec(block_size=bs, sliding_window=sw or None) for bs, sw in _group_specs(config))
         self.mcfg = ManagerConfig(
@@ -265,22 +266,29 @@ class Daemon:
             total = sum(map(len, frames))
             if total > self.max_message_bytes:
                 raise ProtocolError(f"message of {total} bytes > {self.max_message_bytes}")
-            h = P.parse_header(frames[0])
-            seq = P.get_int(h, "q", None)
-            op = h.get("op")
-            fn = self.ops.get(op) if isinstance(op, str) else None
-            if fn is None:
-                raise ProtocolError(f"unknown op {op!r}")
-            if op == P.HELLO:
-                return self.op_hello(h, frames[1:], ident, seq, _peer(identity_frame))
-            sid = P.get_int(h, "s", None, 1, (1 << 62) - 1)
+            head = frames[0]
+            if head[:4] == P.DECODE_MAGIC:  # the binary decode step
+                sid, seq, c, na, an, la = P.parse_decode_request(head)
+                h, fn = (c, na, an, la), self.op_decode
+            else:
+                h = P.parse_header(head)
+                seq = P.get_int(h, "q", None)
+                op = h.get("op")
+                fn = self.ops.get(op) if isinstance(op, str) else None
+                if fn is None:
+                    raise ProtocolError(f"unknown op {op!r}")
+                if op == P.HELLO:
+                    return self.op_hello(h, frames[1:], ident, seq, _peer(identity_frame))
+                sid = P.get_int(h, "s", None, 1, (1 << 62) - 1)
+                if op == P.ATTACH:
+                    return self.op_attach(self.sessions.get(sid), h, frames[1:], ident, seq, _peer(identity_frame))
+                if op == P.HEARTBEAT:
+                    fn = None
             sess = self.sessions.get(sid)
-            if op == P.ATTACH:
-                return self.op_attach(sess, h, frames[1:], ident, seq, _peer(identity_frame))
             if sess is None:
                 raise SessionError(self._why_no_session(sid))
             sess.last_seen = time.monotonic()
-            if op == P.HEARTBEAT:
+            if fn is None:
                 return [P.ok_reply(seq, self.epoch)]
             if seq == sess.last_seq and sess.last_reply is not None:
                 return sess.last_reply  # a retry: the reply again, applied once
@@ -756,11 +764,21 @@ class Daemon:
             self._sync_rows(sess, sess.mrow[srows].copy())
         return [P.ok_reply(seq, self.epoch, status=int(res.status), t=m.tick), P.arr(res.mapping, P.I32)]
 
-    def _decode_step(self, sess: Session, h: dict, rows_b: bytes, na: int, la: int, seq: int,
-                     hashes_b: bytes = P.EMPTY, counts_b: bytes = P.EMPTY) -> list[bytes]:
-        """The decode fast path: appends only, one token count for all, one group; the hashes of
-        blocks that filled (if any) are registered on the way."""
-        an = P.get_int(h, "an", 1, 0, P.MAX_COUNT)
+    def op_decode(self, sess, h, frames, ident, seq):
+        c, na, an, la = h
+        if na > self.max_reqs:
+            raise ProtocolError(f"decode: {na} rows > {self.max_reqs}")
+        if len(frames) == 1:
+            return self._decode_step(sess, seq, frames[0], na, an, la, c)
+        if len(frames) != 3 or self.G != 1:
+            raise ProtocolError("decode: expected the rows frame, then hashes and counts (one group only)")
+        return self._decode_step(sess, seq, frames[0], na, an, la, c, frames[1], frames[2])
+
+    def _decode_step(self, sess: Session, seq: int, rows_b: bytes, na: int, an: int, la: int, c: int,
+                     hashes_b: bytes = P.EMPTY, counts_b: bytes = P.EMPTY, binary: bool = True) -> list[bytes]:
+        """The decode fast path: appends only, one token count for all; the hashes of blocks that
+        filled (if any, one group) are registered on the way. ``c``: the confirmation, or
+        NO_CONFIRM. ``binary``: reply with a decode header (the decode op) or JSON (a step)."""
         if na * an > self.max_tokens:
             raise InvalidArgument(f"{na * an} append tokens > max_num_batched_tokens {self.max_tokens}")
         app_rows = P.frame_array(rows_b, P.I32, na, "append rows")
@@ -781,7 +799,8 @@ class Daemon:
                               append_hashes=(hs,), append_hash_counts=(cnt,))
         else:
             batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la)
-        self._confirm(sess, h)
+        if c != P.NO_CONFIRM and sess.writer:
+            self.manager.mark_computed(sess.writer, c)
         res = self.manager.step(batch, namespace=sess.namespace, writer=sess.writer)
         changed = self._sync_rows(sess, res.changed_rows, full=res.copies.size > 0)
         nt = self._write_slots(sess, res.sched_rows, res.sched_start, res.sched_len, uniform=an)
@@ -790,12 +809,12 @@ class Daemon:
         ns = res.sched_rows.shape[0]
         if ns != na:
             self._count_step_no_space(sess, res)
-        return [
-            P.ok_reply(seq, self.epoch, t=res.tick, nt=nt, nc=len(copies), nch=len(changed), nfr=0, ns=ns),
-            b"".join((res.append_status.astype(P.I16, copy=False).tobytes(),
-                      copies.astype(P.I32, copy=False).tobytes(), changed.tobytes(),
-                      res.sched_start.astype(P.I32, copy=False).tobytes())),
-        ]
+        body = b"".join((res.append_status.astype(P.I16, copy=False).tobytes(),
+                         copies.astype(P.I32, copy=False).tobytes(), changed.tobytes(),
+                         res.sched_start.astype(P.I32, copy=False).tobytes()))
+        if binary:
+            return [P.decode_reply(seq, self.epoch_b, res.tick, len(copies), len(changed), ns, nt), body]
+        return [P.ok_reply(seq, self.epoch, t=res.tick, nt=nt, nc=len(copies), nch=len(changed), nfr=0, ns=ns), body]
 
     def _count_step_no_space(self, sess: Session, res) -> None:
         if self.metrics is not None:
@@ -817,11 +836,11 @@ class Daemon:
         na = P.get_int(h, "na", 0, 0, R)
         nd = P.get_int(h, "nd", 0, 0, R)
         la = P.get_int(h, "la", 0, 0, P.MAX_COUNT)
-        if not (nf or nk or nd or frames[4]):
-            if not any(frames[5:]):
-                return self._decode_step(sess, h, frames[3], na, la, seq)
-            if G == 1 and not any(frames[7:]):  # a decode step that registers filled blocks
-                return self._decode_step(sess, h, frames[3], na, la, seq, frames[5], frames[6])
+        if not (nf or nk or nd or frames[4]) and not any(frames[7 if G == 1 else 5:]):
+            # a decode step (that may register the blocks that filled)
+            c = P.NO_CONFIRM if h.get("c") is None else P.get_int(h, "c", None, 0, P.MAX_INT)
+            return self._decode_step(sess, seq, frames[3], na, P.get_int(h, "an", 1, 0, P.MAX_COUNT), la, c,
+                                     frames[5], frames[6], binary=False)
         free_rows = self._rows(frames[0], "free rows", nf)
         fork_rows = self._rows(frames[1], "fork rows", 2 * nk).reshape(nk, 2)
         fork_tags = P.frame_array(frames[2], P.U64, nk, "fork tags")

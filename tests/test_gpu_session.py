@@ -133,16 +133,14 @@ def test_arena_layout_is_aligned_and_owns_its_allocation():
 
 def _inproc_client(d):
     """A kvd_client core that calls ``Daemon.handle`` directly (no socket)."""
-    import orjson
-
     from kvd import protocol as P
     from kvd_client.client import Client, _Core
 
     class InProc(_Core):
         def _call(self, op, fields, frames, sid=None):
             seq = self._next_seq()
-            rep = d.handle([b"id", P.request(op, self.sid if sid is None else sid, seq, **fields), *frames])
-            h = orjson.loads(rep[0])
+            rep = d.handle([b"id", self._header(op, self.sid if sid is None else sid, seq, fields), *frames])
+            h = P.parse_reply(rep[0])
             assert self._check(h, seq)
             return h, rep[1:]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -261,14 +262,17 @@ def test_fuzz_malformed_messages_pool_unchanged(daemon_factory):
             if not raw.poll(2000):
                 return None
             rep = raw.recv_multipart()
-            return orjson.loads(rep[0])
+            return P.parse_reply(rep[0])
 
         # phase A: junk (random bytes, random JSON, unknown sessions)
         ops = sorted(P.OPS - {P.HELLO})
         n_err = 0
         for i in range(1500):
-            kind = i % 4
-            if kind == 0:
+            kind = i % 5
+            if kind == 4:  # binary decode headers: random fields, a random (unknown) session
+                msg = [P.DECODE_MAGIC + rng.bytes(int(rng.choice([36, 35, 40])))]
+                msg += [rng.bytes(int(rng.integers(0, 64))) for _ in range(int(rng.integers(0, 4)))]
+            elif kind == 0:
                 msg = [rng.bytes(int(rng.integers(0, 200))) for _ in range(int(rng.integers(1, 5)))]
             elif kind == 1:
                 h = {"v": int(rng.integers(0, 3)), "op": ops[int(rng.integers(0, len(ops)))],
@@ -298,6 +302,24 @@ def test_fuzz_malformed_messages_pool_unchanged(daemon_factory):
                 continue
             rep = exchange([hdr, *frames])
             assert rep is not None
+        # phase C: binary decode headers on the live session, random fields, rows and hash frames
+        for i in range(600):
+            seq += 1
+            live = [fuzz._row_of[r] for r in fuzz.request_ids]
+            na = int(rng.integers(0, 6))
+            rows = [int(rng.choice(live)) if live and rng.random() < 0.8 else int(rng.integers(-3, 2**31 - 1))
+                    for _ in range(na)]
+            c = [-1, -1, 0, fuzz.tick, fuzz.tick + 3, -(2**40)][int(rng.integers(0, 6))]
+            an, la = [int(x) for x in rng.choice([0, 1, 2, 7, 2**31, 2**32 - 1], 2)]
+            try:
+                hdr = P.DECODE_REQUEST.pack(P.DECODE_MAGIC, fuzz.sid, seq, c, int(rng.choice([na, na + 1, 2**32 - 1])),
+                                            an, la)
+            except struct.error:
+                continue
+            frames = [np.array(rows, np.int32).tobytes()]
+            if rng.random() < 0.3:
+                frames += [rng.bytes(16 * int(rng.integers(0, 3))), rng.bytes(4 * int(rng.integers(0, na + 2)))]
+            assert exchange([hdr, *frames]) is not None
         # oversized: the daemon drops the message (ZMQ_MAXMSGSIZE) and keeps serving
         raw.send_multipart([P.request(P.LOOKUP, fuzz.sid, seq + 1), b"\x00" * (2 << 20)])
         assert good.stats()["num_requests"] >= s0["num_requests"]  # still serving

@@ -731,14 +731,15 @@ def _echo_server(endpoint: str, reply_sizes: list[int], ready) -> None:
 
 
 def decode_message_sizes(spec: WorkloadSpec) -> tuple[list[int], list[int]]:
-    """Frame sizes of a decode step request and reply (the client's header, 4 frames; the daemon's
-    header and one body frame with append status int16 + changed rows int32, every row changed)."""
+    """Frame sizes of a decode step request and reply (the ``decode`` op: the client's binary header
+    and its rows; the daemon's binary header and one body frame with append status int16 + sched
+    start int32 per row, no copies, no changed rows: a step where no block fills)."""
     from kvd import protocol as P
 
     R = spec.num_requests
-    req_hdr = P.request(P.STEP, (1 << 61) + 12345, 1000, la=0, nf=0, nk=0, na=R, an=1, nd=0)
-    rep_hdr = P.ok_reply(1000, "0123456789ab", nt=[R], nc=0, nch=R, nfr=0)
-    return [len(req_hdr), 0, 0, 0, 4 * R], [len(rep_hdr), 2 * R + 4 * R]
+    req_hdr = P.decode_request((1 << 61) + 12345, 1000, R, 1, 0)
+    rep_hdr = P.decode_reply(1000, b"0123456789ab", 1, 0, 0, R, [R])
+    return [len(req_hdr), 4 * R], [len(rep_hdr), 2 * R + 4 * R]
 
 
 def run_floor(args, spec: WorkloadSpec, iters: int) -> dict:

@@ -1,0 +1,166 @@
+"""The ``decode`` op (kvd.protocol): a decode step with a binary header. Exact: it does what the same
+step sent as a JSON ``step`` does (replies, shared memory bytes), a retry gets the same reply, and a
+malformed binary header gets a typed error and changes nothing."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from kvd import protocol as P
+from kvd.api import AdmitRequest, StepBatch
+from kvd.errors import InvalidArgument, ProtocolError, SessionError
+from kvd.hashing import hash_prompt
+from kvd.server import Daemon
+from kvd_client.client import Client, _Core
+
+BS = 4
+
+
+class Cfg:
+    block_size = BS
+    num_gpu_blocks = 64
+    max_model_len = 64
+    max_num_reqs = 16
+    max_reqs_per_session = 8
+    max_num_batched_tokens = 64
+
+
+class InProc(_Core):
+    """A client core calling ``Daemon.handle`` directly; ``json`` sends decode steps as JSON steps."""
+
+    def __init__(self, d: Daemon, json: bool):
+        super().__init__("inproc://x", heartbeat=False, gpu=False, kv_shared=True)  # a writer: it confirms
+        self.d, self.json = d, json
+        self.raw: list[list[bytes]] = []
+        op, fields, frames = self._hello_msg()
+        h, _ = self._call(op, fields, frames, sid=0)
+        self._on_session(h)
+
+    def _call(self, op, fields, frames, sid=None):
+        seq = self._next_seq()
+        sid = self.sid if sid is None else sid
+        if op is P.DECODE and self.json:  # the same step the old way: a JSON header, step frames
+            hdr = P.request(P.STEP, sid, seq, nf=0, nk=0, nd=0, **{k: v for k, v in fields.items() if v is not None})
+            frames = [P.EMPTY, P.EMPTY, P.EMPTY, frames[0], P.EMPTY, *frames[1:]]
+        else:
+            hdr = self._header(op, sid, seq, fields)
+        rep = self.d.handle([b"id", hdr, *frames])
+        self.raw.append(rep)
+        h = P.parse_reply(rep[0])
+        assert self._check(h, seq), h
+        return h, rep[1:]
+
+    _do = Client._do
+    step = Client.step
+
+
+@pytest.fixture
+def pair():
+    daemons = [Daemon(Cfg), Daemon(Cfg)]
+    try:
+        yield [InProc(daemons[0], json=False), InProc(daemons[1], json=True)]
+    finally:
+        for d in daemons:
+            for s in list(d.sessions.values()):
+                d.end_session(s, "test")
+
+
+def _strip(h: dict) -> dict:
+    return {k: v for k, v in h.items() if k not in ("v", "e")}
+
+
+def test_the_decode_op_does_exactly_what_the_json_step_does(pair):
+    prompts = [np.arange(n, dtype=np.int32) + 7 * n for n in (5, 9, 14)]
+    for c in pair:
+        res = c.step(StepBatch(admit=[AdmitRequest(i, len(p), hash_prompt(p, BS)) for i, p in enumerate(prompts)]))
+        assert res.admit_status.tolist() == [0, 0, 0]
+    rows = pair[0].rows_of([0, 1, 2])
+    assert np.array_equal(rows, pair[1].rows_of([0, 1, 2]))
+    tokens = [p.tolist() for p in prompts]
+    for k in range(9):
+        hashes, counts = [], []
+        for i, t in enumerate(tokens):
+            t.append(100 + k)
+            full = hash_prompt(np.array(t, np.int32), BS)
+            filled = len(t) % BS == 0
+            hashes.append(full[-1:] if filled else full[:0])
+            counts.append(int(filled))
+        batch = StepBatch(append_rows=rows, append_num_tokens=1, append_hashes=(np.concatenate(hashes),),
+                          append_hash_counts=(np.array(counts, np.int32),))
+        results = [c.step(batch) for c in pair]
+        binary, json = pair[0].raw[-1], pair[1].raw[-1]
+        assert binary[0][:4] == P.DECODE_REPLY_MAGIC and json[0][:1] == b"{"
+        assert _strip(P.parse_reply(binary[0])) == _strip(P.parse_reply(json[0]))
+        assert binary[1:] == json[1:]  # the body, byte for byte
+        for name in ("append_status", "sched_rows", "sched_start", "sched_len", "changed_rows", "copies"):
+            assert np.array_equal(getattr(results[0], name), getattr(results[1], name)), name
+        assert results[0].tick == results[1].tick == pair[0].tick
+        assert np.array_equal(pair[0].shm.tables[0], pair[1].shm.tables[0])
+        assert np.array_equal(pair[0].shm.counts[0], pair[1].shm.counts[0])
+        assert np.array_equal(pair[0].shm.slot_array, pair[1].shm.slot_array)
+    m0, m1 = pair[0].d.manager, pair[1].d.manager
+    m0.flush_deferred(), m1.flush_deferred()
+    assert m0.pool.caches == m1.pool.caches and len(m0.pool.caches[1]) == sum(len(t) // BS for t in tokens)
+
+
+def test_a_retried_decode_gets_the_same_reply_applied_once(pair):
+    c = pair[0]
+    c.step(StepBatch(admit=[AdmitRequest("a", 3)]))
+    rows = c.rows_of(["a"])
+    seq = c._next_seq()
+    msg = [b"id", P.decode_request(c.sid, seq, 1, 1, 0), rows.tobytes()]
+    first, again = c.d.handle(msg), c.d.handle(msg)
+    assert first == again and P.parse_reply(first[0])["q"] == seq
+    assert c.d.manager.num_tokens[c.d.sessions[c.sid].mrow[rows[0]]] == 4  # one token, not two
+
+
+def _error(rep) -> dict:
+    h = P.parse_reply(rep[0])
+    assert "err" in h and len(rep) == 1, h
+    return h
+
+
+def test_malformed_decode_headers_get_typed_errors_and_change_nothing(pair):
+    c = pair[0]
+    d = c.d
+    c.step(StepBatch(admit=[AdmitRequest("a", 3), AdmitRequest("b", 6)]))
+    rows = c.rows_of(["a", "b"]).tobytes()
+    before = (d.manager.num_tokens.copy(), d.manager.pool.ref_cnt.copy(), c.shm.slot_array.copy())
+    sid = c.sid
+    good = P.decode_request(sid, 10**6, 2, 1, 0)
+    cases = [
+        (good[:-1], ProtocolError),  # short header
+        (good + b"\0", ProtocolError),
+        (P.DECODE_REQUEST.pack(P.DECODE_MAGIC, 0, 10**6, -1, 2, 1, 0), ProtocolError),  # session 0
+        (P.DECODE_REQUEST.pack(P.DECODE_MAGIC, sid, -5, -1, 2, 1, 0), ProtocolError),  # negative seq
+        (P.DECODE_REQUEST.pack(P.DECODE_MAGIC, sid, 10**6, -2, 2, 1, 0), ProtocolError),  # bad confirmation
+        (P.DECODE_REQUEST.pack(P.DECODE_MAGIC, sid, 10**6, -1, 2, 2**31, 0), ProtocolError),  # token count
+        (P.DECODE_REQUEST.pack(P.DECODE_MAGIC, sid, 10**6, -1, 3, 1, 0), ProtocolError),  # 3 rows, 2 sent
+        (P.DECODE_REQUEST.pack(P.DECODE_MAGIC, sid, 10**6, -1, 2, 40, 0), InvalidArgument),  # 80 > 64 tokens
+        (P.DECODE_REQUEST.pack(P.DECODE_MAGIC, sid + 1, 10**6, -1, 2, 1, 0), SessionError),
+        (P.DECODE_REQUEST.pack(P.DECODE_MAGIC, sid, 10**6, d.manager.tick + 5, 2, 1, 0), InvalidArgument),
+    ]
+    for hdr, err in cases:
+        assert _error(d.handle([b"id", hdr, rows]))["err"] == err.code, (hdr, err)
+    # frames: hashes without counts, a row out of range
+    assert _error(d.handle([b"id", good, rows, b"x" * 16]))["err"] == ProtocolError.code
+    bad_rows = np.array([0, 99], np.int32).tobytes()
+    assert _error(d.handle([b"id", P.decode_request(sid, 10**6 + 1, 2, 1, 0), bad_rows]))["err"] == InvalidArgument.code
+    after = (d.manager.num_tokens, d.manager.pool.ref_cnt, c.shm.slot_array)
+    assert all(np.array_equal(x, y) for x, y in zip(before, after))
+    # the session still works
+    res = c.step(StepBatch(append_rows=c.rows_of(["a", "b"]), append_num_tokens=1))
+    assert res.append_status.tolist() == [0, 0]
+
+
+def test_the_reply_header_round_trips_and_rejects_junk():
+    raw = P.decode_reply(7, b"0123456789ab", 42, 1, 2, 3, [5, 6])
+    assert len(raw) == P.DECODE_REPLY.size + 8
+    assert P.parse_reply(raw) == {"v": P.VERSION, "q": 7, "e": "0123456789ab", "ok": 1, "t": 42, "nt": [5, 6],
+                                  "nc": 1, "nch": 2, "nfr": 0, "ns": 3}
+    for junk in (raw[:-1], raw[:20], raw[:P.DECODE_REPLY.size - 4] + struct.pack("<I", 0), b"\x00\x01", b"[1]"):
+        with pytest.raises(ProtocolError):
+            P.parse_reply(junk)
