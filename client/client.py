@@ -647,6 +647,15 @@ for _a in (_EMPTY_I16_RO, _EMPTY_I32_RO, _EMPTY_COPIES):
     _a.flags.writeable = False
 
 
+def _busy_poll(sock, seconds: float) -> None:
+    """Wait for a reply by polling (yielding the CPU), at most ``seconds``: a thread that sleeps in
+    recv pays the wake-up (tens to hundreds of µs on a cloud host) on every step."""
+    end = time.perf_counter() + seconds
+    has_input, yield_cpu, pc = P.has_input, os.sched_yield, time.perf_counter
+    while not has_input(sock) and pc() < end:
+        yield_cpu()
+
+
 def _decode_post(rows_b: bytes, an: int, h: dict, f: list) -> StepResult:
     body = f[0]
     na = len(rows_b) >> 2
@@ -724,7 +733,7 @@ class Client(_Core):
     def __init__(self, endpoint: str | None = None, *, tenant: str = "", name: str = "",
                  timeout_s: float = 2.0, retries: int = 2, heartbeat: bool = True,
                  gpu: bool | None = None, kv_shared: bool = False, confirm: str = "auto",
-                 steps_in_flight: int = 1) -> None:
+                 steps_in_flight: int = 1, busy_poll_us: int = 1000) -> None:
         """Connect and say hello.
 
         ``endpoint``: the daemon's ZeroMQ endpoint (default: ``$KVD_ENDPOINT``, else the daemon's
@@ -737,13 +746,17 @@ class Client(_Core):
         the README, "Sharing"). ``name``: shown by ``kvd status``. ``timeout_s`` per attempt, ``retries`` more
         attempts (a retried request is applied once). ``heartbeat``: renew the lease from a
         background thread. ``gpu``: map the daemon's CUDA-IPC buffers (None: when it has a GPU
-        pool and torch can; True: required; False: never).
+        pool and torch can; True: required; False: never). ``busy_poll_us``: wait for each reply
+        this long by polling (yielding the CPU) before sleeping in recv, which costs a wake-up.
 
         Raises ``DaemonUnavailable`` (no socket file), ``PermissionDenied`` (socket or segment not
         accessible), ``Timeout`` (no answer), ``ServerBusy`` (too many sessions)."""
         super().__init__(endpoint, tenant=tenant, name=name, timeout_s=timeout_s, retries=retries,
                          heartbeat=heartbeat, gpu=gpu, kv_shared=kv_shared, confirm=confirm,
                          steps_in_flight=steps_in_flight)
+        if type(busy_poll_us) is not int or not 0 <= busy_poll_us <= 1_000_000:
+            raise InvalidArgument(f"busy_poll_us must be an int in [0, 1e6], got {busy_poll_us!r}")
+        self._poll_s = busy_poll_us / 1e6
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
         self._hb: _Heartbeat | None = None
@@ -800,6 +813,8 @@ class Client(_Core):
                 continue
             deadline = 0.0
             while True:
+                if self._poll_s:
+                    _busy_poll(sock, self._poll_s)
                 try:
                     rep = P.recv_frames(sock)
                 except zmq.Again:

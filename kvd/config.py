@@ -156,6 +156,11 @@ class ServeConfig:
     """debug, info, warning, error or critical."""
     status_interval_s: float = 5.0
     """Seconds between systemd STATUS= updates."""
+    busy_poll_us: int = 2000
+    """After each message, keep polling the socket this long (yielding the CPU to anything else
+    runnable) before sleeping in the event loop: a daemon woken from sleep pays the kernel's (and a
+    VM's idle vCPU's) wake-up, ~60 µs a step back to back and ~300 µs after a 2 ms gap on a 16-core
+    cloud host. 0: sleep at once."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -326,6 +331,7 @@ _CHECKS = {
     "group": lambda v: None,
     "log_level": _one_of(LOG_LEVELS, fold=True),
     "status_interval_s": _finite(_positive),
+    "busy_poll_us": _in_range(0, 1_000_000),
 }
 assert set(_CHECKS) == set(FIELDS), set(_CHECKS) ^ set(FIELDS)
 

@@ -80,6 +80,7 @@ _EMPTY_I32 = np.empty(0, np.int32)
 
 
 _PROF = [] if os.environ.get("KVDSRV_PROF") else None
+_MAX_DRAIN_S = 0.02  # the longest one socket callback runs (busy polling included) before timers run
 
 
 # ---- sessions -----------------------------------------------------------------------------------
@@ -1233,10 +1234,25 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
 
         has_input = P.has_input
 
+        poll_s = int(getattr(config, "busy_poll_us", 0)) / 1e6
+        pc, yield_cpu = time.perf_counter, os.sched_yield
+
         def drain() -> None:
             s = sock
             handle = d.handle
-            while has_input(s):  # ZMQ_EVENTS re-arms the edge-triggered FD without an EAGAIN
+            last = entered = pc()
+            while True:
+                if not has_input(s):  # ZMQ_EVENTS re-arms the edge-triggered FD without an EAGAIN
+                    if not poll_s:
+                        break
+                    now = pc()
+                    if now - last > poll_s:
+                        break  # idle: sleep in the event loop
+                    if now - entered > _MAX_DRAIN_S:
+                        loop.call_soon(drain)  # timers and signals get their turn
+                        break
+                    yield_cpu()  # busy polling costs nothing when clients need the CPU
+                    continue
                 try:
                     msg, identity_frame = recv_message(s, NB)
                 except zmq.Again:
@@ -1262,6 +1278,7 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                     d.n_steps += 1
                     if d.metrics is not None:
                         d.metrics.observe_step(time.perf_counter() - t0)
+                last = pc()
 
         def on_monitor() -> None:
             while mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:

@@ -78,8 +78,12 @@ def test_standard_workload_two_clients_with_baselines():
     # system prompt (2 blocks); no client can hit blocks another engine has not yet written
     assert report["results"]["2"]["expected_prefix_hit_tokens"] == 2 * (4 - 1) * 32
     assert report["floor"]["echo_p50_us"] > 0 and report["inproc"]["inproc_step_p50_us"] > 0
-    assert set(report["ratios"]) == {"c1_step_p50_over_inproc", "c1_step_p50_over_echo",
-                                     "c2_step_p50_over_inproc", "c2_step_p50_over_echo"}
+    assert set(report["ratios"]) == {"c1_step_p50_over_inproc", "c1_step_p50_over_echo", "c1_extra_us",
+                                     "c2_step_p50_over_inproc", "c2_step_p50_over_echo", "c2_extra_us",
+                                     "c2_steps_per_s_over_echo_c2"}
+    # the 2-client echo floor: both clients' round trips at once against one echo server
+    assert report["floor"]["echo_c2_msgs_per_s"] > 0 and report["floor"]["echo_c2_worst_p99_us"] > 0
+    assert set(report["targets"]) == {"c1_extra_le_25us_plus_5pct_inproc", "c1_p99_le_2x_p50"}
     assert report["daemon_exit"] == 0
 
 

@@ -790,6 +790,85 @@ def run_floor(args, spec: WorkloadSpec, iters: int) -> dict:
             "_samples": lat}
 
 
+def _echo_client(endpoint: str, req_sizes: list[int], iters: int, barrier, results, index: int) -> None:
+    import zmq
+
+    from kvd import protocol as P
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    try:
+        s.connect(endpoint)
+        msg = [b"h" * req_sizes[0]] + [b"\0" * n for n in req_sizes[1:]]
+        send, recv, pc = P.send_frames, P.recv_frames, time.perf_counter
+        for _ in range(200):
+            send(s, msg)
+            recv(s)
+        barrier.wait(60)
+        lat = np.empty(iters)
+        t_start = pc()
+        for i in range(iters):
+            t0 = pc()
+            send(s, msg)
+            recv(s)
+            lat[i] = pc() - t0
+        results[index] = (pc() - t_start, float(np.percentile(lat, 50)), float(np.percentile(lat, 99)))
+    finally:
+        s.close(0)
+        ctx.term()
+
+
+def run_floor_multi(spec: WorkloadSpec, iters: int, nclients: int) -> dict:
+    """The echo floor with ``nclients`` client processes at once against one echo server: what the
+    transport alone allows N clients in aggregate on this machine."""
+    import zmq
+
+    from kvd import protocol as P
+
+    req_sizes, rep_sizes = decode_message_sizes(spec)
+    d = tempfile.mkdtemp(prefix="kvde", dir="/tmp")
+    endpoint = "ipc://" + os.path.join(d, "echo.sock")
+    ctx_mp = mp.get_context("spawn")
+    ready, barrier = ctx_mp.Event(), ctx_mp.Barrier(nclients)
+    results = ctx_mp.Manager().dict()
+    server = ctx_mp.Process(target=_echo_server, args=(endpoint, rep_sizes, ready), daemon=True)
+    server.start()
+    clients = []
+    try:
+        if not ready.wait(60):
+            raise RuntimeError("echo server did not start")
+        clients = [ctx_mp.Process(target=_echo_client, args=(endpoint, req_sizes, iters, barrier, results, i),
+                                  daemon=True) for i in range(nclients)]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join(120)
+        if len(results) != nclients:
+            raise RuntimeError("an echo client failed")
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(endpoint)
+        P.send_frames(s, [b"stop"])
+        P.recv_frames(s)
+        s.close(0)
+        ctx.term()
+    finally:
+        for p in (*clients, server):
+            p.join(5)
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+        shutil.rmtree(d, ignore_errors=True)
+    res = [results[i] for i in range(nclients)]
+    wall = max(r[0] for r in res)
+    return {f"echo_c{nclients}_msgs_per_s": nclients * iters / wall,
+            f"echo_c{nclients}_worst_p50_us": max(r[1] for r in res) * 1e6,
+            f"echo_c{nclients}_worst_p99_us": max(r[2] for r in res) * 1e6}
+
+
 def run_inproc(args, spec: WorkloadSpec) -> dict:
     stepper = _InprocStepper(spec, args.blocks)
     out = drive(stepper, make_workload(spec, 0), spec, warmup=args.warmup)
@@ -1016,7 +1095,7 @@ def main(argv=None) -> int:
             report["results"] = results
         else:
             results, samples = {}, {}
-            floors, inprocs, run_ratios = [], [], {}
+            floors, inprocs, run_ratios, multi_floors = [], [], {}, {}
             for n in args.clients:
                 runs = []
                 for k in range(args.repeat):
@@ -1027,10 +1106,15 @@ def main(argv=None) -> int:
                         floors.append(run_floor(args, spec, args.floor_iters))
                         run_ratios.setdefault(f"c{n}_step_p50_over_echo", []).append(
                             r["decode_step_p50_us"] / floors[-1]["echo_p50_us"])
+                        if n > 1:
+                            multi_floors.setdefault(n, []).append(run_floor_multi(spec, args.floor_iters, n))
                     if args.inproc:
                         inprocs.append(run_inproc(args, spec))
                         run_ratios.setdefault(f"c{n}_step_p50_over_inproc", []).append(
                             r["decode_step_p50_us"] / inprocs[-1]["inproc_step_p50_us"])
+                    if args.floor and args.inproc:  # the daemon's own cost beyond transport and core
+                        run_ratios.setdefault(f"c{n}_extra_us", []).append(
+                            r["decode_step_p50_us"] - floors[-1]["echo_p50_us"] - inprocs[-1]["inproc_step_p50_us"])
                 fig = median_figures(runs)
                 samples[n] = np.concatenate([r["_samples"] for r in runs])
                 exp = expected_figures(spec, n)
@@ -1057,6 +1141,11 @@ def main(argv=None) -> int:
                 floor = median_figures(floors)
                 floor["_samples"] = np.concatenate([f["_samples"] for f in floors])
                 report["floor"] = {k: v for k, v in floor.items() if not k.startswith("_")}
+                for n, runs_n in multi_floors.items():
+                    report["floor"].update(median_figures(runs_n))
+                    if str(n) in results:
+                        run_ratios[f"c{n}_steps_per_s_over_echo_c{n}"] = [
+                            results[str(n)]["decode_steps_per_s"] / report["floor"][f"echo_c{n}_msgs_per_s"]]
                 print_table(f"bare zmq echo (DEALER/ROUTER over ipc, decode step message sizes; median of "
                             f"{len(floors)}, one after each kvd run)", report["floor"])
             if inprocs:
@@ -1071,7 +1160,7 @@ def main(argv=None) -> int:
             if ratios:
                 report["ratios"] = ratios
                 print_table("ratios (kvd decode step p50 / baseline p50)", ratios)
-            report["targets"] = targets(results, ratios)
+            report["targets"] = targets(results, ratios, report.get("inproc"))
             print_table("targets (2-core dev machine)", report["targets"])
             if args.plot:
                 plot(args.plot, samples, floor, inproc)
@@ -1165,19 +1254,18 @@ class EventCounter:
                 self.proc.kill()
 
 
-def targets(results: dict, ratios: dict) -> dict:
+def targets(results: dict, ratios: dict, inproc: dict | None = None) -> dict:
+    """Issue 13's targets: the daemon's own cost (step p50 - echo p50 - in-process p50, per run, the
+    median) within 25 µs + 5 % of the in-process step; p99 within 2x p50; 4 clients: every client's
+    p99 within 2 ms (their aggregate steps/s over the 4-client echo floor is a ratio, no bound)."""
     t = {}
     if "1" in results:
         r = results["1"]
-        t["c1_step_p50_le_250us"] = r["decode_step_p50_us"] <= 250
-        t["c1_step_p99_le_600us"] = r["decode_step_p99_us"] <= 600
-        if "c1_step_p50_over_inproc" in ratios:
-            t["c1_ratio_inproc_le_3"] = ratios["c1_step_p50_over_inproc"] <= 3
-        if "c1_step_p50_over_echo" in ratios:
-            t["c1_ratio_echo_le_2.5"] = ratios["c1_step_p50_over_echo"] <= 2.5
+        if "c1_extra_us" in ratios and inproc:
+            t["c1_extra_le_25us_plus_5pct_inproc"] = ratios["c1_extra_us"] <= 25 + 0.05 * inproc["inproc_step_p50_us"]
+        t["c1_p99_le_2x_p50"] = r["decode_step_p99_us"] <= 2 * r["decode_step_p50_us"]
     if "4" in results:
         r = results["4"]
-        t["c4_steps_per_s_ge_2000"] = r["decode_steps_per_s"] >= 2000
         t["c4_every_client_p99_le_2ms"] = r["worst_client_p99_us"] <= 2000
     return t
 
