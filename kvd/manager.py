@@ -315,8 +315,8 @@ class BlockManager:
         if type(through_tick) is not int and not isinstance(through_tick, np.integer) or not 0 <= through_tick <= self.tick:
             raise errors.InvalidArgument(f"computed tick must be in [0, {self.tick}], got {through_tick!r}")
         fifo = self._unconfirmed.get(writer)
-        if not fifo or fifo[0][0] > through_tick:
-            return
+        if not self._deferred and (not fifo or fifo[0][0] > through_tick):
+            return  # (deferred registrations join the queue when flushed, before this confirmation)
         if self.config.defer_cache_registration:
             # like a decode step's registrations: after the reply, before anything reads the cache
             self._deferred.append((_CONFIRM, writer, through_tick))
@@ -1107,6 +1107,12 @@ class BlockManager:
         self._id_of.update(zip(taken, req_ids))
         return np.array(taken, np.int32)
 
+    @property
+    def num_deferred(self) -> int:
+        """Registrations and confirmations waiting for ``flush_deferred`` (a daemon runs it when
+        its socket is idle; every call that reads the prefix cache runs it first)."""
+        return len(self._deferred)
+
     def flush_deferred(self) -> None:
         """Finish prefix-cache registrations a decode step left for later (see
         ``ManagerConfig.defer_cache_registration``)."""
@@ -1295,7 +1301,11 @@ class BlockManager:
         frees, forks, appends, admissions (in that order). ``namespace`` and ``writer`` apply to
         the step's admissions (see ``allocate``). Misuse of one request is reported in its status
         and does not stop the others."""
-        if self._deferred:
+        decode = (self._simple and batch.append_rows is not None
+                  and not (batch.free or batch.forks or batch.admit or len(batch.append_ids)))
+        # A decode step that registers nothing neither reads the prefix cache nor changes what
+        # deferred work will do (it only grows tables at their ends): it may run before that work.
+        if self._deferred and not (decode and not len(batch.append_hashes)):
             self.flush_deferred()
         la = batch.num_lookahead_tokens
         if type(la) is not int and (not isinstance(la, np.integer) or isinstance(la, bool)) or not 0 <= la <= self.max_lookahead:
@@ -1306,14 +1316,11 @@ class BlockManager:
             if batch.admit and self._deferred:  # admissions see the free queue as confirmed
                 self.flush_deferred()
         self.tick += 1
-        if (
-            self._simple
-            and batch.append_rows is not None
-            and not (batch.free or batch.forks or batch.admit or len(batch.append_ids))
-        ):
+        if decode:
             result = self._decode_step(batch)
             if result is not None:
                 return result
+            self.flush_deferred()  # the general path reads the cache
         n_new, given_rows, n = self._step_append_sizes(batch)
         hash_lists, hash_counts = self._step_hashes(batch, n) if len(batch.append_hashes) else (self._no_hashes, None)
         free_status, freed_rows = self._step_frees(batch.free) if len(batch.free) else (_EMPTY_I16, _EMPTY_I32)

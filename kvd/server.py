@@ -81,6 +81,7 @@ _EMPTY_I32 = np.empty(0, np.int32)
 
 _PROF = [] if os.environ.get("KVDSRV_PROF") else None
 _MAX_DRAIN_S = 0.02  # the longest one socket callback runs (busy polling included) before timers run
+_MAX_DEFERRED = 64  # deferred prefix-cache items a daemon lets pile up while messages keep coming
 
 
 # ---- sessions -----------------------------------------------------------------------------------
@@ -1240,9 +1241,15 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
         def drain() -> None:
             s = sock
             handle = d.handle
+            m = d.manager
             last = entered = pc()
             while True:
                 if not has_input(s):  # ZMQ_EVENTS re-arms the edge-triggered FD without an EAGAIN
+                    if m.num_deferred:  # idle: the prefix-cache work steps left for later
+                        m.flush_deferred()
+                        d.publish_events()
+                        last = pc()
+                        continue
                     if not poll_s:
                         break
                     now = pc()
@@ -1267,9 +1274,11 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                         pass  # peer's queue full: its loss, our memory stays bounded
                     except zmq.ZMQError as e:
                         log.debug("send failed: %s", e)
-                # Prefix-cache entries a decode step left for after its reply (also flushed by
-                # the manager itself before anything reads the cache).
-                d.manager.flush_deferred()
+                # Prefix-cache work a decode step left for after its reply waits while messages are
+                # queued (up to _MAX_DEFERRED of them), else runs now; the manager runs it first in
+                # any call that reads the cache, and decode steps that register blocks.
+                if m.num_deferred > _MAX_DEFERRED:
+                    m.flush_deferred()
                 d.publish_events()
                 if d.was_step:
                     if _PROF is not None:

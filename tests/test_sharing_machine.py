@@ -90,6 +90,7 @@ class Model:
         self.num_regs = 0
         self.fifo = {1: deque(), 2: deque()}
         self.reqs = {}  # id -> dict(tokens, blocks, reg, writer)
+        self.pending = []  # confirmations the manager has deferred
 
     def seen_by(self, w, h):
         pool = self.pool
@@ -172,6 +173,16 @@ class Model:
         self.reqs[c] = dict(tokens=r["tokens"], blocks=r["blocks"][:n], reg=min(r["reg"], n), writer=r["writer"])
 
     def confirm(self, w, through):
+        """The manager (defer_cache_registration, like a daemon's) applies a confirmation at its
+        next flush: before any call except a decode step that registers nothing."""
+        self.pending.append((w, through))
+
+    def flush(self):
+        pending, self.pending = self.pending, []
+        for w, through in pending:
+            self._confirm(w, through)
+
+    def _confirm(self, w, through):
         fifo, pool = self.fifo[w], self.pool
         while fifo and fifo[0][0] <= through:
             _, reg, blocks = fifo.popleft()
@@ -190,6 +201,15 @@ class Model:
                 if old is not None:
                     pool.forget(old)
                 pool.cache(SHARED, h, b, 0)
+
+    def decode_fits(self, rids, k):
+        need = 0
+        for rid in rids:
+            r = self.reqs[rid]
+            old, new = r["tokens"], r["tokens"] + k
+            need += max(cdiv(new, BS) - len(r["blocks"]), 0)
+            need += bool(k > 0 and old % BS and self.pool.ref[r["blocks"][old // BS]] > 1)
+        return need <= self.pool.num_free()
 
     def drop_writer(self, w):
         pool = self.pool
@@ -230,6 +250,7 @@ class SharingMachine(RuleBasedStateMachine):
 
     @rule(target=reqs, w=st.sampled_from(WRITERS), toks=tokens_st)
     def allocate(self, w, toks):
+        self.model.flush()
         rid, hashes = self._new(toks)
         res = self.mgr.allocate(rid, len(toks), hashes, writer=w)
         self._ticked()
@@ -244,8 +265,10 @@ class SharingMachine(RuleBasedStateMachine):
         new = [self._new(toks) for toks in many]
         res = self.mgr.step(StepBatch(admit=[AdmitRequest(rid, len(self.tokens[rid]), hashes) for rid, hashes in new],
                                       computed_through=through), writer=w)
+        self.model.flush()
         if w and through is not None:
             self.model.confirm(w, through)
+            self.model.flush()
         self._ticked()
         assert res.tick == self.mgr.tick
         admitted = []
@@ -261,6 +284,7 @@ class SharingMachine(RuleBasedStateMachine):
         r = self.model.reqs.get(rid)
         if r is None or r["tokens"] + len(more) > MAX_LEN:
             return
+        self.model.flush()
         self.tokens[rid] = self.tokens[rid][: r["tokens"]] + list(more)
         hashes = self._hashes(rid, r["reg"], (r["tokens"] + len(more)) // BS)
         res = self.mgr.append_slots(rid, len(more), hashes)
@@ -268,14 +292,36 @@ class SharingMachine(RuleBasedStateMachine):
         assert res.status == self.model.append(rid, len(more), hashes.tolist())
         self.mgr.take_copies()
 
+    @rule(k=st.integers(0, 5), data=st.data())
+    def decode_step(self, k, data):
+        """A daemon's decode step: appends by row, no hashes; it runs before deferred work."""
+        live = sorted(self.model.reqs)
+        rids = data.draw(st.lists(st.sampled_from(live), unique=True, max_size=4)) if live else []
+        if any(self.model.reqs[r]["tokens"] + k > MAX_LEN for r in rids) or not self.model.decode_fits(rids, k):
+            return  # the general path (it flushes first) is another rule's business
+        rows = np.array([self.mgr.row_of(r) for r in rids], np.int32)
+        confirm = data.draw(st.one_of(st.none(), st.tuples(st.sampled_from(WRITERS[1:]), st.integers(0, self.mgr.tick))))
+        if confirm is not None:  # deferred: applied after this step (the invariant flushes)
+            self.mgr.mark_computed(*confirm)
+            self.model.confirm(*confirm)
+        res = self.mgr.step(StepBatch(append_rows=rows, append_num_tokens=k))
+        self._ticked()
+        assert res.append_status.tolist() == [0] * len(rids)
+        for rid in rids:
+            self.tokens[rid] = self.tokens[rid][: self.model.reqs[rid]["tokens"]] + [0] * k
+            assert self.model.append(rid, k, []) == STATUS_OK
+        self.mgr.take_copies()
+
     @rule(rid=consumes(reqs))
     def free(self, rid):
+        self.model.flush()
         if rid in self.model.reqs:
             self.mgr.free(rid)
             self.model.free(rid)
 
     @rule(rid=reqs, target=reqs)
     def fork(self, rid):
+        self.model.flush()
         if rid not in self.model.reqs or len(self.model.reqs) >= MAX_REQS:
             return -1
         child = self.next_id
@@ -293,6 +339,7 @@ class SharingMachine(RuleBasedStateMachine):
 
     @rule(w=st.sampled_from(WRITERS[1:]))
     def drop_writer(self, w):
+        self.model.flush()
         if any(r["writer"] == w for r in self.model.reqs.values()):
             return
         self.mgr.drop_writer(w)
@@ -301,6 +348,8 @@ class SharingMachine(RuleBasedStateMachine):
     @invariant()
     def agree(self):
         mgr, model = self.mgr, self.model
+        mgr.flush_deferred()
+        model.flush()
         mgr.check_invariants(heavy=True)
         assert mgr.pool.ref_cnt.tolist() == model.pool.ref
         assert mgr.pool.free_queue_order().tolist() == model.pool.fresh + model.pool.evict
