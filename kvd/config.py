@@ -156,7 +156,7 @@ class ServeConfig:
     """debug, info, warning, error or critical."""
     status_interval_s: float = 5.0
     """Seconds between systemd STATUS= updates."""
-    busy_poll_us: int = 2000
+    busy_poll_us: int = 5000
     """After each message, keep polling the socket this long (yielding the CPU to anything else
     runnable) before sleeping in the event loop: a daemon woken from sleep pays the kernel's (and a
     VM's idle vCPU's) wake-up, ~60 µs a step back to back and ~300 µs after a 2 ms gap on a 16-core
