@@ -1698,14 +1698,7 @@ class _BatchAdmission:
             if hidden.any():
                 hits = hits[: int(np.argmax(hidden))]
         if self.side is not None and len(hits) < len(keys):
-            get, side_get, marks, mark = self.cache.get, self.side.get, mgr_pool.unconfirmed_by, self.mark
-            for h in keys[len(hits):]:
-                b = get(h)
-                if b is None or marks[b] not in (0, mark):
-                    b = side_get(h)
-                    if b is None:
-                        break
-                hits.append(b)
+            hits = mgr_pool.lookup_from(self.key, keys, self.mark, np.array(hits, np.int32)).tolist()
         return hits
 
     def _races(self, keys: list) -> bool:

@@ -49,6 +49,7 @@ from kvd.hashing import HASH_DTYPE
 
 NO_CACHE_KEY = 0
 _MIN_QUEUE_CAPACITY = 1024
+_EMPTY_I32 = np.empty(0, np.int32)
 
 
 class _EvictionQueue:
@@ -334,7 +335,7 @@ class BlockPool:
         its own unconfirmed ones, then its side map."""
         cache = self.caches.get(key)
         if not cache:
-            return self._lookup_slow(key, hashes, side_key, 0) if side_key else np.empty(0, np.int32)
+            return self.lookup_from(key, hashes, side_key, _EMPTY_I32) if side_key else _EMPTY_I32.copy()
         get = cache.get
         hits = []
         for h in hashes:
@@ -349,16 +350,17 @@ class BlockPool:
             if hidden.any():
                 run = run[: int(np.argmax(hidden))]
         if side_key and run.size < len(hashes) and self.caches.get(side_key):
-            return self._lookup_slow(key, hashes, side_key, run.size, run)
+            return self.lookup_from(key, hashes, side_key, run)
         return run
 
-    def _lookup_slow(self, key: int, hashes: list[bytes], side_key: int, start: int, head=None) -> np.ndarray:
-        """Go on from ``hashes[start]`` one hash at a time, the side map behind the shared one."""
+    def lookup_from(self, key: int, hashes: list[bytes], side_key: int, head: np.ndarray) -> np.ndarray:
+        """``lookup`` going on after the blocks ``head`` found for ``hashes[:len(head)]``, one hash
+        at a time, the writer's side map behind the shared one."""
         get = self.caches.get(key, {}).get
         side_get = self.caches.get(side_key, {}).get
         mark = self.unconfirmed_by
-        hits = [] if head is None else head.tolist()
-        for h in hashes[start:]:
+        hits = head.tolist()
+        for h in hashes[head.size:]:
             block = get(h)
             if block is None or mark[block] not in (0, side_key):
                 block = side_get(h)

@@ -323,12 +323,16 @@ def parse_reply(raw: bytes) -> dict:
         nt = list(_nt(G).unpack_from(raw, DECODE_REPLY.size))
         return {"v": VERSION, "q": seq, "e": epoch.decode("ascii"), "ok": 1, "t": tick, "nt": nt, "nc": nc,
                 "nch": nch, "nfr": 0, "ns": ns}
+    return _json_object(raw, "reply header")
+
+
+def _json_object(raw: bytes, what: str) -> dict:
     try:
         h = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
-        raise ProtocolError(f"reply header is not JSON: {e}") from None
+        raise ProtocolError(f"{what} is not JSON: {e}") from None
     if not isinstance(h, dict):
-        raise ProtocolError("reply header is not an object")
+        raise ProtocolError(f"{what} is not an object")
     return h
 
 
@@ -337,12 +341,7 @@ def parse_reply(raw: bytes) -> dict:
 def parse_header(raw: bytes) -> dict:
     if len(raw) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(raw)} bytes > {MAX_HEADER_BYTES}")
-    try:
-        h = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise ProtocolError(f"header is not JSON: {e}") from None
-    if not isinstance(h, dict):
-        raise ProtocolError("header is not an object")
+    h = _json_object(raw, "header")
     if h.get("v") != VERSION:
         raise ProtocolError(f"protocol version {h.get('v')!r} != {VERSION}")
     return h
