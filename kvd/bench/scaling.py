@@ -286,6 +286,8 @@ def run_scale(args) -> int:
         return 1
     finally:
         if peer is not None:
+            if report.get("vllm", {}).get("available") and not peer.available:
+                report["vllm"]["failed"] = peer.why  # it broke during the sitting
             peer.close()
         if main_thread:
             signal.signal(signal.SIGTERM, prev_term)

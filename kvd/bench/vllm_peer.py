@@ -202,7 +202,7 @@ def _worker_main(conn) -> None:
 
 class VllmPeer:
     """A worker process holding vLLM. ``available`` / ``version`` / ``why`` after construction;
-    ``run()`` returns ``run_workload``'s figures or raises RuntimeError with the worker's traceback."""
+    ``run()`` returns ``run_workload``'s figures or raises RuntimeError (the worker's traceback)."""
 
     def __init__(self, enabled: bool = True, ready_timeout: float = READY_TIMEOUT_S):
         self.available, self.version, self.why = False, "", ""
@@ -232,11 +232,23 @@ class VllmPeer:
         return "unavailable", f"the vLLM peer process did not {what} (exit code {code})"
 
     def run(self, spec: WorkloadSpec, num_blocks: int, warmup: int, timeout: float = 1800.0) -> dict:
-        self.conn.send((spec, num_blocks, warmup))
+        """An exception in the run leaves the peer usable; a dead or silent worker ends it
+        (``available`` turns False, ``why`` says why): a late reply would answer the next run."""
+        try:
+            self.conn.send((spec, num_blocks, warmup))
+        except (OSError, ValueError) as e:
+            self._broken(f"the vLLM peer process is gone: {e}")
         kind, value = self._recv(timeout, "finish its run")
-        if kind != "ok":
+        if kind == "error":
             raise RuntimeError(str(value))
+        if kind != "ok":
+            self._broken(str(value))
         return value
+
+    def _broken(self, why: str) -> None:
+        self.available, self.why = False, why
+        self.close()
+        raise RuntimeError(why)
 
     def close(self) -> None:
         if self.conn is not None:
