@@ -597,7 +597,21 @@ def _spawn(target, nclients: int, make_args):
              for i in range(nclients)]
     for p in procs:
         p.start()
+    threading.Thread(target=_abort_on_death, args=(procs, barrier), daemon=True).start()
     return procs, barrier, results, progress
+
+
+def _abort_on_death(procs, barrier) -> None:
+    """A client that dies outside its try block (a signal, a crash in start-up) never reaches the
+    barrier: break it, so that the parent fails now instead of after BARRIER_TIMEOUT_S."""
+    while True:
+        codes = [p.exitcode for p in procs]
+        if any(c not in (None, 0) for c in codes):
+            barrier.abort()
+            return
+        if None not in codes:
+            return
+        time.sleep(0.5)
 
 
 def _collect(procs, results, n: int, timeout: float = 120.0) -> list[dict]:
@@ -778,7 +792,8 @@ def run_floor(args, spec: WorkloadSpec, iters: int) -> dict:
             recv(s)
             lat[i] = pc() - t0
         send(s, [b"stop"])
-        recv(s)
+        if s.poll(5000):  # the server closes with LINGER 0 right after replying: the reply may be lost
+            recv(s)
     finally:
         s.close(0)
         ctx.term()
