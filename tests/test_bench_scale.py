@@ -114,6 +114,14 @@ def test_scale_without_vllm_says_why(tmp_path):
     assert "plot" not in report
 
 
+@pytest.mark.timeout(60)
+def test_scale_failure_still_ends_with_the_json_line():
+    p, report = _run([*TINY, "--scale", "8", "--no-vllm", "--daemon-arg=--no-such-option"])
+    assert p.returncode == 1
+    assert report["ok"] is False and report["table"] == {} and "daemon exited with 2" in report["error"]
+    assert report["vllm"] == {"available": False, "why": "disabled (--no-vllm)"}
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--clients", "4"], "--clients 4"),
     (["--endpoint", "ipc:///nonexistent"], "no --endpoint"),

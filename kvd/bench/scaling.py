@@ -22,7 +22,8 @@ p50). The 4-client target is ``kvd bench --clients 4``'s.
 Honesty (``honest``; exit status 1 when one fails): per R and backend, every request admitted, the
 prefix-hit tokens and the blocks in use after decode equal the workload's expected figures, the pool
 entirely free at the end, no error replies; the daemon's last slot mapping matches its tables; the
-vLLM checks only where vLLM ran.
+vLLM checks only where vLLM ran. A run that fails (a daemon or client error) still prints the rows
+measured so far and the JSON line, with ``error``; exit status 1.
 
 ``--plot FILE.png`` draws the table (``kvd.bench.plots.scaling``); without matplotlib (the optional
 ``kvd[plot]`` extra) the plot is skipped with a message and the JSON says so.
@@ -134,8 +135,9 @@ def _row(reps: list[dict], blocks: int, vllm_ran: bool) -> dict:
     row["extra_us"] = _median(extras)
     row["extra_budget_us"] = EXTRA_BUDGET_US + EXTRA_BUDGET_FRAC * row["inproc_p50_us"]
     row["daemon_target_p50_us"] = row["echo_p50_us"] + row["inproc_p50_us"] + row["extra_budget_us"]
-    row["vllm_over_inproc"] = _median(vv["step_p50_us"] / ip for vv, (_, _, ip) in zip(v, per_rep)) if vllm_ran else None
-    row["vllm_over_daemon"] = _median(vv["step_p50_us"] / dp for vv, (dp, _, _) in zip(v, per_rep)) if vllm_ran else None
+    # v is empty when vLLM did not run: the ratios are then None (n/a)
+    row["vllm_over_inproc"] = _median(vv["step_p50_us"] / ip for vv, (_, _, ip) in zip(v, per_rep))
+    row["vllm_over_daemon"] = _median(vv["step_p50_us"] / dp for vv, (dp, _, _) in zip(v, per_rep))
     row["runs_daemon_p50_us"] = [round(x[0], 1) for x in per_rep]
     row["runs_extra_us"] = [round(x, 1) for x in extras]
     return row
@@ -230,7 +232,8 @@ def markdown(table: dict) -> str:
         ok = "met" if r["extra_us"] <= r["extra_budget_us"] else "missed"
         lines.append(
             f"| {int(R):,} | {_us(r['inproc_p50_us'])} / {_us(r['inproc_p99_us'])} "
-            f"| {_us(r['daemon_p50_us'])} / {_us(r['daemon_p99_us'])} | {_us(r['echo_p50_us'])} / {_us(r['echo_p99_us'])} "
+            f"| {_us(r['daemon_p50_us'])} / {_us(r['daemon_p99_us'])} "
+            f"| {_us(r['echo_p50_us'])} / {_us(r['echo_p99_us'])} "
             f"| {_us(r['vllm_p50_us'])} / {_us(r['vllm_p99_us'])} | {_x(r['daemon_over_inproc'])} "
             f"| {_us(r['extra_us'])} ({_us(r['extra_budget_us'])}: {ok}) | {_x(r['vllm_over_inproc'])} "
             f"| {_x(r['vllm_over_daemon'])} |")
@@ -257,10 +260,11 @@ def run_scale(args) -> int:
     if args.plot and plots.pyplot() is None:  # said before the run, not after it
         print(f"kvd bench: --plot skipped: matplotlib is not installed; {plots.PLOT_HINT}", file=sys.stderr)
     spec = Z.spec_of(args)
+    workload = {k: v for k, v in dataclasses.asdict(spec).items() if k not in ("num_requests", "num_blocks")}
     report: dict = {"bench": "scale", "load_avg_before": Z.load_avg(), "cpus": os.cpu_count(),
-                    "config": {**{k: v for k, v in dataclasses.asdict(spec).items() if k not in ("num_requests", "num_blocks")},
-                               "R": list(args.scale), "blocks_per_requests": [args.blocks, args.requests],
-                               "clients": 1, "repeat": args.repeat, "warmup": args.warmup, "floor_iters": args.floor_iters}}
+                    "config": {**workload, "R": list(args.scale), "blocks_per_requests": [args.blocks, args.requests],
+                               "clients": 1, "repeat": args.repeat, "warmup": args.warmup,
+                               "floor_iters": args.floor_iters}}
     table, honest, checks = {}, {}, {}
     peer = None
     prev_term = signal.getsignal(signal.SIGTERM)
@@ -281,9 +285,9 @@ def run_scale(args) -> int:
     except KeyboardInterrupt:
         print("\nkvd bench: interrupted", file=sys.stderr)
         return 130
-    except RuntimeError as e:
+    except RuntimeError as e:  # the rows measured so far still go out, with the error
         print(f"kvd bench: {e}", file=sys.stderr)
-        return 1
+        report["error"] = str(e)
     finally:
         if peer is not None:
             if report.get("vllm", {}).get("available") and not peer.available:
@@ -301,9 +305,9 @@ def run_scale(args) -> int:
     print(markdown(table))
     Z.print_table("targets (issue 13)", report["targets"])
     Z.print_table("honesty checks", honest)
-    if args.plot:
+    if args.plot and table:
         report["plot"] = _plot(args.plot, table)
     report["honest"] = honest
-    report["ok"] = all(honest.values())
+    report["ok"] = all(honest.values()) and "error" not in report
     print(json.dumps(report, default=float))
     return 0 if report["ok"] else 1
