@@ -955,7 +955,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--inproc", action="store_true", help="also run the in-process BlockManager")
     r.add_argument("--micro", action="store_true", help="random allocate/append/free traffic instead")
     r.add_argument("--micro-ops", type=int, default=5000, help="operations per client in --micro")
-    r.add_argument("--plot", default="", metavar="FILE.png", help="step-latency distribution (matplotlib)")
+    r.add_argument("--plot", default="", metavar="FILE.png",
+                   help="step-latency distribution; with --scale, step time against R (matplotlib)")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar on stderr (default: when stderr is a terminal)")
     from kvd.bench import scaling  # imports this module: not at the top
