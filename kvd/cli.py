@@ -49,6 +49,7 @@ examples:
   kvd status                                            ask the daemon on the default socket
   kvd status --endpoint ipc:///run/kvd/1/kvd.sock --json
   kvd bench --help                                      the ZeroMQ benchmark's own options
+  kvd bench --scale --plot scale.png                    the scaling table (R = 64 .. 4,096)
 
 Every serve option is also a TOML key (--config) and an environment variable KVD_<KEY>."""
 

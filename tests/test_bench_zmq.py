@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,3 +97,42 @@ def test_micro_mode_forces_no_space():
     r = report["results"]["1"]
     assert r["ops"] == 300 and r["ops_per_s"] > 0 and r["pool_free_after"] and r["errors"] == 0
     assert r["allocate_later"] + r["allocate_never"] + r["append_no_space"] > 0, r
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_client_fails_the_run_at_once():
+    """A client killed by a signal never reaches the phase barrier: the run fails within seconds
+    (not after the barrier's 600 s timeout) and still stops the daemon."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    bench = subprocess.Popen([sys.executable, str(SCRIPT), "-R", "8", "-P", "64", "-S", "32", "-D", "50000",
+                              "--blocks", "512", "--repeat", "1", "--warmup", "0", "--no-progress"],
+                             cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        client = None
+        deadline = time.monotonic() + 60
+        while client is None and time.monotonic() < deadline:
+            kids = [p for p in _children(bench.pid) if "spawn_main" in _cmdline(p)
+                    and "resource_tracker" not in _cmdline(p)]
+            client = kids[0] if kids else None
+            time.sleep(0.2)
+        assert client is not None, "no client process appeared"
+        time.sleep(2)  # in the decode phase (50,000 steps take more than 5 s) or before it: either way no barrier
+        os.kill(client, signal.SIGKILL)
+        t0 = time.monotonic()
+        out, err = bench.communicate(timeout=30)
+        assert time.monotonic() - t0 < 15
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.communicate()
+    assert bench.returncode == 1 and "a client failed" in err, err[-2000:]
+    assert _children(os.getpid()) == []

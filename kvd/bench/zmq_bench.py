@@ -24,6 +24,9 @@ Baselines measured in the same run on the same machine, for honest ratios:
             two processes (the transport's floor);
   --inproc  the in-process BlockManager on the same workload (step + slot mapping, no sockets).
 
+``--scale [R,R,...]``: the scaling table of issue 13 (kvd in process, through the daemon, the echo
+floor and vLLM's manager against R; ``kvd.bench.scaling``).
+
 ``--micro``: random allocate/append/free traffic of mixed sizes, one round trip per operation, with a
 small pool (default 4,096 blocks) so that admissions get LATER answers, appends run out of space and
 cached blocks are evicted; reports operations/s and latency percentiles per operation.
@@ -57,6 +60,7 @@ import numpy as np
 
 import kvd
 from kvd.api import AdmitRequest, GroupSpec, ManagerConfig, StepBatch
+from kvd.bench.plots import step_distribution as plot
 from kvd.errors import FIRST_ERROR_CODE
 from kvd.hashing import hash_prompt
 from kvd.workload import WorkloadSpec, make_workload
@@ -593,7 +597,21 @@ def _spawn(target, nclients: int, make_args):
              for i in range(nclients)]
     for p in procs:
         p.start()
+    threading.Thread(target=_abort_on_death, args=(procs, barrier), daemon=True).start()
     return procs, barrier, results, progress
+
+
+def _abort_on_death(procs, barrier) -> None:
+    """A client that dies outside its try block (a signal, a crash in start-up) never reaches the
+    barrier: break it, so that the parent fails now instead of after BARRIER_TIMEOUT_S."""
+    while True:
+        codes = [p.exitcode for p in procs]
+        if any(c not in (None, 0) for c in codes):
+            barrier.abort()
+            return
+        if None not in codes:
+            return
+        time.sleep(0.5)
 
 
 def _collect(procs, results, n: int, timeout: float = 120.0) -> list[dict]:
@@ -775,7 +793,8 @@ def run_floor(args, spec: WorkloadSpec, iters: int) -> dict:
             recv(s)
             lat[i] = pc() - t0
         send(s, [b"stop"])
-        recv(s)
+        if s.poll(5000):  # the server closes with LINGER 0 right after replying: the reply may be lost
+            recv(s)
     finally:
         s.close(0)
         ctx.term()
@@ -871,13 +890,21 @@ def run_floor_multi(spec: WorkloadSpec, iters: int, nclients: int) -> dict:
 
 def run_inproc(args, spec: WorkloadSpec) -> dict:
     stepper = _InprocStepper(spec, args.blocks)
-    out = drive(stepper, make_workload(spec, 0), spec, warmup=args.warmup)
+    peak = []  # blocks in use after decode, read where the daemon's stats are read
+
+    def sync(name: str) -> None:
+        if name == "measured":
+            peak.append(stepper.m.pool.num_used)
+
+    out = drive(stepper, make_workload(spec, 0), spec, sync=sync, warmup=args.warmup)
     stepper.m.check_invariants(heavy=True)
     p = pcts_us(out["step_s"])
     exp = expected_figures(spec, 1)
     return {"inproc_step_p50_us": p["p50"], "inproc_step_p99_us": p["p99"], "inproc_step_max_us": p["max"],
             "inproc_admission_ms": out["admission_ms"], "inproc_free_ms": out["free_ms"],
+            "inproc_prefix_hit_tokens": out["prefix_hit_tokens"], "inproc_peak_blocks_used": peak[0],
             "inproc_honest": out["prefix_hit_tokens"] == exp["prefix_hit_tokens"] and out["slot_mapping_ok"]
+            and peak[0] == exp["blocks_after_decode"]
             and out["errors"] == 0 and stepper.m.pool.num_free == stepper.m.pool.num_blocks - 1,
             "_samples": out["step_s"]}
 
@@ -967,36 +994,6 @@ def print_clients(fig: dict) -> None:
         print(f"{c['client']:>8}{c['p50']:>12.1f}{c['p99']:>12.1f}{c['p999']:>12.1f}{c['max']:>12.1f}")
 
 
-def plot(path: str, samples: dict, floor: dict | None, inproc: dict | None) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'kvd[plot]' (or pip install matplotlib)") from None
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    allv = np.concatenate([np.asarray(v) * 1e6 for v in samples.values()] +
-                          [np.asarray(x["_samples"]) * 1e6 for x in (floor, inproc) if x])
-    bins = np.geomspace(max(allv.min() * 0.9, 1.0), allv.max() * 1.1, 80)
-    for n, v in samples.items():
-        ax.hist(np.asarray(v) * 1e6, bins=bins, histtype="step", density=True, linewidth=1.5,
-                label=f"kvd, {n} client(s): p50 {np.percentile(v, 50) * 1e6:.0f} us, p99 {np.percentile(v, 99) * 1e6:.0f} us")
-    for name, x in (("zmq echo", floor), ("in-process manager", inproc)):
-        if x:
-            v = np.asarray(x["_samples"]) * 1e6
-            ax.hist(v, bins=bins, histtype="step", density=True, linestyle="--",
-                    label=f"{name}: p50 {np.percentile(v, 50):.0f} us")
-    ax.set_xscale("log")
-    ax.set_xlabel("decode step round trip (us, log scale)")
-    ax.set_ylabel("density")
-    ax.set_title("kvd decode step latency (standard workload)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot written to {path}", file=sys.stderr)
-
-
 def parse_clients(s: str) -> list[int]:
     try:
         out = [int(x) for x in s.split(",") if x.strip()]
@@ -1038,9 +1035,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--inproc", action="store_true", help="also run the in-process BlockManager")
     r.add_argument("--micro", action="store_true", help="random allocate/append/free traffic instead")
     r.add_argument("--micro-ops", type=int, default=5000, help="operations per client in --micro")
-    r.add_argument("--plot", default="", metavar="FILE.png", help="step-latency distribution (matplotlib)")
+    r.add_argument("--plot", default="", metavar="FILE.png",
+                   help="step-latency distribution; with --scale, step time against R (matplotlib)")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar on stderr (default: when stderr is a terminal)")
+    from kvd.bench import scaling  # imports this module: not at the top
+
+    scaling.add_arguments(ap)
     return ap
 
 
@@ -1050,6 +1051,10 @@ def main(argv=None) -> int:
         args.blocks = 4096 if args.micro else 65536
     if args.progress is None:
         args.progress = sys.stderr.isatty()
+    if args.scale:
+        from kvd.bench.scaling import run_scale
+
+        return run_scale(args)
     if args.plot:  # fail before the run, not after it
         try:
             import matplotlib  # noqa: F401
