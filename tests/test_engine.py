@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 from kvd.config import ConfigError, ServeConfig  # noqa: E402
 from kvd_client import Client  # noqa: E402
-from kvd_engine import Engine, InProcClient, OwnedKv  # noqa: E402
+from kvd_engine import Engine, InProcClient, OwnedKv, hf_generate  # noqa: E402
 
 
 def _client(d):
@@ -44,6 +44,8 @@ def test_32_prompts_arriving_during_decode_match_hf(daemon_factory):
                     eng.add(rid, prompts[rid], 8)
         assert all(eng.reqs[r].prefilled_tokens == len(prompts[r]) for r in order)
         assert max(eng.reqs[r].first_token_step - eng.reqs[r].admitted_step for r in order) >= 1  # chunked
+        # steps with a continuing chunk take their slots from the tables, the others kvd's (checked equal)
+        assert 0 < eng.kvd_slot_steps < eng.forwards
         assert_matches_hf(model, eng, prompts, 8)
         assert c.stats()["num_requests"] == 0
 
@@ -56,6 +58,7 @@ def test_prefix_hit_within_an_engine_prefills_only_the_suffix(daemon_factory):
     prompts = {"a": system + [5, 6, 7], "b": system + [9, 10, 11, 12]}
     with _client(d) as c:
         eng = Engine(c, model)
+        eng.check_slots = True
         eng.add("a", prompts["a"], 6)
         eng.step()
         eng.step()  # a's prompt blocks are written (and, with issue 14, confirmed)
@@ -63,6 +66,8 @@ def test_prefix_hit_within_an_engine_prefills_only_the_suffix(daemon_factory):
         eng.run()
         assert eng.reqs["b"].cached_tokens == 40  # 5 full blocks of 8 of the 44 shared tokens
         assert eng.reqs["b"].prefilled_tokens == len(prompts["b"]) - 40
+        # every forward is kvd's schedule (the hit's suffix included): kvd's slot mapping serves it
+        assert eng.kvd_slot_steps == eng.forwards == 8  # a: steps 1-6, b: steps 3-8
         assert_matches_hf(model, eng, prompts, 6)
 
 
@@ -174,3 +179,19 @@ def test_the_triton_kernels_drive_the_same_engine(monkeypatch):
         eng.add(rid, p, 8)
     eng.run()
     assert_matches_hf(model, eng, prompts, 8)
+
+
+def test_keep_logits_off_samples_the_same_tokens(daemon_factory):
+    d = daemon_factory(**DAEMON)
+    model = model_of(LLAMA)
+    prompts = _prompts(np.random.default_rng(10), 6, 5, 30)
+    outs = []
+    for keep in (True, False):
+        with _client(d) as c:
+            eng = Engine(c, model, keep_logits=keep)
+            for rid, p in prompts.items():
+                eng.add(rid, p, 7)
+            eng.run()
+            outs.append({rid: r.output for rid, r in eng.reqs.items()})
+            assert all(len(r.logits) == (7 if keep else 0) for r in eng.reqs.values())
+    assert outs[0] == outs[1] == {rid: hf_generate(model, p, 7)[0] for rid, p in prompts.items()}

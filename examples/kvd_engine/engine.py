@@ -23,15 +23,18 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 import torch
 
 from kvd.api import STATUS_NO_SPACE, STATUS_OK, AdmitRequest, StepBatch
 
+from .inputs import Staging, varlen_layout
 from .model import StepMeta, layer_groups, use_paged
 
 WAITING, PREFILL, RUNNING, SWAPPED, DONE = "waiting", "prefill", "running", "swapped", "done"
+_NO_HASH = np.empty(0, "S16")  # a decode token that fills no block: nothing to register (never written to)
 
 
 @dataclass
@@ -57,6 +60,19 @@ class Request:
     @property
     def seq(self) -> list[int]:
         return self.prompt + self.output
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def tokens(self, start: int, n: int) -> list[int]:
+        """``seq[start:start + n]`` without building ``seq``."""
+        lp = len(self.prompt)
+        if start >= lp:
+            return self.output[start - lp:start - lp + n]
+        if start + n <= lp:
+            return self.prompt[start:start + n]
+        return self.seq[start:start + n]
 
     @property
     def finished(self) -> bool:
@@ -100,7 +116,9 @@ class Engine:
     """One engine: a model, a kvd client (daemon ``kvd_client.Client`` or ``InProcClient``), a queue."""
 
     def __init__(self, client, model, *, kv: OwnedKv | None = None, max_tokens: int = 256, max_running: int = 64,
-                 device="cpu"):
+                 device="cpu", keep_logits: bool = True):
+        """``keep_logits``: keep every sampled row's logits (float32, on the host) in ``Request.logits``
+        (the tests compare them with HF's); False: only the sampled token ids leave the device."""
         self.c = client
         self.model = model
         self.device = torch.device(device)
@@ -129,6 +147,10 @@ class Engine:
         self.kvd_s = 0.0   # kvd's share of the steps: the round trips ...
         self.meta_s = 0.0  # ... and building slots / table views / varlen layout from its answer
         self.freed_since_preempt = True
+        self.keep_logits = keep_logits
+        self.staging = Staging(self.device)
+        self.forwards = 0
+        self.kvd_slot_steps = 0  # forwards that used kvd's own slot mapping (not one from the tables)
         self.check_slots = False  # tests: compare kvd's slot mapping with the one from the tables
         self.after_reply = None  # hook(engine, StepResult) between kvd's reply and the forward (tests)
 
@@ -166,7 +188,8 @@ class Engine:
         budget = self.max_tokens
         decode = [rid for rid in self.order if self.reqs[rid].state == RUNNING]
         budget -= len(decode)
-        filled = [self._filled_hash(self.reqs[rid]) for rid in decode]
+        filled = [self._filled_hash(self.reqs[rid]) if (self.reqs[rid].computed + 1) % self.bs == 0 else _NO_HASH
+                  for rid in decode]
         cont = [rid for rid in self.order if self.reqs[rid].state == PREFILL]
         for rid in cont:  # each continuing prefill's chunk, fixed now: its blocks register with it
             r = self.reqs[rid]
@@ -181,8 +204,8 @@ class Engine:
             admits.append(r)
         # per append: the blocks its tokens (decode: one; continuing prefill: none, its chunk's
         # slots are in its table already) complete this step, registered now
-        regs = [self._unregistered(self.reqs[rid], self.reqs[rid].computed + 1) + list(h)
-                for rid, h in zip(decode, filled)]
+        regs = [self._unregistered(self.reqs[rid], self.reqs[rid].computed + 1) + list(h) if len(h) or
+                self._lagging(self.reqs[rid]) else [] for rid, h in zip(decode, filled)]
         regs += [self._unregistered(self.reqs[rid], self.reqs[rid].computed + self.reqs[rid].chunk) for rid in cont]
         rows = np.asarray(self.c.rows_of(decode + cont), np.int32) if decode or cont else None
         counts = [len(x) for x in regs]
@@ -212,11 +235,12 @@ class Engine:
             self.order.append(c)
         sched = self._schedule(decode, filled, res, cont, admits)
         if sched:
-            # kvd's own slot mapping is this step's when the forward is exactly kvd's schedule (all
-            # appends granted, in batch order, nothing admitted or continuing)
-            exact = not admits and not cont and len(sched) == len(decode)
-            self._forward(sched, kvd_slots=exact)
+            self._forward(sched, res)
         self._preempt(decode, res)  # after the forward: a victim's KV of this step is written
+
+    def _lagging(self, r: Request) -> bool:
+        """Whether ``r`` has full blocks with known hashes that are not registered yet."""
+        return r.registered < min((r.computed + 1) // self.bs, len(r.hashes))
 
     def _unregistered(self, r: Request, written: int) -> list[bytes]:
         """Hashes of ``r``'s full blocks past those registered, up to ``written`` tokens' worth."""
@@ -245,7 +269,7 @@ class Engine:
         """The hash of the block the decode token fills (empty when it fills none)."""
         n = r.computed + 1
         if n % self.bs:
-            return np.empty(0, "S16")
+            return _NO_HASH
         parent = bytes(r.hashes[-1]) if len(r.hashes) else None
         return self.c.hash_prompt(np.array(r.seq[n - self.bs:n]), parent=parent, first_block_index=n // self.bs - 1)
 
@@ -325,69 +349,81 @@ class Engine:
             warnings.simplefilter("ignore", UserWarning)
             return [torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in self.c.tables]
 
-    def _kvd_slots(self, n: int):
-        """The step's slot mappings as kvd wrote them (None where the client has none)."""
-        if self.device.type == "cuda" and getattr(self.c, "gpu_slot_mappings", None) is not None:
-            return [m[:n] for m in self.c.gpu_slot_mappings]
-        maps = getattr(self.c, "slot_mappings", None)
-        if maps is None or self.device.type == "cuda":
+    def _kvd_slots(self, res, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray):
+        """kvd's own slot mappings of this step, or None: usable when kvd's schedule (its appends and
+        admissions with tokens, in batch order) is exactly this forward's, and the buffer holds it all."""
+        if self.device.type == "cuda":
+            maps = getattr(self.c, "gpu_slot_mappings", None)
+        else:
+            maps = getattr(self.c, "slot_mappings", None)
+        total = int(counts.sum())
+        if maps is None or total > maps[0].shape[0]:
             return None
-        return [torch.from_numpy(np.asarray(m[:n], np.int64)) for m in maps]
+        m = res.sched_len > 0
+        if not (np.array_equal(res.sched_rows[m], rows) and np.array_equal(res.sched_start[m], starts)
+                and np.array_equal(res.sched_len[m], counts)):
+            return None
+        if self.device.type == "cuda":
+            return [s[:total] for s in maps]
+        return [torch.from_numpy(np.asarray(s[:total], np.int64)) for s in maps]
 
-    def _forward(self, sched, kvd_slots: bool = False) -> None:
+    def _forward(self, sched, res) -> None:
         t0 = time.perf_counter()
         dev = self.device
-        tokens, positions = [], []  # the model's input: engine work, not kvd's share
-        for r, start, n in sched:
-            tokens += r.seq[start:start + n]
-            positions += range(start, start + n)
-        pos = torch.tensor(positions, dtype=torch.int64)
-        t_meta = time.perf_counter()
-        lens, qsl = [s + n for _, s, n in sched], np.cumsum([0] + [n for _, _, n in sched]).tolist()
-        rows = self.c.rows_of([r.rid for r, _, _ in sched]).tolist()
-        rows_t = torch.tensor(rows, dtype=torch.int32)
+        n = len(sched)
+        starts = np.fromiter((s for _, s, _ in sched), np.int64, n)
+        counts = np.fromiter((k for _, _, k in sched), np.int64, n)
+        ids = np.fromiter(chain.from_iterable(r.tokens(s, k) for r, s, k in sched), np.int64, int(counts.sum()))
+        done = [i for i, (r, s, k) in enumerate(sched) if s + k == r.seq_len]  # rows that sample
+        t_meta = time.perf_counter()  # kvd's share from here: varlen layout, tables, slots
+        rows = np.asarray(self.c.rows_of([r.rid for r, _, _ in sched]), np.int32)
+        qsl, seq_lens, positions = varlen_layout(starts, counts)
         tables = self._tables()
-        if tables[0].device != dev:  # host tables, device model: move only the scheduled rows' used columns
-            width = -(-max(lens) // self.bs)
-            tables = [t[rows_t.long(), :width].to(dev) for t in tables]
-            rows_t = torch.arange(len(sched), dtype=torch.int32)
-        pos_d = pos.to(dev)
-
-        def from_tables():  # slot = block_id * block_size + position % block_size
-            rep = torch.repeat_interleave(rows_t.long(), torch.tensor([n for _, _, n in sched])).to(dev)
-            return [t[rep, pos_d // self.bs].long() * self.bs + pos_d % self.bs for t in tables]
-
-        slots = self._kvd_slots(len(tokens)) if kvd_slots else None
-        if slots is None:
-            slots = from_tables()
-        elif self.check_slots:
-            assert all(torch.equal(a, b) for a, b in zip(slots, from_tables())), "kvd slot mapping differs"
-        meta = StepMeta(self.kv, self.groups, slots, tables, rows_t.to(dev),
-                        torch.tensor(lens, dtype=torch.int32, device=dev),
-                        torch.tensor(qsl, dtype=torch.int32, device=dev))
+        host_tables = tables[0].device != dev
+        if host_tables:  # host tables, device model: move only the scheduled rows' used columns
+            width = -(-int(seq_lens.max()) // self.bs)
+            tables = [t[torch.from_numpy(rows).long(), :width].to(dev) for t in tables]
+        slots = None if host_tables else self._kvd_slots(res, rows, starts, counts)
+        own = slots is None or self.check_slots  # slots from the tables (too)
+        rep = np.repeat(np.arange(n, dtype=np.int64), counts) if own else None
+        x = self.staging.pack(ids, positions, qsl[1:][done] - 1, rep,
+                              np.arange(n, dtype=np.int32) if host_tables else rows, seq_lens, qsl)
+        if own:  # slot = block_id * block_size + position % block_size
+            mine = [t[x.rows[x.rep].long(), x.positions // self.bs].long() * self.bs + x.positions % self.bs
+                    for t in tables]
+            if slots is not None:
+                assert all(torch.equal(a, b) for a, b in zip(slots, mine)), "kvd slot mapping differs"
+            else:
+                slots = mine
+        self.kvd_slot_steps += slots is not mine if own else 1
+        meta = StepMeta(self.kv, self.groups, slots, tables, x.rows, x.seq_lens, x.qsl)
         self.meta_s += time.perf_counter() - t_meta
-        done = [i for i, (r, s, n) in enumerate(sched) if s + n == len(r.seq)]  # rows that sample
-        keep = torch.tensor([qsl[i + 1] - 1 for i in done], dtype=torch.int64, device=dev)
         use_paged(self.model, True)
         try:
             with torch.no_grad():
-                out = self.model(input_ids=torch.tensor([tokens], device=dev), position_ids=pos_d[None],
-                                 kvd_meta=meta, use_cache=False, logits_to_keep=keep)
+                out = self.model(input_ids=x.ids[None], position_ids=x.positions[None], kvd_meta=meta,
+                                 use_cache=False, logits_to_keep=x.keep)
         finally:
             use_paged(self.model, False)
-        logits = out.logits[0].float().cpu()
+        self._sample(sched, done, out.logits[0])
+        self.forwards += 1
+        self.forward_s += time.perf_counter() - t0
+
+    def _sample(self, sched, done, logits) -> None:
+        """Greedy tokens (argmax on the model's device; only the ids come back) unless forced."""
+        best = torch.argmax(logits, dim=-1).tolist()  # the step's one device synchronization
+        kept = logits.float().cpu() if self.keep_logits else None
         for r, s, n in sched:
             r.computed = s + n
             if r.state == PREFILL and r.computed >= len(r.prompt):
                 r.state = RUNNING
             if r.cached_tokens <= s < len(r.prompt):
                 r.prefilled_tokens += min(n, len(r.prompt) - s)
+        now = time.perf_counter()
         for j, i in enumerate(done):
             r = sched[i][0]
-            k = len(r.output)
-            r.output.append(r.forced.get(k, int(torch.argmax(logits[j]))))
-            r.logits.append(logits[j])
+            r.output.append(r.forced.get(len(r.output), best[j]))
+            if kept is not None:
+                r.logits.append(kept[j])
             if r.first_token_step < 0:
-                r.first_token_step, r.first_token_at = self.steps, time.perf_counter()
-        self.forward_s += time.perf_counter() - t0
-
+                r.first_token_step, r.first_token_at = self.steps, now
