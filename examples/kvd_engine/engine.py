@@ -146,6 +146,10 @@ class Engine:
         self.forward_s = 0.0
         self.kvd_s = 0.0   # kvd's share of the steps: the round trips ...
         self.meta_s = 0.0  # ... and building slots / table views / varlen layout from its answer
+        # the last step's phases (seconds): plan (scheduling, hashing), rt (kvd round trip), inputs
+        # (token ids), meta (kvd's metadata), model (the forward's launch), sample (waiting for the
+        # device, sampling), total
+        self.phases: dict[str, float] = {}
         self.freed_since_preempt = True
         self.keep_logits = keep_logits
         self.staging = Staging(self.device)
@@ -178,6 +182,8 @@ class Engine:
 
     # ---- one step ------------------------------------------------------------------------------------
     def step(self) -> None:
+        t_start = time.perf_counter()
+        self.phases = {}
         self._swap_in_some()
         free = [rid for rid in self.order if self.reqs[rid].finished]
         for rid in free:
@@ -220,7 +226,9 @@ class Engine:
                           append_hashes=hs, append_hash_counts=cnt, admit=adm)
         t0 = time.perf_counter()
         res = self.c.step(batch)
-        self.kvd_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.kvd_s += t1 - t0
+        self.phases.update(plan=t0 - t_start, rt=t1 - t0)
         self.steps += 1
         self._check(res)
         if self.after_reply is not None:
@@ -237,6 +245,7 @@ class Engine:
         if sched:
             self._forward(sched, res)
         self._preempt(decode, res)  # after the forward: a victim's KV of this step is written
+        self.phases["total"] = time.perf_counter() - t_start
 
     def _lagging(self, r: Request) -> bool:
         """Whether ``r`` has full blocks with known hashes that are not registered yet."""
@@ -397,7 +406,8 @@ class Engine:
                 slots = mine
         self.kvd_slot_steps += slots is not mine if own else 1
         meta = StepMeta(self.kv, self.groups, slots, tables, x.rows, x.seq_lens, x.qsl)
-        self.meta_s += time.perf_counter() - t_meta
+        t_model = time.perf_counter()
+        self.meta_s += t_model - t_meta
         use_paged(self.model, True)
         try:
             with torch.no_grad():
@@ -405,9 +415,12 @@ class Engine:
                                  use_cache=False, logits_to_keep=x.keep)
         finally:
             use_paged(self.model, False)
+        t_sample = time.perf_counter()
         self._sample(sched, done, out.logits[0])
         self.forwards += 1
-        self.forward_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.forward_s += t1 - t0
+        self.phases.update(inputs=t_meta - t0, meta=t_model - t_meta, model=t_sample - t_model, sample=t1 - t_sample)
 
     def _sample(self, sched, done, logits) -> None:
         """Greedy tokens (argmax on the model's device; only the ids come back) unless forced."""
