@@ -195,3 +195,40 @@ def test_keep_logits_off_samples_the_same_tokens(daemon_factory):
             outs.append({rid: r.output for rid, r in eng.reqs.items()})
             assert all(len(r.logits) == (7 if keep else 0) for r in eng.reqs.values())
     assert outs[0] == outs[1] == {rid: hf_generate(model, p, 7)[0] for rid, p in prompts.items()}
+
+
+def _run_and_lookup(d, model, prompts, max_new, overlap):
+    """Run ``prompts`` in one engine; then, from a second session of the tenant, how many leading
+    blocks of each request's written tokens (prompt + all outputs but the last) are cached."""
+    with Client(d.endpoint, tenant="t", name="e", steps_in_flight=1) as c:
+        eng = Engine(c, model, overlap=overlap)
+        for rid, p in prompts.items():
+            eng.add(rid, p, max_new)
+        eng.run()
+        c.mark_computed()  # every step's forward has finished: all its blocks may be shared
+        assert c.stats()["num_requests"] == 0
+        with Client(d.endpoint, tenant="t", name="reader") as r:
+            cached = {rid: r.lookup(c.hash_prompt(np.array(p + eng.reqs[rid].output[:-1])))
+                      for rid, p in prompts.items()}
+        return eng, cached
+
+
+def test_overlap_sends_decode_steps_ahead_with_the_same_tokens_and_cache(daemon_factory):
+    """overlap=True: steady decode steps go out while the previous forward runs; tokens and logits
+    equal HF's, every written full block ends up cached exactly as without overlap (a block the next
+    token fills registers one message later; a finishing request's last blocks by a 0-token append),
+    and every request is freed."""
+    model = model_of(LLAMA)
+    prompts = _prompts(np.random.default_rng(11), 6, 5, 30)
+    runs = {}
+    for overlap in (False, True):
+        d = daemon_factory(**DAEMON, tenants="t=uid:" + str(__import__("os").getuid()))
+        runs[overlap] = _run_and_lookup(d, model, prompts, 21, overlap)
+    eng, cached = runs[True]
+    assert eng.ahead_steps >= 15 and runs[False][0].ahead_steps == 0
+    assert 0 < eng.kvd_exposed_s < eng.kvd_s  # CPU: every ahead round trip is exposed, the others are not counted
+    assert_matches_hf(model, eng, prompts, 21)
+    written = {rid: (len(p) + 20) // BLOCK for rid, p in prompts.items()}
+    assert cached == runs[False][1] == written
+    with pytest.raises(ValueError, match="overlap"):
+        eng.fork("r0", "x", 1)

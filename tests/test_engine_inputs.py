@@ -48,3 +48,30 @@ def test_pack_grows_past_its_capacity():
     qsl, seq_lens, pos = varlen_layout(np.array([0]), np.array([t]))
     x = st.pack(np.arange(t), pos, np.array([t - 1]), None, np.array([4], np.int32), seq_lens, qsl)
     assert st.cap >= 2 * t + 1 + 2 and x.ids.tolist() == list(range(t)) and x.qsl.tolist() == [0, t]
+
+
+def test_graph_bucket_pads_every_array():
+    """A (Tp=8, Bp=4) bucket holding a step of 5 tokens of 3 requests: padding tokens have id 0,
+    position 0, belong to no request; padding requests are empty; the padding logits row is a
+    padding token's."""
+    from kvd_engine.graphs import Bucket, pow2
+
+    assert [pow2(n) for n in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
+    bk = Bucket(8, 4, 2, torch.device("cpu"))
+    qsl, seq_lens, pos = varlen_layout(np.array([7, 0, 40]), np.array([1, 3, 1]))
+    bk.stage([11, 12, 13, 14, 15], pos, np.array([0, 3, 4]), np.array([0, 1, 1, 1, 2]), np.array([9, 2, 5], np.int32),
+             seq_lens, qsl)
+    assert bk.ids.tolist() == [11, 12, 13, 14, 15, 0, 0, 0]
+    assert bk.positions.tolist() == [7, 0, 1, 2, 40, 0, 0, 0]
+    assert bk.keep.tolist() == [0, 3, 4, 7]
+    assert bk.rep.tolist() == [0, 1, 1, 1, 2, 0, 0, 0]
+    assert bk.rows.tolist() == [9, 2, 5, 0] and bk.seq_lens.tolist() == [8, 3, 41, 0]
+    assert bk.qsl.tolist() == [0, 1, 4, 5, 5]
+    assert bk.slots.shape == (2, 8) and bool((bk.slots == -1).all())
+    # a smaller step in the same bucket overwrites every padded position
+    qsl, seq_lens, pos = varlen_layout(np.array([3]), np.array([2]))
+    bk.stage([21, 22], pos, np.array([1]), np.array([0, 0]), np.array([6], np.int32), seq_lens, qsl)
+    assert bk.ids.tolist() == [21, 22, 0, 0, 0, 0, 0, 0] and bk.positions.tolist() == [3, 4, 0, 0, 0, 0, 0, 0]
+    assert bk.keep.tolist() == [1, 7, 7, 7] and bk.rep.tolist() == [0] * 8
+    assert bk.rows.tolist() == [6, 0, 0, 0] and bk.seq_lens.tolist() == [5, 0, 0, 0]
+    assert bk.qsl.tolist() == [0, 2, 2, 2, 2]

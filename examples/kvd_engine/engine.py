@@ -30,11 +30,11 @@ import torch
 
 from kvd.api import STATUS_NO_SPACE, STATUS_OK, AdmitRequest, StepBatch
 
+from .graphs import GraphRunner
 from .inputs import Staging, varlen_layout
 from .model import StepMeta, layer_groups, use_paged
 
 WAITING, PREFILL, RUNNING, SWAPPED, DONE = "waiting", "prefill", "running", "swapped", "done"
-_NO_HASH = np.empty(0, "S16")  # a decode token that fills no block: nothing to register (never written to)
 
 
 @dataclass
@@ -112,13 +112,30 @@ def daemon_kv(client, dtype: torch.dtype) -> torch.Tensor:
     return t.view(dtype) if t.dtype != dtype else t
 
 
+def _record_start(timed: bool):
+    """(start, end) timing events with the start recorded now, or None."""
+    if not timed:
+        return None
+    events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+    events[0].record()
+    return events
+
+
 class Engine:
     """One engine: a model, a kvd client (daemon ``kvd_client.Client`` or ``InProcClient``), a queue."""
 
     def __init__(self, client, model, *, kv: OwnedKv | None = None, max_tokens: int = 256, max_running: int = 64,
-                 device="cpu", keep_logits: bool = True):
+                 device="cpu", keep_logits: bool = True, graph_tokens: int = 0, overlap: bool = False):
         """``keep_logits``: keep every sampled row's logits (float32, on the host) in ``Request.logits``
-        (the tests compare them with HF's); False: only the sampled token ids leave the device."""
+        (the tests compare them with HF's); False: only the sampled token ids leave the device.
+        ``graph_tokens``: on CUDA, steps of at most that many tokens replay CUDA graphs
+        (``graphs.GraphRunner``); 0: every forward is eager. ``overlap``: in steady decode (every
+        running request decoding, nothing waiting), send the next step's round trip while this
+        step's forward runs (async scheduling). Needs one full-attention KV-cache group (a window's
+        releases, or a fork's copy-on-write, would change blocks the running forward reads), no
+        forks, and a client that confirms a step only once a later one is sent (``steps_in_flight``
+        >= 1); slots then come from the block tables (kvd rewrites its slot buffer for the next step
+        while this forward may still read it)."""
         self.c = client
         self.model = model
         self.device = torch.device(device)
@@ -152,7 +169,22 @@ class Engine:
         self.phases: dict[str, float] = {}
         self.freed_since_preempt = True
         self.keep_logits = keep_logits
+        ticks = getattr(client, "_step_ticks", None)
+        if overlap and (self.num_groups != 1 or max(self.groups) > 0 or (ticks is not None and ticks.maxlen < 2)):
+            raise ValueError("overlap needs one full-attention KV-cache group and a client with steps_in_flight >= 1")
+        self.overlap = overlap
+        self._ahead = None  # (ids, decode count, hash counts, StepResult, plan s, rt s) of the step sent ahead
+        self.ahead_steps = 0
+        # the part of those round trips after the forward they overlapped had finished on the GPU
+        # (CUDA; on the CPU the forward is done before they start: all of them)
+        self.kvd_exposed_s = 0.0
+        self._free_later: list[str] = []  # finished requests to free with the next message
         self.staging = Staging(self.device)
+        self.graphs = None
+        if graph_tokens > 0 and self.device.type == "cuda":
+            host = isinstance(client.tables[0], np.ndarray) and getattr(client, "gpu_tables", None) is None
+            self.graphs = GraphRunner(model, self.kv, self.groups, self.num_groups, self.bs, graph_tokens,
+                                      table_width=client.tables[0].shape[1] if host else 0)
         self.forwards = 0
         self.kvd_slot_steps = 0  # forwards that used kvd's own slot mapping (not one from the tables)
         self.check_slots = False  # tests: compare kvd's slot mapping with the one from the tables
@@ -167,11 +199,15 @@ class Engine:
     def fork(self, parent: str, child: str, first_token: int) -> None:
         """Parallel sampling: ``child`` shares ``parent``'s blocks (kvd fork, copy-on-write) and
         replaces the parent's last sampled token with ``first_token``."""
+        if self.overlap:
+            raise ValueError("fork needs an engine without overlap (its copy-on-write would rewrite blocks "
+                             "the running forward reads)")
         self.pending_forks.append((parent, child, first_token))
 
     @property
     def busy(self) -> bool:
-        return bool(self.order or self.waiting or self.swapped or self.pending_forks)
+        return bool(self.order or self.waiting or self.swapped or self.pending_forks or self._free_later
+                    or self._ahead is not None)
 
     def run(self, max_steps: int = 100000) -> None:
         for _ in range(max_steps):
@@ -184,18 +220,17 @@ class Engine:
     def step(self) -> None:
         t_start = time.perf_counter()
         self.phases = {}
+        if self._ahead is not None:  # this step's round trip went out during the last forward
+            return self._step_ahead(t_start)
         self._swap_in_some()
-        free = [rid for rid in self.order if self.reqs[rid].finished]
-        for rid in free:
-            self.order.remove(rid)
-            self.reqs[rid].state = DONE
-            self.freed_since_preempt = True
+        free = self._retire() + self._free_later
+        self._free_later = []
         forks = self._take_forks(free)
         budget = self.max_tokens
         decode = [rid for rid in self.order if self.reqs[rid].state == RUNNING]
         budget -= len(decode)
-        filled = [self._filled_hash(self.reqs[rid]) if (self.reqs[rid].computed + 1) % self.bs == 0 else _NO_HASH
-                  for rid in decode]
+        for rid in decode:  # the block a decode token fills (its tokens are known now)
+            self._extend_hashes(self.reqs[rid], self.reqs[rid].computed + 1)
         cont = [rid for rid in self.order if self.reqs[rid].state == PREFILL]
         for rid in cont:  # each continuing prefill's chunk, fixed now: its blocks register with it
             r = self.reqs[rid]
@@ -210,8 +245,8 @@ class Engine:
             admits.append(r)
         # per append: the blocks its tokens (decode: one; continuing prefill: none, its chunk's
         # slots are in its table already) complete this step, registered now
-        regs = [self._unregistered(self.reqs[rid], self.reqs[rid].computed + 1) + list(h) if len(h) or
-                self._lagging(self.reqs[rid]) else [] for rid, h in zip(decode, filled)]
+        regs = [self._unregistered(r, r.computed + 1) if self._lagging(r) else []
+                for r in (self.reqs[rid] for rid in decode)]
         regs += [self._unregistered(self.reqs[rid], self.reqs[rid].computed + self.reqs[rid].chunk) for rid in cont]
         rows = np.asarray(self.c.rows_of(decode + cont), np.int32) if decode or cont else None
         counts = [len(x) for x in regs]
@@ -241,11 +276,103 @@ class Engine:
                 self.reqs[rid].registered += n
         for p, c, _ in forks:
             self.order.append(c)
-        sched = self._schedule(decode, filled, res, cont, admits)
-        if sched:
-            self._forward(sched, res)
-        self._preempt(decode, res)  # after the forward: a victim's KV of this step is written
+        sched = self._schedule(decode, res, cont, admits)
+        self._run_forward(sched, res, decode)
         self.phases["total"] = time.perf_counter() - t_start
+
+    def _retire(self) -> list[str]:
+        """Take the finished requests out of the running order; their ids (to free)."""
+        free = [rid for rid in self.order if self.reqs[rid].finished]
+        for rid in free:
+            self.order.remove(rid)
+            self.reqs[rid].state = DONE
+            self.freed_since_preempt = True
+        return free
+
+    def _run_forward(self, sched, res, decode) -> None:
+        """The step's forward; with ``overlap``, the next step's round trip while it runs."""
+        if sched:
+            launched = self._launch(sched, res)
+            rt = self._send_ahead() if self._steady(sched, res) else None
+            self._finish(launched, rt)
+        self._preempt(decode, res)  # after the forward: a victim's KV of this step is written
+
+    # ---- overlap: the next decode step's round trip during this step's forward ------------------------
+    def _steady(self, sched, res) -> bool:
+        """Whether the next step is predictable now: every running request decodes and was granted
+        its append, nothing waits, is swapped, forks or continues a prefill."""
+        return (self.overlap and not self.waiting and not self.swapped and not self.pending_forks
+                and len(sched) == len(self.order) and all(n == 1 for _, _, n in sched)
+                and all(self.reqs[rid].state == RUNNING for rid in self.order)
+                and not (res.append_status != STATUS_OK).any())
+
+    def _send_ahead(self) -> None:
+        """Send the next step while this one's forward runs: a decode append for every request that
+        this forward does not finish, with the hashes of the blocks whose tokens are known and
+        written by now (a block the next token fills registers one step later), and the frees of
+        requests whose last forward is done."""
+        t0 = time.perf_counter()
+        live = [self.reqs[rid] for rid in self.order]
+        for r in live:  # this forward writes position computed: every block up to it is written
+            self._extend_hashes(r, r.computed + 1)
+        nxt = [r for r in live if len(r.output) + 1 < r.max_new_tokens]
+        # requests this forward finishes register their last written blocks with a 0-token append
+        fin = [r for r in live if len(r.output) + 1 >= r.max_new_tokens and self._lagging(r)]
+        if not nxt:
+            return
+        reqs = nxt + fin
+        regs = [self._unregistered(r, r.computed + 1) if self._lagging(r) else [] for r in reqs]
+        counts = [len(x) for x in regs]
+        hs = cnt = ()
+        if any(counts):
+            hs = [np.array([h for x in regs for h in x], self.hashes_dtype)] * self.num_groups
+            cnt = [np.array(counts, np.int32)] * self.num_groups
+        ids = [r.rid for r in reqs]
+        ntok = np.array([1] * len(nxt) + [0] * len(fin), np.int32) if fin else 1
+        batch = StepBatch(free=self._free_later, append_rows=np.asarray(self.c.rows_of(ids), np.int32),
+                          append_num_tokens=ntok, append_hashes=hs, append_hash_counts=cnt)
+        self._free_later = []
+        t1 = time.perf_counter()
+        res = self.c.step(batch)
+        t2 = time.perf_counter()
+        self.kvd_s += t2 - t1
+        self.ahead_steps += 1
+        self._ahead = (ids, len(nxt), counts, res, t1 - t0, t2 - t1)
+        return t1, t2
+
+    def _step_ahead(self, t_start: float) -> None:
+        """A step whose round trip went out during the last forward: retire what that forward
+        finished (freed with the next message), run the granted appends."""
+        ids, n_decode, counts, res, plan_s, rt_s = self._ahead
+        self._ahead = None
+        self._free_later += self._retire()
+        self.phases.update(plan=plan_s, rt=rt_s)
+        self.steps += 1
+        self._check(res)
+        if self.after_reply is not None:
+            self.after_reply(self, res)
+        if self.owned is not None:
+            self.owned.copy(res.copies)
+        self.copies += len(res.copies)
+        sched = []
+        for i, (rid, st, n) in enumerate(zip(ids, res.append_status.tolist(), counts)):
+            if st == STATUS_OK:
+                r = self.reqs[rid]
+                r.registered += n
+                if i < n_decode:
+                    sched.append((r, r.computed, 1))
+        self._run_forward(sched, res, ids[:n_decode])
+        self.phases["total"] = time.perf_counter() - t_start
+
+    def _extend_hashes(self, r: Request, n_tokens: int) -> None:
+        """Hash the full blocks among ``r``'s first ``n_tokens`` tokens that have no hash yet."""
+        k, last = len(r.hashes), n_tokens // self.bs
+        if last <= k:
+            return
+        parent = bytes(r.hashes[-1]) if k else None
+        new = self.c.hash_prompt(np.array(r.tokens(k * self.bs, (last - k) * self.bs)), parent=parent,
+                                 first_block_index=k)
+        r.hashes = np.concatenate([r.hashes, new])
 
     def _lagging(self, r: Request) -> bool:
         """Whether ``r`` has full blocks with known hashes that are not registered yet."""
@@ -274,14 +401,6 @@ class Engine:
             self.reqs[c] = child
         return forks
 
-    def _filled_hash(self, r: Request) -> np.ndarray:
-        """The hash of the block the decode token fills (empty when it fills none)."""
-        n = r.computed + 1
-        if n % self.bs:
-            return _NO_HASH
-        parent = bytes(r.hashes[-1]) if len(r.hashes) else None
-        return self.c.hash_prompt(np.array(r.seq[n - self.bs:n]), parent=parent, first_block_index=n // self.bs - 1)
-
     def _check(self, res) -> None:
         for what in ("free_status", "fork_status"):
             st = getattr(res, what)
@@ -292,13 +411,12 @@ class Engine:
             if bad.any():
                 raise RuntimeError(f"kvd refused part of the step: {st.tolist()}")
 
-    def _schedule(self, decode, filled, res, cont, admits):
+    def _schedule(self, decode, res, cont, admits):
         """(request, first position, token count) of this step's forward, in any order."""
         sched = []
-        for rid, h, st in zip(decode, filled, res.append_status.tolist()):
+        for rid, st in zip(decode, res.append_status.tolist()):
             if st == STATUS_OK:  # a refused append registered nothing: its hash waits for the retry
                 r = self.reqs[rid]
-                r.hashes = np.concatenate([r.hashes, h]) if len(h) else r.hashes
                 sched.append((r, r.computed, 1))
         for rid in cont:
             r = self.reqs[rid]
@@ -377,50 +495,85 @@ class Engine:
         return [torch.from_numpy(np.asarray(s[:total], np.int64)) for s in maps]
 
     def _forward(self, sched, res) -> None:
+        self._finish(self._launch(sched, res))
+
+    def _launch(self, sched, res):
+        """Build the step's inputs and metadata and launch its forward (a CUDA graph's replay for a
+        small step when graphs are on); returns what :meth:`_finish` needs."""
         t0 = time.perf_counter()
         dev = self.device
         n = len(sched)
         starts = np.fromiter((s for _, s, _ in sched), np.int64, n)
         counts = np.fromiter((k for _, _, k in sched), np.int64, n)
-        ids = np.fromiter(chain.from_iterable(r.tokens(s, k) for r, s, k in sched), np.int64, int(counts.sum()))
+        total = int(counts.sum())
+        ids = np.fromiter(chain.from_iterable(r.tokens(s, k) for r, s, k in sched), np.int64, total)
         done = [i for i, (r, s, k) in enumerate(sched) if s + k == r.seq_len]  # rows that sample
         t_meta = time.perf_counter()  # kvd's share from here: varlen layout, tables, slots
         rows = np.asarray(self.c.rows_of([r.rid for r, _, _ in sched]), np.int32)
         qsl, seq_lens, positions = varlen_layout(starts, counts)
+        keep = qsl[1:][done] - 1
         tables = self._tables()
         host_tables = tables[0].device != dev
-        if host_tables:  # host tables, device model: move only the scheduled rows' used columns
+        if host_tables:  # host tables, device model: only the scheduled rows' used columns move
             width = -(-int(seq_lens.max()) // self.bs)
-            tables = [t[torch.from_numpy(rows).long(), :width].to(dev) for t in tables]
-        slots = None if host_tables else self._kvd_slots(res, rows, starts, counts)
-        own = slots is None or self.check_slots  # slots from the tables (too)
-        rep = np.repeat(np.arange(n, dtype=np.int64), counts) if own else None
-        x = self.staging.pack(ids, positions, qsl[1:][done] - 1, rep,
-                              np.arange(n, dtype=np.int32) if host_tables else rows, seq_lens, qsl)
-        if own:  # slot = block_id * block_size + position % block_size
-            mine = [t[x.rows[x.rep].long(), x.positions // self.bs].long() * self.bs + x.positions % self.bs
-                    for t in tables]
-            if slots is not None:
-                assert all(torch.equal(a, b) for a, b in zip(slots, mine)), "kvd slot mapping differs"
-            else:
-                slots = mine
-        self.kvd_slot_steps += slots is not mine if own else 1
-        meta = StepMeta(self.kv, self.groups, slots, tables, x.rows, x.seq_lens, x.qsl)
-        t_model = time.perf_counter()
+            tables = [t[torch.from_numpy(rows).long(), :width] for t in tables]
+            rows = np.arange(n, dtype=np.int32)
+        kvd = None if host_tables or self.overlap else self._kvd_slots(res, rows, starts, counts)
+        self.kvd_slot_steps += kvd is not None
+        graphs = self.graphs if self.graphs is not None and self.graphs.fits(total) else None
+        timed = self.overlap and dev.type == "cuda"  # when the forward ends on the GPU (overlap figures)
+        if graphs is not None:
+            bucket = graphs.prepare(ids, positions, keep, np.repeat(np.arange(n, dtype=np.int64), counts), rows,
+                                    seq_lens, qsl, tables, kvd, self.check_slots)
+            t_model = time.perf_counter()
+            events = _record_start(timed)
+            logits = graphs.replay(bucket, len(done))
+        else:
+            if host_tables:
+                tables = [t.to(dev) for t in tables]
+            own = kvd is None or self.check_slots  # slots from the tables (too)
+            rep = np.repeat(np.arange(n, dtype=np.int64), counts) if own else None
+            x = self.staging.pack(ids, positions, keep, rep, rows, seq_lens, qsl)
+            slots = kvd
+            if own:  # slot = block_id * block_size + position % block_size
+                mine = [t[x.rows[x.rep].long(), x.positions // self.bs].long() * self.bs + x.positions % self.bs
+                        for t in tables]
+                if kvd is not None:
+                    assert all(torch.equal(a, b) for a, b in zip(kvd, mine)), "kvd slot mapping differs"
+                else:
+                    slots = mine
+            meta = StepMeta(self.kv, self.groups, slots, tables, x.rows, x.seq_lens, x.qsl)
+            t_model = time.perf_counter()
+            events = _record_start(timed)
+            use_paged(self.model, True)
+            try:
+                with torch.no_grad():
+                    logits = self.model(input_ids=x.ids[None], position_ids=x.positions[None], kvd_meta=meta,
+                                        use_cache=False, logits_to_keep=x.keep).logits[0]
+            finally:
+                use_paged(self.model, False)
+        if events is not None:
+            events[1].record()
         self.meta_s += t_model - t_meta
-        use_paged(self.model, True)
-        try:
-            with torch.no_grad():
-                out = self.model(input_ids=x.ids[None], position_ids=x.positions[None], kvd_meta=meta,
-                                 use_cache=False, logits_to_keep=x.keep)
-        finally:
-            use_paged(self.model, False)
+        self.phases.update(inputs=t_meta - t0, meta=t_model - t_meta)
+        return sched, done, logits, t0, t_model, events
+
+    def _finish(self, launched, ahead_rt: tuple[float, float] | None = None) -> None:
+        """Wait for the launched forward, sample, account. ``ahead_rt``: host (start, end) of the
+        round trip sent during this forward; the part after the GPU finished is exposed."""
+        sched, done, logits, t0, t_model, events = launched
         t_sample = time.perf_counter()
-        self._sample(sched, done, out.logits[0])
+        self._sample(sched, done, logits)
         self.forwards += 1
         t1 = time.perf_counter()
         self.forward_s += t1 - t0
-        self.phases.update(inputs=t_meta - t0, meta=t_model - t_meta, model=t_sample - t_model, sample=t1 - t_sample)
+        self.phases.update(model=t_sample - t_model, sample=t1 - t_sample)
+        if ahead_rt is not None:
+            # the CPU's forward has returned before the round trip starts: all of it is exposed
+            gpu_done = t_model + events[0].elapsed_time(events[1]) / 1e3 if events is not None else ahead_rt[0]
+            exposed = max(0.0, ahead_rt[1] - max(ahead_rt[0], gpu_done))
+            self.kvd_exposed_s += exposed
+            self.phases["rt_exposed"] = exposed
 
     def _sample(self, sched, done, logits) -> None:
         """Greedy tokens (argmax on the model's device; only the ids come back) unless forced."""
