@@ -175,8 +175,9 @@ class Engine:
         self.overlap = overlap
         self._ahead = None  # (ids, decode count, hash counts, StepResult, plan s, rt s) of the step sent ahead
         self.ahead_steps = 0
-        # the part of those round trips after the forward they overlapped had finished on the GPU
-        # (CUDA; on the CPU the forward is done before they start: all of them)
+        # the step round trips' time on the critical path: all of a round trip the engine waits for,
+        # the part of one sent ahead after the forward it overlapped had finished on the GPU (on the
+        # CPU the forward is done before it starts: all of it)
         self.kvd_exposed_s = 0.0
         self._free_later: list[str] = []  # finished requests to free with the next message
         self.staging = Staging(self.device)
@@ -263,6 +264,7 @@ class Engine:
         res = self.c.step(batch)
         t1 = time.perf_counter()
         self.kvd_s += t1 - t0
+        self.kvd_exposed_s += t1 - t0  # nothing runs meanwhile
         self.phases.update(plan=t0 - t_start, rt=t1 - t0)
         self.steps += 1
         self._check(res)
