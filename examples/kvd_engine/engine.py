@@ -139,6 +139,8 @@ class Engine:
         self.c = client
         self.model = model
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.owned = kv
         dtype = next(model.parameters()).dtype
         self.kv = kv.gpu if kv is not None else daemon_kv(client, dtype)
@@ -515,21 +517,25 @@ class Engine:
         qsl, seq_lens, positions = varlen_layout(starts, counts)
         keep = qsl[1:][done] - 1
         tables = self._tables()
-        host_tables = tables[0].device != dev
+        host_tables = tables[0].device.type != dev.type
         if host_tables:  # host tables, device model: only the scheduled rows' used columns move
             width = -(-int(seq_lens.max()) // self.bs)
             tables = [t[torch.from_numpy(rows).long(), :width] for t in tables]
             rows = np.arange(n, dtype=np.int32)
-        kvd = None if host_tables or self.overlap else self._kvd_slots(res, rows, starts, counts)
-        self.kvd_slot_steps += kvd is not None
         graphs = self.graphs if self.graphs is not None and self.graphs.fits(total) else None
+        # kvd's slot mapping: the eager forward's when it is this step's (a graph computes its own)
+        wanted = not host_tables and not self.overlap and (graphs is None or self.check_slots)
+        kvd = self._kvd_slots(res, rows, starts, counts) if wanted else None
+        self.kvd_slot_steps += kvd is not None and graphs is None
         timed = self.overlap and dev.type == "cuda"  # when the forward ends on the GPU (overlap figures)
-        if graphs is not None:
+        if graphs is not None:  # the graph computes the slots from the tables itself
             bucket = graphs.prepare(ids, positions, keep, np.repeat(np.arange(n, dtype=np.int64), counts), rows,
-                                    seq_lens, qsl, tables, kvd, self.check_slots)
+                                    seq_lens, qsl, tables)
             t_model = time.perf_counter()
             events = _record_start(timed)
             logits = graphs.replay(bucket, len(done))
+            if kvd is not None and self.check_slots:
+                assert all(torch.equal(a, b[:total]) for a, b in zip(kvd, bucket.slots)), "kvd slot mapping differs"
         else:
             if host_tables:
                 tables = [t.to(dev) for t in tables]

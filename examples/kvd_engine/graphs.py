@@ -12,16 +12,19 @@ host twin (pinned)::
     ids [Tp], positions [Tp], keep [Bp], rep [Tp], then int32 rows [Bp], seq_lens [Bp], qsl [Bp + 1]
 
 plus ``slots`` int64 [G, Tp] and, when the block tables live on the host (the in-process manager),
-``tables[g]`` int32 [Bp, max_blocks]. Padding: tokens T..Tp-1 have id 0, position 0, slot
-PAD_SLOT_ID (no K/V written) and belong to no request (qsl[B..Bp] = T), so attention leaves their rows
-alone; requests B..Bp-1 are empty (seq_len 0, row 0); logits rows K..Bp-1 are computed from a padding
-token and never read.
+``tables[g]`` int32 [Bp, max_blocks]. The graph computes the slots itself, first: slot =
+table[rows[rep[t]], position // block_size] * block_size + position % block_size for t < qsl[Bp] (the
+step's token count), PAD_SLOT_ID after; no host launch per step but the one copy. Padding: tokens
+T..Tp-1 have id 0, position 0, slot PAD_SLOT_ID (no K/V written) and belong to no request (qsl[B..Bp]
+= T), so attention leaves their rows alone; requests B..Bp-1 are empty (seq_len 0, row 0); logits
+rows K..Bp-1 are computed from a padding token and never read.
 
 Capture: at a bucket's first use, from that step's own inputs: two eager passes on a side stream
 (Triton compiles, allocator warm), then the capture (all buckets share one memory pool), then the
 replay that serves the step. Re-running a forward rewrites the same K/V at the same slots, so the
 extra passes change nothing. The graphs hold the addresses of the KV cache and of the tables they
-read (kvd's GPU tables of the session): when those change (a new session) every graph is dropped.
+read (kvd's GPU tables of the session): when those change (a new session) every graph is dropped
+and the next captures use a new memory pool (a pool whose graphs are all gone cannot take new ones).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class Bucket:
         small = d[3 * tp + bp:].view(torch.int32)
         self.rows, self.seq_lens, self.qsl = small[:bp], small[bp:2 * bp], small[2 * bp:3 * bp + 1]
         self.slots = torch.full((num_groups, tp), PAD_SLOT_ID, dtype=torch.int64, device=device)
+        self.token_index = torch.arange(tp, device=device)
         self.tables = [torch.zeros(bp, table_width, dtype=torch.int32, device=device)
                        for _ in range(num_groups)] if table_width else None
         self.tables_now: list[torch.Tensor] | None = None  # the tables the staged step reads
@@ -106,9 +110,8 @@ class GraphRunner:
     def fits(self, num_tokens: int) -> bool:
         return self.device.type == "cuda" and 0 < num_tokens <= self.max_tokens
 
-    def prepare(self, ids, positions, keep, rep, rows, seq_lens, qsl, tables, kvd_slots=None,
-                check_slots: bool = False) -> Bucket:
-        """Stage a step into its bucket: inputs, slots (kvd's, or from the tables), host tables.
+    def prepare(self, ids, positions, keep, rep, rows, seq_lens, qsl, tables) -> Bucket:
+        """Stage a step into its bucket: inputs and, with host tables, the scheduled rows.
         ``tables``: device tables (fixed addresses) or, with ``table_width``, host rows [B, width]
         in step order (then ``rows`` must be 0..B-1)."""
         t, b = positions.shape[0], rows.shape[0]
@@ -122,15 +125,6 @@ class GraphRunner:
                 dst[:b, :src.shape[1]].copy_(src, non_blocking=False)
             tables = bk.tables
         bk.tables_now = tables
-        mine = None
-        if kvd_slots is None or check_slots:  # slot = block_id * block_size + position % block_size
-            pos, rep_t = bk.positions[:t], bk.rep[:t]
-            mine = [tb[bk.rows[rep_t].long(), pos // self.bs].long() * self.bs + pos % self.bs for tb in tables]
-        if kvd_slots is not None and mine is not None:
-            assert all(torch.equal(a, c) for a, c in zip(kvd_slots, mine)), "kvd slot mapping differs"
-        for g, src in enumerate(kvd_slots if kvd_slots is not None else mine):
-            bk.slots[g, :t].copy_(src)
-            bk.slots[g, t:].fill_(PAD_SLOT_ID)
         return bk
 
     def replay(self, bk: Bucket, num_keep: int) -> torch.Tensor:
@@ -140,6 +134,7 @@ class GraphRunner:
             if bk.key is not None and bk.key != key:  # another session's tables: every graph is stale
                 for other in self.buckets.values():
                     other.graph = other.out = other.key = None
+                self.pool = None
             self._capture(bk, key)
         bk.graph.replay()
         self.replays += 1
@@ -149,7 +144,14 @@ class GraphRunner:
         meta = StepMeta(self.kv, self.layer_group, [bk.slots[g] for g in range(self.G)], bk.tables_now,
                         bk.rows, bk.seq_lens, bk.qsl)
 
+        bs = self.bs
+
         def run():
+            pos = bk.positions
+            real = bk.token_index < bk.qsl[-1]
+            req_rows = bk.rows[bk.rep].long()
+            for g, tb in enumerate(bk.tables_now):
+                bk.slots[g].copy_(torch.where(real, tb[req_rows, pos // bs].long() * bs + pos % bs, PAD_SLOT_ID))
             return self.model(input_ids=bk.ids[None], position_ids=bk.positions[None], kvd_meta=meta,
                               use_cache=False, logits_to_keep=bk.keep).logits
 
