@@ -90,8 +90,10 @@ class GpuBuffers:
     """The session's GPU buffers mapped over CUDA IPC (see kvd.gpu_session): torch CUDA tensors that
     never move while the session lives. ``tables[g]`` int32 [max_reqs, max_blocks_g],
     ``num_blocks[g]`` int32 [max_reqs], ``slot_array`` int64 [G, max_tokens] (``slot_mappings[g]`` its
-    rows). The daemon synchronizes its stream before every reply, so they are complete when a call
-    returns. torch is imported here, only when the daemon has a GPU pool."""
+    rows). The daemon replies before its writes to them have run on the GPU; the client makes the
+    current CUDA stream wait for them after every reply (:meth:`wait`), so work queued on that stream
+    afterwards (kernels, ``.cpu()``) sees the reply's contents. Another stream: ``wait(stream)``.
+    torch is imported here, only when the daemon has a GPU pool."""
 
     def __init__(self, info: dict, num_groups: int):
         import torch
@@ -109,8 +111,18 @@ class GpuBuffers:
         self.num_blocks = [counts[g] for g in range(num_groups)]
         self.tables = [view(f"table_{g}") for g in range(num_groups)]
         self.slot_mappings = [self.slot_array[g] for g in range(num_groups)]
+        done = info.get("done")  # absent from an older daemon, which synchronizes before replying
+        self._done = torch.cuda.Event.from_ipc_handle(self.device, bytes.fromhex(done)) if done else None
+        self._current_stream = torch.cuda.current_stream
+
+    def wait(self, stream=None) -> None:
+        """Make ``stream`` (default: the current stream of the buffers' device) wait for the daemon's
+        writes of the last reply."""
+        if self._done is not None:
+            (stream or self._current_stream(self.device)).wait_event(self._done)
 
     def close(self) -> None:
+        self._done = None
         self.tables = self.num_blocks = self.slot_mappings = self.slot_array = None
         self.storage = None  # the mapping goes (and the daemon's ref count drops) with the last view
 
@@ -444,6 +456,8 @@ class _Core:
             if old is not None:
                 old.close()
         self._on_gpu(h.get("gpu"))
+        if self.gpu is not None:
+            self.gpu.wait()
 
     def _on_gpu(self, info: dict | None) -> None:
         if self.gpu is not None and (info is None or info.get("h") != self.gpu.key):
@@ -841,6 +855,8 @@ class Client(_Core):
                 spec[4]()
             raise
         self._on_reply(op, h)
+        if self.gpu is not None:
+            self.gpu.wait()
         return post(h, f)
 
     def reconnect(self) -> bool:
@@ -1087,6 +1103,8 @@ class AsyncClient(_Core):
                 spec[4]()
             raise
         self._on_reply(op, h)
+        if self.gpu is not None:
+            self.gpu.wait()
         return post(h, f)
 
     async def heartbeat(self) -> None:

@@ -68,7 +68,10 @@ hello      hdr: tenant (str, <= 256 chars; "" = the peer's own, see kvd.tenancy)
              arrays {name: [byte offset in the storage, dtype ("<i4"/"<i8"), shape]} for
                    ``slots`` [G, max_tokens] int64, ``counts`` [G, max_reqs] int32 and
                    ``table_g`` [max_reqs, max_blocks_g] int32: the same contents as the shared
-                   memory's slots, counts_g and table_g after every reply.
+                   memory's slots, counts_g and table_g after every reply, once ``done`` is reached.
+             done  hex    cudaIpcEventHandle of an interprocess event the daemon records after its
+                   GPU writes of every reply (it does not wait for them): a reader's stream waits
+                   on it (cudaStreamWaitEvent) before reading the arena.
            The client rebuilds the storage with ``torch.UntypedStorage._new_shared_cuda(dev, h, sz,
            off, rc, rco, ev, evs)`` (torch/multiprocessing/reductions.py) once per session and takes
            views with ``Tensor.set_``; dropping them releases torch's cross-process ref count.

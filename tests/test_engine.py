@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 from kvd.config import ConfigError, ServeConfig  # noqa: E402
 from kvd_client import Client  # noqa: E402
-from kvd_engine import Engine, InProcClient, OwnedKv  # noqa: E402
+from kvd_engine import Engine, InProcClient, OwnedKv, hf_generate  # noqa: E402
 
 
 def _client(d):
@@ -44,6 +44,8 @@ def test_32_prompts_arriving_during_decode_match_hf(daemon_factory):
                     eng.add(rid, prompts[rid], 8)
         assert all(eng.reqs[r].prefilled_tokens == len(prompts[r]) for r in order)
         assert max(eng.reqs[r].first_token_step - eng.reqs[r].admitted_step for r in order) >= 1  # chunked
+        # steps with a continuing chunk take their slots from the tables, the others kvd's (checked equal)
+        assert 0 < eng.kvd_slot_steps < eng.forwards
         assert_matches_hf(model, eng, prompts, 8)
         assert c.stats()["num_requests"] == 0
 
@@ -56,6 +58,7 @@ def test_prefix_hit_within_an_engine_prefills_only_the_suffix(daemon_factory):
     prompts = {"a": system + [5, 6, 7], "b": system + [9, 10, 11, 12]}
     with _client(d) as c:
         eng = Engine(c, model)
+        eng.check_slots = True
         eng.add("a", prompts["a"], 6)
         eng.step()
         eng.step()  # a's prompt blocks are written (and, with issue 14, confirmed)
@@ -63,6 +66,8 @@ def test_prefix_hit_within_an_engine_prefills_only_the_suffix(daemon_factory):
         eng.run()
         assert eng.reqs["b"].cached_tokens == 40  # 5 full blocks of 8 of the 44 shared tokens
         assert eng.reqs["b"].prefilled_tokens == len(prompts["b"]) - 40
+        # every forward is kvd's schedule (the hit's suffix included): kvd's slot mapping serves it
+        assert eng.kvd_slot_steps == eng.forwards == 8  # a: steps 1-6, b: steps 3-8
         assert_matches_hf(model, eng, prompts, 6)
 
 
@@ -174,3 +179,56 @@ def test_the_triton_kernels_drive_the_same_engine(monkeypatch):
         eng.add(rid, p, 8)
     eng.run()
     assert_matches_hf(model, eng, prompts, 8)
+
+
+def test_keep_logits_off_samples_the_same_tokens(daemon_factory):
+    d = daemon_factory(**DAEMON)
+    model = model_of(LLAMA)
+    prompts = _prompts(np.random.default_rng(10), 6, 5, 30)
+    outs = []
+    for keep in (True, False):
+        with _client(d) as c:
+            eng = Engine(c, model, keep_logits=keep)
+            for rid, p in prompts.items():
+                eng.add(rid, p, 7)
+            eng.run()
+            outs.append({rid: r.output for rid, r in eng.reqs.items()})
+            assert all(len(r.logits) == (7 if keep else 0) for r in eng.reqs.values())
+    assert outs[0] == outs[1] == {rid: hf_generate(model, p, 7)[0] for rid, p in prompts.items()}
+
+
+def _run_and_lookup(d, model, prompts, max_new, overlap):
+    """Run ``prompts`` in one engine; then, from a second session of the tenant, how many leading
+    blocks of each request's written tokens (prompt + all outputs but the last) are cached."""
+    with Client(d.endpoint, tenant="t", name="e", steps_in_flight=1) as c:
+        eng = Engine(c, model, overlap=overlap)
+        for rid, p in prompts.items():
+            eng.add(rid, p, max_new)
+        eng.run()
+        c.mark_computed()  # every step's forward has finished: all its blocks may be shared
+        assert c.stats()["num_requests"] == 0
+        with Client(d.endpoint, tenant="t", name="reader") as r:
+            cached = {rid: r.lookup(c.hash_prompt(np.array(p + eng.reqs[rid].output[:-1])))
+                      for rid, p in prompts.items()}
+        return eng, cached
+
+
+def test_overlap_sends_decode_steps_ahead_with_the_same_tokens_and_cache(daemon_factory):
+    """overlap=True: steady decode steps go out while the previous forward runs; tokens and logits
+    equal HF's, every written full block ends up cached exactly as without overlap (a block the next
+    token fills registers one message later; a finishing request's last blocks by a 0-token append),
+    and every request is freed."""
+    model = model_of(LLAMA)
+    prompts = _prompts(np.random.default_rng(11), 6, 5, 30)
+    runs = {}
+    for overlap in (False, True):
+        d = daemon_factory(**DAEMON, tenants="t=uid:" + str(__import__("os").getuid()))
+        runs[overlap] = _run_and_lookup(d, model, prompts, 21, overlap)
+    eng, cached = runs[True]
+    assert eng.ahead_steps >= 15 and runs[False][0].ahead_steps == 0
+    assert eng.kvd_exposed_s == eng.kvd_s  # on the CPU every round trip is exposed (the forward runs first)
+    assert_matches_hf(model, eng, prompts, 21)
+    written = {rid: (len(p) + 20) // BLOCK for rid, p in prompts.items()}
+    assert cached == runs[False][1] == written
+    with pytest.raises(ValueError, match="overlap"):
+        eng.fork("r0", "x", 1)

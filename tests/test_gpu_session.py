@@ -240,6 +240,40 @@ def test_daemon_gpu_path_emulated(monkeypatch, groups):
             d.end_session(s, "test")
 
 
+def test_staging_waits_for_the_last_flushs_event():
+    """The daemon replies before its flush has run on the GPU (the client's stream waits on the
+    session's event); the pool-wide staging buffers are rewritten only after the last flush's event
+    (here a stand-in for the CUDA event: the emulation's kernels are synchronous)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("emulation runs under TRITON_INTERPRET=1 (a machine without a GPU)")
+    pytest.importorskip("triton")
+    from kvd.gpu_session import GpuPool
+
+    class Event:
+        def __init__(self, pool):
+            self.pool, self.seen = pool, []
+
+        def synchronize(self):  # the staging as it is when the writer waits: not yet rewritten
+            self.seen.append(int(self.pool.np["req_rows"][0]))
+
+    pool = GpuPool("cpu", [4], [8], 4, 16)
+    s = pool.new_session()
+    ev = Event(pool)
+    for row in (2, 3):
+        pool.inflight = ev
+        s.stage_slots(np.array([row], np.int32), np.array([5]), np.array([1], np.int32))
+        assert pool.inflight is None and int(pool.np["req_rows"][0]) == row
+    assert ev.seen == [0, 2]
+    pool.inflight = ev
+    s.tracker.mark(0, np.array([1], np.int32), 0, 1)
+    s.flush([np.zeros((4, 8), np.int32)], [np.zeros(4, np.int32)])
+    assert ev.seen == [0, 2, 3] and pool.inflight is None  # no CUDA event: the flush synchronized
+    assert int(s.slots[0, 0]) == 1 and int(s.slots[0, 1]) == -1  # row 3 holds no block: 0 * 4 + 5 % 4
+    pool.inflight = ev
+    s.close()
+    assert ev.seen == [0, 2, 3, 3]
+
+
 # ---- CUDA: a real daemon, two client processes --------------------------------------------------
 
 WORKER = r"""
@@ -262,7 +296,8 @@ def check(tag):
     global checks
     if mode != "gpu":  # the CPU daemon baseline: same calls, no GPU views
         return
-    torch.cuda.synchronize()
+    # no synchronize: .cpu() runs on the current stream, which the client made wait on the
+    # daemon's event of the reply
     for g in range(G):
         gt = c.gpu_tables[g].cpu().numpy()
         assert np.array_equal(gt, c.tables[g]), (tag, g, "table")

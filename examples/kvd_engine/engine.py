@@ -21,89 +21,42 @@ engine's own (``OwnedKv``: the engine performs ``res.copies`` and the swap copie
 from __future__ import annotations
 
 import time
-import warnings
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from kvd.api import STATUS_NO_SPACE, STATUS_OK, AdmitRequest, StepBatch
 
-from .model import StepMeta, layer_groups, use_paged
+from .forward import ForwardMixin
+from .graphs import GraphRunner
+from .inputs import Staging
+from .model import layer_groups
+from .overlap import OverlapMixin
+from .state import DONE, PREFILL, RUNNING, SWAPPED, WAITING, OwnedKv, Request, daemon_kv
 
-WAITING, PREFILL, RUNNING, SWAPPED, DONE = "waiting", "prefill", "running", "swapped", "done"
-
-
-@dataclass
-class Request:
-    rid: str
-    prompt: list[int]
-    max_new_tokens: int
-    forced: dict[int, int] = field(default_factory=dict)   # output index -> token (forks, tests)
-    output: list[int] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(default_factory=list)  # float32 CPU, one per output token
-    hashes: np.ndarray = field(default_factory=lambda: np.empty(0, "S16"))  # full blocks' chain
-    computed: int = 0          # tokens whose KV is written
-    cached_tokens: int = 0     # prefix hit at admission
-    prefilled_tokens: int = 0  # prompt tokens this engine computed
-    state: str = WAITING
-    first_token_step: int = -1
-    admitted_step: int = -1
-    added_at: float = 0.0      # perf_counter() when added (time to first token)
-    first_token_at: float = 0.0
-    registered: int = 0        # leading full blocks registered in kvd's prefix cache
-    chunk: int = 0             # prompt tokens this step computes (planned before the round trip)
-
-    @property
-    def seq(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
-    def finished(self) -> bool:
-        return len(self.output) >= self.max_new_tokens
+__all__ = ["Engine", "OwnedKv", "Request", "daemon_kv", "WAITING", "PREFILL", "RUNNING", "SWAPPED", "DONE"]
 
 
-class OwnedKv:
-    """Engine-owned KV memory: the GPU-side cache and a CPU swap pool, with kvd's layout."""
-
-    def __init__(self, layers, num_blocks, block_size, kv_heads, head_dim, dtype, device, num_cpu_blocks=0):
-        self.gpu = torch.zeros(layers, 2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
-        self.cpu = torch.zeros(layers, 2, max(num_cpu_blocks, 1), block_size, kv_heads, head_dim, dtype=dtype)
-
-    def copy(self, pairs: np.ndarray) -> None:
-        if len(pairs):
-            p = torch.from_numpy(pairs.astype(np.int64)).to(self.gpu.device)
-            self.gpu[:, :, p[:, 1]] = self.gpu[:, :, p[:, 0]]
-
-    def swap_out(self, mapping: np.ndarray) -> None:
-        if len(mapping):
-            m = torch.from_numpy(mapping.astype(np.int64))
-            self.cpu[:, :, m[:, 1]] = self.gpu[:, :, m[:, 0].to(self.gpu.device)].cpu()
-
-    def swap_in(self, mapping: np.ndarray) -> None:
-        if len(mapping):
-            m = torch.from_numpy(mapping.astype(np.int64))
-            self.gpu[:, :, m[:, 1].to(self.gpu.device)] = self.cpu[:, :, m[:, 0]].to(self.gpu.device)
-
-
-def daemon_kv(client, dtype: torch.dtype) -> torch.Tensor:
-    """The daemon-owned cache as a torch tensor: CUDA IPC tensor as is, shm numpy memmap wrapped
-    (bfloat16/float16 arrive as integers of their width: reinterpret the bytes)."""
-    kv = client.kv_cache
-    if isinstance(kv, torch.Tensor):
-        return kv
-    t = torch.from_numpy(kv)
-    return t.view(dtype) if t.dtype != dtype else t
-
-
-class Engine:
+class Engine(ForwardMixin, OverlapMixin):
     """One engine: a model, a kvd client (daemon ``kvd_client.Client`` or ``InProcClient``), a queue."""
 
     def __init__(self, client, model, *, kv: OwnedKv | None = None, max_tokens: int = 256, max_running: int = 64,
-                 device="cpu"):
+                 device="cpu", keep_logits: bool = True, graph_tokens: int = 0, overlap: bool = False):
+        """``keep_logits``: keep every sampled row's logits (float32, on the host) in ``Request.logits``
+        (the tests compare them with HF's); False: only the sampled token ids leave the device.
+        ``graph_tokens``: on CUDA, steps of at most that many tokens replay CUDA graphs
+        (``graphs.GraphRunner``); 0: every forward is eager. ``overlap``: in steady decode (every
+        running request decoding, nothing waiting), send the next step's round trip while this
+        step's forward runs (async scheduling). Needs one full-attention KV-cache group (a window's
+        releases, or a fork's copy-on-write, would change blocks the running forward reads), no
+        forks, and a client that confirms a step only once a later one is sent (``steps_in_flight``
+        >= 1); slots then come from the block tables (kvd rewrites its slot buffer for the next step
+        while this forward may still read it)."""
         self.c = client
         self.model = model
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.owned = kv
         dtype = next(model.parameters()).dtype
         self.kv = kv.gpu if kv is not None else daemon_kv(client, dtype)
@@ -128,7 +81,31 @@ class Engine:
         self.forward_s = 0.0
         self.kvd_s = 0.0   # kvd's share of the steps: the round trips ...
         self.meta_s = 0.0  # ... and building slots / table views / varlen layout from its answer
+        # the last step's phases (seconds): plan (scheduling, hashing), rt (kvd round trip), inputs
+        # (token ids), meta (kvd's metadata), model (the forward's launch), sample (waiting for the
+        # device, sampling), total
+        self.phases: dict[str, float] = {}
         self.freed_since_preempt = True
+        self.keep_logits = keep_logits
+        ticks = getattr(client, "_step_ticks", None)
+        if overlap and (self.num_groups != 1 or max(self.groups) > 0 or (ticks is not None and ticks.maxlen < 2)):
+            raise ValueError("overlap needs one full-attention KV-cache group and a client with steps_in_flight >= 1")
+        self.overlap = overlap
+        self._ahead = None  # (ids, decode count, hash counts, StepResult, plan s, rt s) of the step sent ahead
+        self.ahead_steps = 0
+        # the step round trips' time on the critical path: all of a round trip the engine waits for,
+        # the part of one sent ahead after the forward it overlapped had finished on the GPU (on the
+        # CPU the forward is done before it starts: all of it)
+        self.kvd_exposed_s = 0.0
+        self._free_later: list[str] = []  # finished requests to free with the next message
+        self.staging = Staging(self.device)
+        self.graphs = None
+        if graph_tokens > 0 and self.device.type == "cuda":
+            host = isinstance(client.tables[0], np.ndarray) and getattr(client, "gpu_tables", None) is None
+            self.graphs = GraphRunner(model, self.kv, self.groups, self.num_groups, self.bs, graph_tokens,
+                                      table_width=client.tables[0].shape[1] if host else 0)
+        self.forwards = 0
+        self.kvd_slot_steps = 0  # forwards that used kvd's own slot mapping (not one from the tables)
         self.check_slots = False  # tests: compare kvd's slot mapping with the one from the tables
         self.after_reply = None  # hook(engine, StepResult) between kvd's reply and the forward (tests)
 
@@ -141,11 +118,15 @@ class Engine:
     def fork(self, parent: str, child: str, first_token: int) -> None:
         """Parallel sampling: ``child`` shares ``parent``'s blocks (kvd fork, copy-on-write) and
         replaces the parent's last sampled token with ``first_token``."""
+        if self.overlap:
+            raise ValueError("fork needs an engine without overlap (its copy-on-write would rewrite blocks "
+                             "the running forward reads)")
         self.pending_forks.append((parent, child, first_token))
 
     @property
     def busy(self) -> bool:
-        return bool(self.order or self.waiting or self.swapped or self.pending_forks)
+        return bool(self.order or self.waiting or self.swapped or self.pending_forks or self._free_later
+                    or self._ahead is not None)
 
     def run(self, max_steps: int = 100000) -> None:
         for _ in range(max_steps):
@@ -156,17 +137,19 @@ class Engine:
 
     # ---- one step ------------------------------------------------------------------------------------
     def step(self) -> None:
+        t_start = time.perf_counter()
+        self.phases = {}
+        if self._ahead is not None:  # this step's round trip went out during the last forward
+            return self._step_ahead(t_start)
         self._swap_in_some()
-        free = [rid for rid in self.order if self.reqs[rid].finished]
-        for rid in free:
-            self.order.remove(rid)
-            self.reqs[rid].state = DONE
-            self.freed_since_preempt = True
+        free = self._retire() + self._free_later
+        self._free_later = []
         forks = self._take_forks(free)
         budget = self.max_tokens
         decode = [rid for rid in self.order if self.reqs[rid].state == RUNNING]
         budget -= len(decode)
-        filled = [self._filled_hash(self.reqs[rid]) for rid in decode]
+        for rid in decode:  # the block a decode token fills (its tokens are known now)
+            self._extend_hashes(self.reqs[rid], self.reqs[rid].computed + 1)
         cont = [rid for rid in self.order if self.reqs[rid].state == PREFILL]
         for rid in cont:  # each continuing prefill's chunk, fixed now: its blocks register with it
             r = self.reqs[rid]
@@ -181,8 +164,8 @@ class Engine:
             admits.append(r)
         # per append: the blocks its tokens (decode: one; continuing prefill: none, its chunk's
         # slots are in its table already) complete this step, registered now
-        regs = [self._unregistered(self.reqs[rid], self.reqs[rid].computed + 1) + list(h)
-                for rid, h in zip(decode, filled)]
+        regs = [self._unregistered(r, r.computed + 1) if self._lagging(r) else []
+                for r in (self.reqs[rid] for rid in decode)]
         regs += [self._unregistered(self.reqs[rid], self.reqs[rid].computed + self.reqs[rid].chunk) for rid in cont]
         rows = np.asarray(self.c.rows_of(decode + cont), np.int32) if decode or cont else None
         counts = [len(x) for x in regs]
@@ -197,7 +180,10 @@ class Engine:
                           append_hashes=hs, append_hash_counts=cnt, admit=adm)
         t0 = time.perf_counter()
         res = self.c.step(batch)
-        self.kvd_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.kvd_s += t1 - t0
+        self.kvd_exposed_s += t1 - t0  # nothing runs meanwhile
+        self.phases.update(plan=t0 - t_start, rt=t1 - t0)
         self.steps += 1
         self._check(res)
         if self.after_reply is not None:
@@ -210,13 +196,40 @@ class Engine:
                 self.reqs[rid].registered += n
         for p, c, _ in forks:
             self.order.append(c)
-        sched = self._schedule(decode, filled, res, cont, admits)
+        sched = self._schedule(decode, res, cont, admits)
+        self._run_forward(sched, res, decode)
+        self.phases["total"] = time.perf_counter() - t_start
+
+    def _retire(self) -> list[str]:
+        """Take the finished requests out of the running order; their ids (to free)."""
+        free = [rid for rid in self.order if self.reqs[rid].finished]
+        for rid in free:
+            self.order.remove(rid)
+            self.reqs[rid].state = DONE
+            self.freed_since_preempt = True
+        return free
+
+    def _run_forward(self, sched, res, decode) -> None:
+        """The step's forward; with ``overlap``, the next step's round trip while it runs."""
         if sched:
-            # kvd's own slot mapping is this step's when the forward is exactly kvd's schedule (all
-            # appends granted, in batch order, nothing admitted or continuing)
-            exact = not admits and not cont and len(sched) == len(decode)
-            self._forward(sched, kvd_slots=exact)
+            launched = self._launch(sched, res)
+            rt = self._send_ahead() if self._steady(sched, res) else None
+            self._finish(launched, rt)
         self._preempt(decode, res)  # after the forward: a victim's KV of this step is written
+
+    def _extend_hashes(self, r: Request, n_tokens: int) -> None:
+        """Hash the full blocks among ``r``'s first ``n_tokens`` tokens that have no hash yet."""
+        k, last = len(r.hashes), n_tokens // self.bs
+        if last <= k:
+            return
+        parent = bytes(r.hashes[-1]) if k else None
+        new = self.c.hash_prompt(np.array(r.tokens(k * self.bs, (last - k) * self.bs)), parent=parent,
+                                 first_block_index=k)
+        r.hashes = np.concatenate([r.hashes, new])
+
+    def _lagging(self, r: Request) -> bool:
+        """Whether ``r`` has full blocks with known hashes that are not registered yet."""
+        return r.registered < min((r.computed + 1) // self.bs, len(r.hashes))
 
     def _unregistered(self, r: Request, written: int) -> list[bytes]:
         """Hashes of ``r``'s full blocks past those registered, up to ``written`` tokens' worth."""
@@ -241,14 +254,6 @@ class Engine:
             self.reqs[c] = child
         return forks
 
-    def _filled_hash(self, r: Request) -> np.ndarray:
-        """The hash of the block the decode token fills (empty when it fills none)."""
-        n = r.computed + 1
-        if n % self.bs:
-            return np.empty(0, "S16")
-        parent = bytes(r.hashes[-1]) if len(r.hashes) else None
-        return self.c.hash_prompt(np.array(r.seq[n - self.bs:n]), parent=parent, first_block_index=n // self.bs - 1)
-
     def _check(self, res) -> None:
         for what in ("free_status", "fork_status"):
             st = getattr(res, what)
@@ -259,13 +264,12 @@ class Engine:
             if bad.any():
                 raise RuntimeError(f"kvd refused part of the step: {st.tolist()}")
 
-    def _schedule(self, decode, filled, res, cont, admits):
+    def _schedule(self, decode, res, cont, admits):
         """(request, first position, token count) of this step's forward, in any order."""
         sched = []
-        for rid, h, st in zip(decode, filled, res.append_status.tolist()):
+        for rid, st in zip(decode, res.append_status.tolist()):
             if st == STATUS_OK:  # a refused append registered nothing: its hash waits for the retry
                 r = self.reqs[rid]
-                r.hashes = np.concatenate([r.hashes, h]) if len(h) else r.hashes
                 sched.append((r, r.computed, 1))
         for rid in cont:
             r = self.reqs[rid]
@@ -315,79 +319,3 @@ class Engine:
             self.order.append(rid)
             self.reqs[rid].state = RUNNING
             self.swaps_in += 1
-
-    # ---- the forward ---------------------------------------------------------------------------------
-    def _tables(self):
-        gpu = getattr(self.c, "gpu_tables", None) if self.device.type == "cuda" else None
-        if gpu is not None:
-            return list(gpu)
-        with warnings.catch_warnings():  # read-only shm views: the forward only reads them
-            warnings.simplefilter("ignore", UserWarning)
-            return [torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in self.c.tables]
-
-    def _kvd_slots(self, n: int):
-        """The step's slot mappings as kvd wrote them (None where the client has none)."""
-        if self.device.type == "cuda" and getattr(self.c, "gpu_slot_mappings", None) is not None:
-            return [m[:n] for m in self.c.gpu_slot_mappings]
-        maps = getattr(self.c, "slot_mappings", None)
-        if maps is None or self.device.type == "cuda":
-            return None
-        return [torch.from_numpy(np.asarray(m[:n], np.int64)) for m in maps]
-
-    def _forward(self, sched, kvd_slots: bool = False) -> None:
-        t0 = time.perf_counter()
-        dev = self.device
-        tokens, positions = [], []  # the model's input: engine work, not kvd's share
-        for r, start, n in sched:
-            tokens += r.seq[start:start + n]
-            positions += range(start, start + n)
-        pos = torch.tensor(positions, dtype=torch.int64)
-        t_meta = time.perf_counter()
-        lens, qsl = [s + n for _, s, n in sched], np.cumsum([0] + [n for _, _, n in sched]).tolist()
-        rows = self.c.rows_of([r.rid for r, _, _ in sched]).tolist()
-        rows_t = torch.tensor(rows, dtype=torch.int32)
-        tables = self._tables()
-        if tables[0].device != dev:  # host tables, device model: move only the scheduled rows' used columns
-            width = -(-max(lens) // self.bs)
-            tables = [t[rows_t.long(), :width].to(dev) for t in tables]
-            rows_t = torch.arange(len(sched), dtype=torch.int32)
-        pos_d = pos.to(dev)
-
-        def from_tables():  # slot = block_id * block_size + position % block_size
-            rep = torch.repeat_interleave(rows_t.long(), torch.tensor([n for _, _, n in sched])).to(dev)
-            return [t[rep, pos_d // self.bs].long() * self.bs + pos_d % self.bs for t in tables]
-
-        slots = self._kvd_slots(len(tokens)) if kvd_slots else None
-        if slots is None:
-            slots = from_tables()
-        elif self.check_slots:
-            assert all(torch.equal(a, b) for a, b in zip(slots, from_tables())), "kvd slot mapping differs"
-        meta = StepMeta(self.kv, self.groups, slots, tables, rows_t.to(dev),
-                        torch.tensor(lens, dtype=torch.int32, device=dev),
-                        torch.tensor(qsl, dtype=torch.int32, device=dev))
-        self.meta_s += time.perf_counter() - t_meta
-        done = [i for i, (r, s, n) in enumerate(sched) if s + n == len(r.seq)]  # rows that sample
-        keep = torch.tensor([qsl[i + 1] - 1 for i in done], dtype=torch.int64, device=dev)
-        use_paged(self.model, True)
-        try:
-            with torch.no_grad():
-                out = self.model(input_ids=torch.tensor([tokens], device=dev), position_ids=pos_d[None],
-                                 kvd_meta=meta, use_cache=False, logits_to_keep=keep)
-        finally:
-            use_paged(self.model, False)
-        logits = out.logits[0].float().cpu()
-        for r, s, n in sched:
-            r.computed = s + n
-            if r.state == PREFILL and r.computed >= len(r.prompt):
-                r.state = RUNNING
-            if r.cached_tokens <= s < len(r.prompt):
-                r.prefilled_tokens += min(n, len(r.prompt) - s)
-        for j, i in enumerate(done):
-            r = sched[i][0]
-            k = len(r.output)
-            r.output.append(r.forced.get(k, int(torch.argmax(logits[j]))))
-            r.logits.append(logits[j])
-            if r.first_token_step < 0:
-                r.first_token_step, r.first_token_at = self.steps, time.perf_counter()
-        self.forward_s += time.perf_counter() - t0
-

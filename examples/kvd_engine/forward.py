@@ -1,0 +1,158 @@
+"""The forward of one engine step: inputs and kvd's metadata on the device (one staged copy), the
+model (a CUDA graph's replay for a small step, else the eager paged forward), greedy sampling."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from itertools import chain
+
+import numpy as np
+import torch
+
+from .inputs import varlen_layout
+from .model import StepMeta, use_paged
+from .state import PREFILL, RUNNING
+
+
+def _record_start(timed: bool):
+    """(start, end) timing events with the start recorded now, or None."""
+    if not timed:
+        return None
+    events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+    events[0].record()
+    return events
+
+
+class ForwardMixin:
+    """``Engine``'s forward pass (``_forward``, or ``_launch`` then ``_finish`` around a round trip)."""
+
+    def _tables(self):
+        gpu = getattr(self.c, "gpu_tables", None) if self.device.type == "cuda" else None
+        if gpu is not None:
+            return list(gpu)
+        with warnings.catch_warnings():  # read-only shm views: the forward only reads them
+            warnings.simplefilter("ignore", UserWarning)
+            return [torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in self.c.tables]
+
+    def _kvd_slots(self, res, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray):
+        """kvd's own slot mappings of this step, or None: usable when kvd's schedule (its appends and
+        admissions with tokens, in batch order) is exactly this forward's, and the buffer holds it all."""
+        if self.device.type == "cuda":
+            maps = getattr(self.c, "gpu_slot_mappings", None)
+        else:
+            maps = getattr(self.c, "slot_mappings", None)
+        total = int(counts.sum())
+        if maps is None or total > maps[0].shape[0]:
+            return None
+        m = res.sched_len > 0
+        if not (np.array_equal(res.sched_rows[m], rows) and np.array_equal(res.sched_start[m], starts)
+                and np.array_equal(res.sched_len[m], counts)):
+            return None
+        if self.device.type == "cuda":
+            return [s[:total] for s in maps]
+        return [torch.from_numpy(np.asarray(s[:total], np.int64)) for s in maps]
+
+    def _forward(self, sched, res) -> None:
+        self._finish(self._launch(sched, res))
+
+    def _launch(self, sched, res):
+        """Build the step's inputs and metadata and launch its forward (a CUDA graph's replay for a
+        small step when graphs are on); returns what :meth:`_finish` needs."""
+        t0 = time.perf_counter()
+        dev = self.device
+        n = len(sched)
+        starts = np.fromiter((s for _, s, _ in sched), np.int64, n)
+        counts = np.fromiter((k for _, _, k in sched), np.int64, n)
+        total = int(counts.sum())
+        ids = np.fromiter(chain.from_iterable(r.tokens(s, k) for r, s, k in sched), np.int64, total)
+        done = [i for i, (r, s, k) in enumerate(sched) if s + k == r.seq_len]  # rows that sample
+        t_meta = time.perf_counter()  # kvd's share from here: varlen layout, tables, slots
+        rows = np.asarray(self.c.rows_of([r.rid for r, _, _ in sched]), np.int32)
+        qsl, seq_lens, positions = varlen_layout(starts, counts)
+        keep = qsl[1:][done] - 1
+        tables = self._tables()
+        host_tables = tables[0].device.type != dev.type
+        if host_tables:  # host tables, device model: only the scheduled rows' used columns move
+            width = -(-int(seq_lens.max()) // self.bs)
+            tables = [t[torch.from_numpy(rows).long(), :width] for t in tables]
+            rows = np.arange(n, dtype=np.int32)
+        graphs = self.graphs if self.graphs is not None and self.graphs.fits(total) else None
+        # kvd's slot mapping: the eager forward's when it is this step's (a graph computes its own)
+        wanted = not host_tables and not self.overlap and (graphs is None or self.check_slots)
+        kvd = self._kvd_slots(res, rows, starts, counts) if wanted else None
+        self.kvd_slot_steps += kvd is not None and graphs is None
+        timed = self.overlap and dev.type == "cuda"  # when the forward ends on the GPU (overlap figures)
+        if graphs is not None:  # the graph computes the slots from the tables itself
+            bucket = graphs.prepare(ids, positions, keep, np.repeat(np.arange(n, dtype=np.int64), counts), rows,
+                                    seq_lens, qsl, tables)
+            t_model = time.perf_counter()
+            events = _record_start(timed)
+            logits = graphs.replay(bucket, len(done))
+            if kvd is not None and self.check_slots:
+                assert all(torch.equal(a, b[:total]) for a, b in zip(kvd, bucket.slots)), "kvd slot mapping differs"
+        else:
+            if host_tables:
+                tables = [t.to(dev) for t in tables]
+            own = kvd is None or self.check_slots  # slots from the tables (too)
+            rep = np.repeat(np.arange(n, dtype=np.int64), counts) if own else None
+            x = self.staging.pack(ids, positions, keep, rep, rows, seq_lens, qsl)
+            slots = kvd
+            if own:  # slot = block_id * block_size + position % block_size
+                mine = [t[x.rows[x.rep].long(), x.positions // self.bs].long() * self.bs + x.positions % self.bs
+                        for t in tables]
+                if kvd is not None:
+                    assert all(torch.equal(a, b) for a, b in zip(kvd, mine)), "kvd slot mapping differs"
+                else:
+                    slots = mine
+            meta = StepMeta(self.kv, self.groups, slots, tables, x.rows, x.seq_lens, x.qsl)
+            t_model = time.perf_counter()
+            events = _record_start(timed)
+            use_paged(self.model, True)
+            try:
+                with torch.no_grad():
+                    logits = self.model(input_ids=x.ids[None], position_ids=x.positions[None], kvd_meta=meta,
+                                        use_cache=False, logits_to_keep=x.keep).logits[0]
+            finally:
+                use_paged(self.model, False)
+        if events is not None:
+            events[1].record()
+        self.meta_s += t_model - t_meta
+        self.phases.update(inputs=t_meta - t0, meta=t_model - t_meta)
+        return sched, done, logits, t0, t_model, events
+
+    def _finish(self, launched, ahead_rt: tuple[float, float] | None = None) -> None:
+        """Wait for the launched forward, sample, account. ``ahead_rt``: host (start, end) of the
+        round trip sent during this forward; the part after the GPU finished is exposed."""
+        sched, done, logits, t0, t_model, events = launched
+        t_sample = time.perf_counter()
+        self._sample(sched, done, logits)
+        self.forwards += 1
+        t1 = time.perf_counter()
+        self.forward_s += t1 - t0
+        self.phases.update(model=t_sample - t_model, sample=t1 - t_sample)
+        if ahead_rt is not None:
+            # the CPU's forward has returned before the round trip starts: all of it is exposed
+            gpu_done = t_model + events[0].elapsed_time(events[1]) / 1e3 if events is not None else ahead_rt[0]
+            exposed = max(0.0, ahead_rt[1] - max(ahead_rt[0], gpu_done))
+            self.kvd_exposed_s += exposed
+            self.phases["rt_exposed"] = exposed
+
+    def _sample(self, sched, done, logits) -> None:
+        """Greedy tokens (argmax on the model's device; only the ids come back) unless forced."""
+        best = torch.argmax(logits, dim=-1).tolist()  # the step's one device synchronization
+        kept = logits.float().cpu() if self.keep_logits else None
+        for r, s, n in sched:
+            r.computed = s + n
+            if r.state == PREFILL and r.computed >= len(r.prompt):
+                r.state = RUNNING
+            if r.cached_tokens <= s < len(r.prompt):
+                r.prefilled_tokens += min(n, len(r.prompt) - s)
+        now = time.perf_counter()
+        for j, i in enumerate(done):
+            r = sched[i][0]
+            r.output.append(r.forced.get(len(r.output), best[j]))
+            if kept is not None:
+                r.logits.append(kept[j])
+            if r.first_token_step < 0:
+                r.first_token_step, r.first_token_at = self.steps, now

@@ -1,0 +1,93 @@
+"""Overlap (async scheduling): in steady decode, the next step's round trip to kvd goes out while
+this step's forward runs on the GPU, so kvd's round trip leaves the step's critical path.
+
+Steady: every running request decodes and was granted its append, nothing waits, is swapped, forks
+or continues a prefill. Then the next step is known before this step's tokens are: a 1-token append
+for every request this forward does not finish. What it cannot carry yet waits one message: the hash
+of a block the next token fills (its token is sampled by this forward), the frees of requests this
+forward finishes (their blocks are read until it ends); a finishing request registers its last
+written blocks with a 0-token append. Safe only where no message rewrites what the running forward
+reads: one full-attention KV-cache group (a window's release would null a block the forward still
+reads), no forks (copy-on-write replaces a table entry), slots from the tables (kvd rewrites its slot
+buffer for the next step); ``Engine`` refuses the rest.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from kvd.api import STATUS_OK, StepBatch
+
+from .state import RUNNING
+
+
+class OverlapMixin:
+    """``Engine``'s overlap steps (see the module docstring)."""
+
+    def _steady(self, sched, res) -> bool:
+        """Whether the next step is predictable now: every running request decodes and was granted
+        its append, nothing waits, is swapped, forks or continues a prefill."""
+        return (self.overlap and not self.waiting and not self.swapped and not self.pending_forks
+                and len(sched) == len(self.order) and all(n == 1 for _, _, n in sched)
+                and all(self.reqs[rid].state == RUNNING for rid in self.order)
+                and not (res.append_status != STATUS_OK).any())
+
+    def _send_ahead(self) -> None:
+        """Send the next step while this one's forward runs: a decode append for every request that
+        this forward does not finish, with the hashes of the blocks whose tokens are known and
+        written by now (a block the next token fills registers one step later), and the frees of
+        requests whose last forward is done."""
+        t0 = time.perf_counter()
+        live = [self.reqs[rid] for rid in self.order]
+        for r in live:  # this forward writes position computed: every block up to it is written
+            self._extend_hashes(r, r.computed + 1)
+        nxt = [r for r in live if len(r.output) + 1 < r.max_new_tokens]
+        # requests this forward finishes register their last written blocks with a 0-token append
+        fin = [r for r in live if len(r.output) + 1 >= r.max_new_tokens and self._lagging(r)]
+        if not nxt:
+            return
+        reqs = nxt + fin
+        regs = [self._unregistered(r, r.computed + 1) if self._lagging(r) else [] for r in reqs]
+        counts = [len(x) for x in regs]
+        hs = cnt = ()
+        if any(counts):
+            hs = [np.array([h for x in regs for h in x], self.hashes_dtype)] * self.num_groups
+            cnt = [np.array(counts, np.int32)] * self.num_groups
+        ids = [r.rid for r in reqs]
+        ntok = np.array([1] * len(nxt) + [0] * len(fin), np.int32) if fin else 1
+        batch = StepBatch(free=self._free_later, append_rows=np.asarray(self.c.rows_of(ids), np.int32),
+                          append_num_tokens=ntok, append_hashes=hs, append_hash_counts=cnt)
+        self._free_later = []
+        t1 = time.perf_counter()
+        res = self.c.step(batch)
+        t2 = time.perf_counter()
+        self.kvd_s += t2 - t1
+        self.ahead_steps += 1
+        self._ahead = (ids, len(nxt), counts, res, t1 - t0, t2 - t1)
+        return t1, t2
+
+    def _step_ahead(self, t_start: float) -> None:
+        """A step whose round trip went out during the last forward: retire what that forward
+        finished (freed with the next message), run the granted appends."""
+        ids, n_decode, counts, res, plan_s, rt_s = self._ahead
+        self._ahead = None
+        self._free_later += self._retire()
+        self.phases.update(plan=plan_s, rt=rt_s)
+        self.steps += 1
+        self._check(res)
+        if self.after_reply is not None:
+            self.after_reply(self, res)
+        if self.owned is not None:
+            self.owned.copy(res.copies)
+        self.copies += len(res.copies)
+        sched = []
+        for i, (rid, st, n) in enumerate(zip(ids, res.append_status.tolist(), counts)):
+            if st == STATUS_OK:
+                r = self.reqs[rid]
+                r.registered += n
+                if i < n_decode:
+                    sched.append((r, r.computed, 1))
+        self._run_forward(sched, res, ids[:n_decode])
+        self.phases["total"] = time.perf_counter() - t_start

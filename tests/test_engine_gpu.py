@@ -1,0 +1,75 @@
+"""The engine on a GPU (marked cuda; skipped without one): CUDA graphs of small steps and overlapped
+round trips give HF's tokens (float32), through a GPU daemon (kvd's tables and slots over CUDA IPC,
+the daemon's KV cache) and through the in-process manager (host tables copied into the graphs'
+buffers)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.conftest_daemon import daemon_factory, short_tmp  # noqa: F401
+from tests.engine_common import BLOCK, DAEMON, LLAMA, assert_matches_hf, model_of
+
+import torch  # noqa: E402
+
+from kvd_client import Client  # noqa: E402
+from kvd_engine import Engine, InProcClient, OwnedKv  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pytest.importorskip("triton")
+
+
+def _drive(eng, prompts, max_new):
+    """8 requests first, the others arriving 2 per step during decode."""
+    order = list(prompts)
+    for rid in order[:8]:
+        eng.add(rid, prompts[rid], max_new)
+    arrivals = iter(order[8:])
+    while eng.busy:
+        eng.step()
+        for rid in [next(arrivals, None) for _ in range(2)]:
+            if rid is not None:
+                eng.add(rid, prompts[rid], max_new)
+
+
+def _prompts(seed, n=12):
+    rng = np.random.default_rng(seed)
+    return {f"r{i}": rng.integers(0, 512, int(rng.integers(3, 40))).tolist() for i in range(n)}
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_graphs_through_a_gpu_daemon_match_hf(daemon_factory, overlap):
+    _cuda()
+    d = daemon_factory(wait=False, device="cuda:0", **DAEMON)
+    d.wait_ready(300)
+    model = model_of(LLAMA).to("cuda")
+    prompts = _prompts(12)
+    # the daemon compiles its kernels before it serves: the hello may wait for that
+    with Client(d.endpoint, name="gpu-engine", steps_in_flight=1, timeout_s=300.0) as c:
+        # steps of up to 16 tokens replay graphs; prefills (chunks up to 48 tokens) run eagerly
+        eng = Engine(c, model, device="cuda", max_tokens=48, graph_tokens=16, overlap=overlap)
+        eng.check_slots = True
+        _drive(eng, prompts, 12)
+        g = eng.graphs
+        assert 0 < g.replays < eng.forwards and g.captures == len(g.buckets)
+        assert (eng.ahead_steps > 0) == overlap
+        assert_matches_hf(model, eng, prompts, 12)
+        assert c.stats()["num_requests"] == 0
+
+
+def test_graphs_with_host_tables_match_hf():
+    _cuda()
+    model = model_of(LLAMA).to("cuda")
+    prompts = _prompts(13)
+    c = InProcClient(400, BLOCK, max_num_reqs=32)
+    eng = Engine(c, model, kv=OwnedKv(2, 400, BLOCK, 2, 16, torch.float32, "cuda"), device="cuda", max_tokens=48,
+                 graph_tokens=64, overlap=True)
+    _drive(eng, prompts, 12)
+    assert eng.graphs.replays == eng.forwards and eng.graphs.table_width > 0 and eng.ahead_steps > 0
+    assert_matches_hf(model, eng, prompts, 12)
