@@ -1361,7 +1361,7 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
             buf = io.StringIO()
             pstats.Stats(d._cprof, stream=buf).sort_stats("tottime").print_stats(25)
             log.warning("%s", buf.getvalue())
-        if _PROF:
+        if len(_PROF or ()) > 20:
             a = np.array([b - a for a, b, _, _ in _PROF[20:]]) * 1e6
             c = np.array([d - c for _, _, c, d in _PROF[20:]]) * 1e6
             log.warning("step handle+send us: p50 %.0f p99 %.0f (cpu p50 %.0f) n %d", np.percentile(a, 50),
