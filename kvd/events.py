@@ -25,11 +25,12 @@ the full-width hash of the daemon's scheme (16 bytes by default, 32 for vLLM's: 
 published as msgpack bin, as vLLM does with that variable set to 0. The pool keeps hashes as numpy
 ``S`` items, which strip trailing zero bytes, so they are padded back to full width first.
 
-A BlockStored lists the blocks of one registration in chain order. A pool ``event_log`` entry
-``("stored", key, hashes[, parent, token_ids])`` fills ``parent_block_hash`` and ``token_ids`` when
-it carries them; today's pool records only ``(kind, key, hashes)`` (the daemon does not receive token
-ids yet), so they are nil / [], and ``lora_name`` / ``extra_keys`` are not sent. A tenant's
-prefix-cache reset is an AllBlocksCleared on its topic.
+A BlockStored lists, as vLLM's do, one request's blocks stored by one call, in chain order, with
+``parent_block_hash`` = the hash of the block before the first of them in that request (nil for a
+request's first block) and ``token_ids`` = those blocks' token ids (block_size per block) when the
+engine supplied them, else [] (kvd.runs; ``BlockManager.enable_kv_events``). A pool ``event_log``
+entry ``("stored", key, hashes[, parent, token_ids])`` carries them; ``lora_name`` / ``extra_keys``
+are not sent. A tenant's prefix-cache reset is an AllBlocksCleared on its topic.
 
 Replay (``kv_events_replay_endpoint``): a ROUTER socket, as vLLM's. A subscriber (a DEALER or REQ)
 sends ``[b"", start_seq (8 bytes big-endian)]``; it gets back every buffered message with
@@ -44,6 +45,7 @@ messages at the PUB socket's high-water mark (vLLM's ``hwm``), which the replay 
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -63,9 +65,10 @@ _MAP16 = b"\xde"
 _FIXARRAY3 = b"\x93"
 _pack = msgpack.Packer(use_bin_type=True, autoreset=True).pack
 # Constant key/value runs, packed once.
-_STORED_TAG = _pack("type") + _pack("BlockStored") + _pack("block_hashes")
+_STORED_HEAD = _MAP16 + (9).to_bytes(2, "big") + _pack("type") + _pack("BlockStored") + _pack("block_hashes")
 _PARENT = _pack("parent_block_hash")
 _TOKENS = _pack("token_ids")
+_NO_PARENT_NO_TOKENS = _PARENT + _pack(None) + _TOKENS + _pack([])
 _SIZE = _pack("block_size")
 _LORA_MEDIUM = _pack("lora_id") + _pack(None) + _pack("medium") + _pack(MEDIUM)
 _LORA_NAME = _pack("lora_name")
@@ -83,14 +86,22 @@ def _array_header(n: int) -> bytes:
     return b"\xdd" + n.to_bytes(4, "big")
 
 
+@functools.lru_cache(maxsize=256)
+def _stored_tail(block_size: int, group: int, lora_name: str | None) -> bytes:
+    """A BlockStored's fields after token_ids (constant per block size and group)."""
+    return b"".join((_SIZE, _pack(block_size), _LORA_MEDIUM, _LORA_NAME, _pack(lora_name), _GROUP, _pack(group)))
+
+
 def encode_block_stored(hashes: list[bytes | int], block_size: int, group: int, parent: bytes | int | None = None,
-                        token_ids: list[int] | None = None, lora_name: str | None = None) -> bytes:
-    """One BlockStored event (hashes at full width)."""
-    return b"".join((
-        _MAP16, (9).to_bytes(2, "big"), _STORED_TAG, _pack(hashes),
-        _PARENT, _pack(parent), _TOKENS, _pack(token_ids or []), _SIZE, _pack(block_size),
-        _LORA_MEDIUM, _LORA_NAME, _pack(lora_name), _GROUP, _pack(group),
-    ))
+                        token_ids=None, lora_name: str | None = None) -> bytes:
+    """One BlockStored event (hashes at full width; ``token_ids`` a list or an int array)."""
+    if parent is None and token_ids is None:
+        middle = _NO_PARENT_NO_TOKENS
+    else:
+        if isinstance(token_ids, np.ndarray):
+            token_ids = token_ids.ravel().tolist()
+        middle = b"".join((_PARENT, _pack(parent), _TOKENS, _pack(token_ids or [])))
+    return b"".join((_STORED_HEAD, _pack(hashes), middle, _stored_tail(block_size, group, lora_name)))
 
 
 def encode_block_removed(block_hash: bytes | int, group: int) -> bytes:
@@ -138,9 +149,9 @@ class KvEventPublisher:
     def _topic(self, tenant: str) -> bytes:
         return self.topic.replace(TENANT_FIELD, tenant).encode()
 
-    def _encode(self, entry: tuple) -> bytes | list[bytes]:
-        kind, key, hashes = entry[0], entry[1], entry[2]
-        _, block_size, group = self.describe(key)
+    def _encode(self, entry: tuple, described: tuple[str, int, int]) -> bytes | list[bytes]:
+        kind, hashes = entry[0], entry[2]
+        _, block_size, group = described
         if kind == "stored":
             parent = entry[3] if len(entry) > 3 else None
             tokens = entry[4] if len(entry) > 4 else None
@@ -166,9 +177,14 @@ class KvEventPublisher:
         if not log:
             return
         batches: dict[str, list[bytes]] = {}
+        described: dict[int, tuple[str, int, int]] = {}  # one lookup per key, not per entry
         for entry in log:
-            tenant = self.describe(entry[1])[0]
-            encoded = self._encode(entry)
+            key = entry[1]
+            d = described.get(key)
+            if d is None:
+                d = described[key] = self.describe(key)
+            tenant = d[0]
+            encoded = self._encode(entry, d)
             events = batches.setdefault(tenant, [])
             if isinstance(encoded, list):
                 events.extend(encoded)
