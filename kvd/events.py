@@ -14,7 +14,9 @@ A ZeroMQ PUB socket; each message is three frames, as vLLM's ``ZmqEventPublisher
                 BlockStored       map16 header (the struct has 16 keys in all, so msgspec reserves a
                                   map16 even when it writes fewer): block_hashes, parent_block_hash,
                                   token_ids, block_size, lora_id (nil), medium ("GPU"), lora_name,
-                                  group_idx
+                                  group_idx, kv_cache_spec_kind ("full_attention" or
+                                  "sliding_window", as vLLM's KVCacheManager annotates them),
+                                  kv_cache_spec_sliding_window (the window, sliding groups only)
                 BlockRemoved      block_hashes (one hash, as vLLM emits them), medium, group_idx
                 AllBlocksCleared  no fields
 
@@ -49,7 +51,7 @@ import functools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgpack
 import numpy as np
@@ -65,7 +67,7 @@ _MAP16 = b"\xde"
 _FIXARRAY3 = b"\x93"
 _pack = msgpack.Packer(use_bin_type=True, autoreset=True).pack
 # Constant key/value runs, packed once.
-_STORED_HEAD = _MAP16 + (9).to_bytes(2, "big") + _pack("type") + _pack("BlockStored") + _pack("block_hashes")
+_STORED_TYPE = _pack("type") + _pack("BlockStored") + _pack("block_hashes")
 _PARENT = _pack("parent_block_hash")
 _TOKENS = _pack("token_ids")
 _NO_PARENT_NO_TOKENS = _PARENT + _pack(None) + _TOKENS + _pack([])
@@ -73,6 +75,10 @@ _SIZE = _pack("block_size")
 _LORA_MEDIUM = _pack("lora_id") + _pack(None) + _pack("medium") + _pack(MEDIUM)
 _LORA_NAME = _pack("lora_name")
 _GROUP = _pack("group_idx")
+_KIND = _pack("kv_cache_spec_kind")
+_WINDOW = _pack("kv_cache_spec_sliding_window")
+FULL_ATTENTION = "full_attention"  # vLLM's KVCacheSpecKind values of kvd's two kinds of group
+SLIDING_WINDOW = "sliding_window"
 _REMOVED_TAG = b"\x84" + _pack("type") + _pack("BlockRemoved") + _pack("block_hashes")
 _MEDIUM = _pack("medium") + _pack(MEDIUM)
 _CLEARED = b"\x81" + _pack("type") + _pack("AllBlocksCleared")
@@ -87,21 +93,33 @@ def _array_header(n: int) -> bytes:
 
 
 @functools.lru_cache(maxsize=256)
-def _stored_tail(block_size: int, group: int, lora_name: str | None) -> bytes:
-    """A BlockStored's fields after token_ids (constant per block size and group)."""
-    return b"".join((_SIZE, _pack(block_size), _LORA_MEDIUM, _LORA_NAME, _pack(lora_name), _GROUP, _pack(group)))
+def _stored_ends(block_size: int, group: int, lora_name: str | None, kind: str | None,
+                 window: int | None) -> tuple[bytes, bytes]:
+    """A BlockStored's constant parts per block size and group: the map header and type (the map
+    counts the fields written: msgspec omits those at their default None) and every field after
+    token_ids."""
+    count = 9 + (kind is not None) + (window is not None)
+    tail = [_SIZE, _pack(block_size), _LORA_MEDIUM, _LORA_NAME, _pack(lora_name), _GROUP, _pack(group)]
+    if kind is not None:
+        tail += [_KIND, _pack(kind)]
+    if window is not None:
+        tail += [_WINDOW, _pack(window)]
+    return _MAP16 + count.to_bytes(2, "big") + _STORED_TYPE, b"".join(tail)
 
 
 def encode_block_stored(hashes: list[bytes | int], block_size: int, group: int, parent: bytes | int | None = None,
-                        token_ids=None, lora_name: str | None = None) -> bytes:
-    """One BlockStored event (hashes at full width; ``token_ids`` a list or an int array)."""
+                        token_ids=None, lora_name: str | None = None, kind: str | None = None,
+                        window: int | None = None) -> bytes:
+    """One BlockStored event (hashes at full width; ``token_ids`` a list or an int array; ``kind``
+    and ``window``: vLLM's kv_cache_spec_kind / kv_cache_spec_sliding_window of the group)."""
     if parent is None and token_ids is None:
         middle = _NO_PARENT_NO_TOKENS
     else:
         if isinstance(token_ids, np.ndarray):
             token_ids = token_ids.ravel().tolist()
         middle = b"".join((_PARENT, _pack(parent), _TOKENS, _pack(token_ids or [])))
-    return b"".join((_STORED_HEAD, _pack(hashes), middle, _stored_tail(block_size, group, lora_name)))
+    head, tail = _stored_ends(block_size, group, lora_name, kind, window)
+    return b"".join((head, _pack(hashes), middle, tail))
 
 
 def encode_block_removed(block_hash: bytes | int, group: int) -> bytes:
@@ -119,13 +137,17 @@ def encode_batch(ts: float, events: list[bytes], data_parallel_rank: int = 0) ->
 
 class KvEventPublisher:
     """Publishes what the pool's ``event_log`` recorded. ``describe(cache_key)`` gives the tenant,
-    block size and KV-cache group of a prefix-cache key."""
+    block size and KV-cache group of a prefix-cache key; ``group_windows[g]``: group g's sliding
+    window (None: full attention), sent as vLLM's KVCacheManager annotates its BlockStored
+    (``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``; not sent when not given)."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, describe: Callable[[int], tuple[str, int, int]], *,
                  hash_width: int = 16, replay_endpoint: str = "", buffer_steps: int = BUFFER_STEPS,
                  topic: str = TENANT_FIELD, data_parallel_rank: int = 0, hwm: int = SEND_HWM,
-                 int_hashes: bool = True):
+                 int_hashes: bool = True, group_windows: Sequence[int | None] | None = None):
         self.describe = describe
+        self.specs = None if group_windows is None else [
+            (FULL_ATTENTION, None) if not w else (SLIDING_WINDOW, int(w)) for w in group_windows]
         self.hash_width = hash_width
         self.int_hashes = int_hashes
         self.external = _int_hash(hash_width) if int_hashes else _full_hash(hash_width)
@@ -155,8 +177,9 @@ class KvEventPublisher:
         if kind == "stored":
             parent = entry[3] if len(entry) > 3 else None
             tokens = entry[4] if len(entry) > 4 else None
+            kind, window = (None, None) if self.specs is None else self.specs[group]
             return encode_block_stored(self.external_all(hashes), block_size, group,
-                                       None if parent is None else self.external(parent), tokens)
+                                       None if parent is None else self.external(parent), tokens, None, kind, window)
         if kind == "removed":
             return [encode_block_removed(h, group) for h in self.external_all(hashes)]
         return encode_all_cleared()

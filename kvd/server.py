@@ -1212,11 +1212,12 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                     buffer_steps=int(_opt(config, "kv_events_buffer_steps", 10_000)),
                     topic=str(_opt(config, "kv_events_topic", "{tenant}")),
                     data_parallel_rank=int(_opt(config, "kv_events_data_parallel_rank", 0)),
-                    int_hashes=bool(_opt(config, "kv_events_int_hashes", True)))
+                    int_hashes=bool(_opt(config, "kv_events_int_hashes", True)),
+                    group_windows=[g.sliding_window for g in d.mcfg.groups])
             except zmq.ZMQError as e:
                 print(f"kvd: cannot bind the KV events endpoint {events_ep}: {e}", file=sys.stderr)
                 return 1
-            d.manager.pool.event_log = []
+            d.manager.enable_kv_events()
 
         # warm the decode path (numpy dispatch) without touching the pool
         slot_mapping_from_ranges_ref([np.zeros((2, 4), np.int32)] * d.G, d.block_sizes, np.zeros(2, np.int32),

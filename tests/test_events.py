@@ -182,7 +182,8 @@ def test_a_router_decodes_every_event_with_vllms_decoder(daemon_factory, short_t
 
         assert stored == kv_events.BlockStored(
             block_hashes=[ext(x) for x in hs], parent_block_hash=None, token_ids=[],
-            block_size=16, lora_id=None, medium="GPU", lora_name=None, group_idx=0)
+            block_size=16, lora_id=None, medium="GPU", lora_name=None, group_idx=0,
+            kv_cache_spec_kind="full_attention")
         c.free("a")
         c.allocate("b", 15 * 16)  # every block of the pool: both cached blocks are evicted
         topic, _, payload = _recv(sub)
