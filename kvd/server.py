@@ -368,6 +368,11 @@ class Daemon:
     def _hash_arg(self, hs: list[np.ndarray]) -> Any:
         return hs[0] if self.G == 1 else hs
 
+    @staticmethod
+    def _token_frame(buf: bytes, name: str, max_n: int) -> np.ndarray:
+        """A frame of token ids (kvd.protocol: only for KV events); the manager checks the values."""
+        return P.frame_array(buf, P.I32, None, name, max_n)
+
     def _map(self, sess: Session, srow: int, mrow: int, tag: int) -> None:
         sess.mrow[srow] = mrow
         self.owner_sid[mrow] = sess.sid
@@ -556,6 +561,7 @@ class Daemon:
             hash_width=self.hash_width, **({"hash_seed": self.hash_seed} if self.hash_algo == VLLM_SCHEME else {}),
             num_groups=self.G, max_model_len=self.max_model_len, tenant=sess.tenant,
             shared=bool(sess.writer), topic=self.topic_of[sess.namespace], t=self.manager.tick,
+            kv_events=self.events is not None,
             **({"gpu": sess.gpu.handle} if sess.gpu is not None and sess.gpu.handle else {}),
             **({"kv": self.kv.info} if self.kv is not None else {}),
         )
@@ -669,17 +675,18 @@ class Daemon:
         return [P.ok_reply(seq, self.epoch, status=int(st))]
 
     def op_allocate(self, sess, h, frames, ident, seq):
-        if len(frames) != self.G:
-            raise ProtocolError(f"allocate: expected {self.G} frames")
+        if len(frames) not in (self.G, self.G + 1):
+            raise ProtocolError(f"allocate: expected {self.G} frames (+ token ids)")
         srow = self._row(h, "row")
         tag = P.get_int(h, "tag", 0, 0, (1 << 64) - 1)
         hs = self._group_hashes(frames, 0)
+        tokens = self._token_frame(frames[self.G], "token ids", self.max_model_len) if len(frames) > self.G else None
         res = self.manager.allocate(
             sess.base | srow, P.get_int(h, "nt", None, 0, P.MAX_COUNT), self._hash_arg(hs),
             P.get_int(h, "la", 0, 0, P.MAX_COUNT), namespace=sess.namespace, writer=sess.writer,
             priority=P.get_int(h, "pri", 50, 0, 100),
             num_encoder_tokens=P.get_int(h, "net", 0, 0, P.MAX_COUNT),
-            max_new_tokens=P.get_int(h, "mnt", 0, 0, P.MAX_COUNT),
+            max_new_tokens=P.get_int(h, "mnt", 0, 0, P.MAX_COUNT), token_ids=tokens,
         )
         t = self.manager.tick
         if res.status != STATUS_OK:
@@ -692,15 +699,18 @@ class Daemon:
         return [P.ok_reply(seq, self.epoch, status=STATUS_OK, cached=cached, nt=nt, t=t)]
 
     def op_append(self, sess, h, frames, ident, seq):
-        if len(frames) != self.G:
-            raise ProtocolError(f"append: expected {self.G} frames")
+        if len(frames) not in (self.G, 2 * self.G):
+            raise ProtocolError(f"append: expected {self.G} frames (+ {self.G} of token ids)")
         srow = self._row(h, "row")
         if sess.mrow[srow] < 0:
             raise UnknownRequest(f"row {srow} holds no request of this session")
         hs = self._group_hashes(frames, 0)
+        tokens = None
+        if len(frames) > self.G:
+            tokens = [self._token_frame(frames[self.G + g], "token ids", self.max_model_len) for g in range(self.G)]
         res = self.manager.append_slots(
             sess.base | srow, P.get_int(h, "n", None, 0, P.MAX_COUNT), self._hash_arg(hs),
-            P.get_int(h, "la", 0, 0, P.MAX_COUNT),
+            P.get_int(h, "la", 0, 0, P.MAX_COUNT), new_block_token_ids=tokens,
         )
         t = self.manager.tick
         if res.status != STATUS_OK:
@@ -770,15 +780,17 @@ class Daemon:
             raise ProtocolError(f"decode: {na} rows > {self.max_reqs}")
         if len(frames) == 1:
             return self._decode_step(sess, seq, frames[0], na, an, la, c)
-        if len(frames) != 3 or self.G != 1:
-            raise ProtocolError("decode: expected the rows frame, then hashes and counts (one group only)")
-        return self._decode_step(sess, seq, frames[0], na, an, la, c, frames[1], frames[2])
+        if len(frames) not in (3, 4) or self.G != 1:
+            raise ProtocolError("decode: expected the rows frame, then hashes and counts (+ token ids; one group only)")
+        return self._decode_step(sess, seq, frames[0], na, an, la, c, *frames[1:])
 
     def _decode_step(self, sess: Session, seq: int, rows_b: bytes, na: int, an: int, la: int, c: int,
-                     hashes_b: bytes = P.EMPTY, counts_b: bytes = P.EMPTY, binary: bool = True) -> list[bytes]:
+                     hashes_b: bytes = P.EMPTY, counts_b: bytes = P.EMPTY, tokens_b: bytes = P.EMPTY,
+                     binary: bool = True) -> list[bytes]:
         """The decode fast path: appends only, one token count for all; the hashes of blocks that
-        filled (if any, one group) are registered on the way. ``c``: the confirmation, or
-        NO_CONFIRM. ``binary``: reply with a decode header (the decode op) or JSON (a step)."""
+        filled (if any, one group) are registered on the way, with their token ids if sent.
+        ``c``: the confirmation, or NO_CONFIRM. ``binary``: reply with a decode header (the decode
+        op) or JSON (a step)."""
         if na * an > self.max_tokens:
             raise InvalidArgument(f"{na * an} append tokens > max_num_batched_tokens {self.max_tokens}")
         app_rows = P.frame_array(rows_b, P.I32, na, "append rows")
@@ -797,6 +809,10 @@ class Daemon:
                 raise ProtocolError("append hash counts do not add up")
             batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la,
                               append_hashes=(hs,), append_hash_counts=(cnt,))
+            if tokens_b:
+                batch.append_token_ids = (self._token_frame(tokens_b, "append token ids", na * self.max_model_len),)
+        elif tokens_b:
+            raise ProtocolError("append token ids without hashes")
         else:
             batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la)
         if c != P.NO_CONFIRM and sess.writer:
@@ -816,6 +832,21 @@ class Daemon:
             return [P.decode_reply(seq, self.epoch_b, res.tick, len(copies), len(changed), ns, nt), body]
         return [P.ok_reply(seq, self.epoch, t=res.tick, nt=nt, nc=len(copies), nch=len(changed), nfr=0, ns=ns), body]
 
+    def _step_token_ids(self, frames: list[bytes], nd: int, na: int):
+        """A step's optional token-id frames (kvd.protocol): per admission its ids (or None when
+        none were sent), and per group the append token ids (() when none were sent)."""
+        adm_b, adm_counts_b, *app_b = frames
+        adm_tokens = None
+        if adm_b or adm_counts_b:
+            ids = self._token_frame(adm_b, "admit token ids", nd * self.max_model_len)
+            counts = P.frame_array(adm_counts_b, P.I32, nd, "admit token id counts")
+            if nd and int(counts.min()) < 0 or int(counts.sum(dtype=np.int64)) != ids.size:
+                raise ProtocolError("admit token id counts do not add up")
+            adm_tokens = np.split(ids, np.cumsum(counts[:-1], dtype=np.int64)) if nd else []
+        if not any(app_b):
+            return adm_tokens, ()
+        return adm_tokens, [self._token_frame(b, "append token ids", na * self.max_model_len) for b in app_b]
+
     def _count_step_no_space(self, sess: Session, res) -> None:
         if self.metrics is not None:
             n = sum(int(np.count_nonzero((st == STATUS_NO_SPACE) | (st == STATUS_NEVER)))
@@ -825,10 +856,11 @@ class Daemon:
     def op_step(self, sess, h, frames, ident, seq):
         G = self.G
         nfr = P.step_frame_count(G)
-        if len(frames) != nfr:
-            if len(frames) > nfr or len(frames) < 4:
-                raise ProtocolError(f"step: expected 4 to {nfr} frames after the header")
-            frames = frames + [P.EMPTY] * (nfr - len(frames))  # trailing empty frames may be left out
+        most = P.step_frame_count(G, token_ids=True)
+        if len(frames) != most:
+            if len(frames) > most or len(frames) < 4:
+                raise ProtocolError(f"step: expected 4 to {most} frames after the header")
+            frames = frames + [P.EMPTY] * (most - len(frames))  # trailing empty frames may be left out
         R = self.max_reqs
         mml = self.max_model_len
         nf = P.get_int(h, "nf", 0, 0, R)
@@ -836,11 +868,12 @@ class Daemon:
         na = P.get_int(h, "na", 0, 0, R)
         nd = P.get_int(h, "nd", 0, 0, R)
         la = P.get_int(h, "la", 0, 0, P.MAX_COUNT)
-        if not (nf or nk or nd or frames[4]) and not any(frames[7 if G == 1 else 5:]):
-            # a decode step (that may register the blocks that filled)
+        if not (nf or nk or nd or frames[4]) and not any(frames[7 if G == 1 else 5 : nfr + 2]) \
+                and (G == 1 or not any(frames[nfr + 2 :])):
+            # a decode step (that may register the blocks that filled, with their token ids)
             c = P.NO_CONFIRM if h.get("c") is None else P.get_int(h, "c", None, 0, P.MAX_INT)
             return self._decode_step(sess, seq, frames[3], na, P.get_int(h, "an", 1, 0, P.MAX_COUNT), la, c,
-                                     frames[5], frames[6], binary=False)
+                                     frames[5], frames[6], frames[nfr + 2], binary=False)
         free_rows = self._rows(frames[0], "free rows", nf)
         fork_rows = self._rows(frames[1], "fork rows", 2 * nk).reshape(nk, 2)
         fork_tags = P.frame_array(frames[2], P.U64, nk, "fork tags")
@@ -876,6 +909,7 @@ class Daemon:
             hs = P.frame_hashes(frames[k + 1 + 2 * g], "admit hashes", R * (mml // self.block_sizes[g] + 1), dtype=self.hash_dtype)
             cnt = P.frame_array(frames[k + 2 + 2 * g], P.I32, nd, "admit hash counts")
             adm_hashes.append(P.split_counts(hs, cnt))
+        adm_tokens, app_token_ids = self._step_token_ids(frames[nfr:], nd, na)
 
         # -- map session rows -> manager ids / rows (arrays; per-request Python only for the rare
         #    frees, forks and admissions)
@@ -897,7 +931,8 @@ class Daemon:
                 raise InvalidArgument("two admissions in one row")
             for i, (row, nt, l, pri, net, mnt) in enumerate(cols.tolist()):
                 hs = [adm_hashes[g][i] for g in range(G)]
-                admits.append(AdmitRequest(base | row, nt, hs[0] if G == 1 else hs, l, pri, net, mnt))
+                tok = adm_tokens[i] if adm_tokens and len(adm_tokens[i]) else None
+                admits.append(AdmitRequest(base | row, nt, hs[0] if G == 1 else hs, l, pri, net, mnt, tok))
         # unmapped session rows become -1: the manager reports UnknownRequest for them (and
         # InvalidArgument for duplicates) without failing the other requests
         if nk and na:
@@ -909,7 +944,7 @@ class Daemon:
         batch = StepBatch(
             free=frees, forks=forks, append_num_tokens=ntok,
             append_hashes=app_hashes, append_hash_counts=app_counts, num_lookahead_tokens=la,
-            admit=admits, **app,
+            admit=admits, append_token_ids=app_token_ids, **app,
         )
         m = self.manager
         self._confirm(sess, h)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest_daemon import daemon_factory, short_tmp  # noqa: F401
+from conftest_daemon import daemon, daemon_factory, short_tmp  # noqa: F401
 from kvd.events import END_SEQ, KvEventPublisher, encode_all_cleared, encode_batch, encode_block_removed, encode_block_stored
 from kvd.hashing import hash_prompt
 from kvd.pool import BlockPool
@@ -235,3 +235,92 @@ def test_batch_admission_in_a_step_logs_one_stored_entry_per_request(width):
     # r0 registers its 3 full blocks; r1 hits the 2 shared ones and registers its third and fourth
     assert m.pool.event_log == [("stored", 1, hashes[0].tolist()), ("stored", 1, hashes[1][2:].tolist())]
     assert m.block_table("r1").tolist()[:2] == m.block_table("r0").tolist()[:2]
+
+
+def _stored(sub, decode, n: int) -> list:
+    """The next ``n`` BlockStored events the subscriber receives (other kinds are skipped)."""
+    out = []
+    while len(out) < n:
+        _, _, payload = _recv(sub)
+        out += [e for e in decode(payload).events if type(e).__name__ == "BlockStored"]
+    return out
+
+
+def test_token_ids_and_parents_reach_a_router_through_every_kind_of_call(daemon_factory, short_tmp):
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    msgspec = pytest.importorskip("msgspec")
+    from kvd.api import AdmitRequest, StepBatch
+
+    decode = msgspec.msgpack.Decoder(kv_events.KVEventBatch).decode
+    events_ep = f"ipc://{short_tmp}/events.sock"
+    d = daemon_factory(num_gpu_blocks=64, block_size=4, kv_events_endpoint=events_ep)
+    ctx = zmq.Context()
+    sub = _sub(ctx, events_ep)
+    c = Client(d.endpoint, tenant="alice")
+    try:
+        assert c.info["kv_events"] is True
+        for _ in range(50):  # until the subscription is in place
+            c.allocate("probe", 5, c.hash_prompt(np.arange(5)))
+            c.free("probe")
+            if sub.poll(100):
+                break
+        assert c.reset_prefix_cache()
+        while sub.poll(200):
+            sub.recv_multipart()
+        ext = lambda x: int.from_bytes(bytes(x).ljust(16, b"\0")[-8:], "big")  # noqa: E731
+        p = [list(range(10, 19)), list(range(10, 18)) + [40, 41, 42, 43, 44], [7] * 6]
+        h = [c.hash_prompt(np.array(x)) for x in p]
+        res = c.step(StepBatch(admit=[AdmitRequest("a", 9, h[0], token_ids=p[0]),
+                                      AdmitRequest("b", 13, h[1], token_ids=np.array(p[1])),
+                                      AdmitRequest("c", 6, h[2])]))
+        assert res.admit_cached_tokens.tolist() == [0, 8, 0]
+        got = _stored(sub, decode, 3)
+        assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in got] == [
+            ([ext(x) for x in h[0]], None, p[0][:8]), ([ext(h[1][2])], ext(h[1][1]), p[1][8:12]),
+            ([ext(h[2][0])], None, [])]
+        assert {(e.block_size, e.group_idx, e.kv_cache_spec_kind) for e in got} == {(4, 0, "full_attention")}
+        # a decode step through the binary decode op: a fills its third block, c its second
+        rows = c.rows_of(["a", "c"])
+        fill = {"a": p[0][8:] + [1, 2, 3], "c": p[2][4:] + [5, 6]}
+        new = {r: c.hash_prompt(np.array(p[0 if r == "a" else 2][:4 * (2 if r == "a" else 1)] + fill[r]))[-1:]
+               for r in "ac"}
+        c.step(StepBatch(append_rows=rows, append_num_tokens=2))
+        c.step(StepBatch(append_rows=rows, append_num_tokens=1, append_hashes=(np.concatenate([new["a"], new["c"]]),),
+                         append_hash_counts=(np.array([1, 1], np.int32),),
+                         append_token_ids=(np.array(fill["a"] + fill["c"], np.int32),)))
+        got = _stored(sub, decode, 2)
+        assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in got] == [
+            ([ext(new["a"][0])], ext(h[0][1]), fill["a"]), ([ext(new["c"][0])], ext(h[2][0]), fill["c"])]
+        # allocate and append_slots (a private namespace: the session's own, so nothing hits)
+        q = list(range(100, 108))
+        hq = c.hash_prompt(np.array(q))
+        c.allocate("d", 8, hq, token_ids=q)
+        nq = c.hash_prompt(np.array(q + [9, 9, 9, 9]))[-1:]
+        c.append_slots("d", 4, nq, new_block_token_ids=[9, 9, 9, 9])
+        got = _stored(sub, decode, 2)
+        assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in got] == [
+            ([ext(x) for x in hq], None, q), ([ext(nq[0])], ext(hq[1]), [9, 9, 9, 9])]
+    finally:
+        c.close()
+        sub.close(0)
+        ctx.term()
+    assert d.stop() == 0, d.stderr[-2000:]
+
+
+def test_without_events_the_client_sends_no_token_ids(daemon):
+    from kvd.api import AdmitRequest, StepBatch
+
+    c = Client(daemon.endpoint)
+    try:
+        assert c.info["kv_events"] is False
+        h = c.hash_prompt(np.arange(40))
+        spec = c._req_decode(np.zeros(2, np.int32), 1, 0, None, (h[:2],), (np.ones(2, np.int32),), 1,
+                             (np.arange(32, dtype=np.int32),))
+        assert len(spec[2]) == 3  # rows, hashes, counts: the message of a step without token ids
+        with_ids = c._req_allocate("x", 40, h, token_ids=np.arange(40))
+        assert len(with_ids[2]) == 1
+        with_ids[4]()  # give the row back
+        res = c.step(StepBatch(admit=[AdmitRequest("a", 40, h, token_ids=list(range(40)))]))
+        assert res.admit_status.tolist() == [0]
+    finally:
+        c.close()
