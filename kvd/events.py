@@ -57,6 +57,9 @@ import msgpack
 import numpy as np
 import zmq
 
+from kvd import eventpack
+from kvd.runs import NO_PARENT, NO_TOKENS, Runs
+
 MEDIUM = "GPU"
 SEND_HWM = 100_000  # vLLM's default ``hwm``
 BUFFER_STEPS = 10_000  # vLLM's default ``buffer_steps``
@@ -130,9 +133,11 @@ def encode_all_cleared() -> bytes:
     return _CLEARED
 
 
-def encode_batch(ts: float, events: list[bytes], data_parallel_rank: int = 0) -> bytes:
-    """A KVEventBatch payload around already encoded events."""
-    return b"".join((_FIXARRAY3, _pack(float(ts)), _array_header(len(events)), *events, _pack(data_parallel_rank)))
+def encode_batch(ts: float, events: list[bytes], data_parallel_rank: int = 0, count: int | None = None) -> bytes:
+    """A KVEventBatch payload around already encoded events (``count``: how many, when an item of
+    ``events`` holds several)."""
+    n = len(events) if count is None else count
+    return b"".join((_FIXARRAY3, _pack(float(ts)), _array_header(n), *events, _pack(data_parallel_rank)))
 
 
 class KvEventPublisher:
@@ -171,18 +176,51 @@ class KvEventPublisher:
     def _topic(self, tenant: str) -> bytes:
         return self.topic.replace(TENANT_FIELD, tenant).encode()
 
-    def _encode(self, entry: tuple, described: tuple[str, int, int]) -> bytes | list[bytes]:
+    def _encode(self, entry: tuple, described: tuple[str, int, int]) -> tuple[bytes, int]:
+        """An event log entry as encoded events: (their bytes, how many)."""
         kind, hashes = entry[0], entry[2]
         _, block_size, group = described
+        spec_kind, window = (None, None) if self.specs is None else self.specs[group]
+        if kind == "runs":
+            return self._encode_runs(hashes, entry[3], block_size, group, spec_kind, window)
         if kind == "stored":
             parent = entry[3] if len(entry) > 3 else None
             tokens = entry[4] if len(entry) > 4 else None
-            kind, window = (None, None) if self.specs is None else self.specs[group]
             return encode_block_stored(self.external_all(hashes), block_size, group,
-                                       None if parent is None else self.external(parent), tokens, None, kind, window)
+                                       None if parent is None else self.external(parent), tokens, None,
+                                       spec_kind, window), 1
         if kind == "removed":
-            return [encode_block_removed(h, group) for h in self.external_all(hashes)]
-        return encode_all_cleared()
+            return b"".join(encode_block_removed(h, group) for h in self.external_all(hashes)), len(hashes)
+        return encode_all_cleared(), 1
+
+    def _encode_runs(self, hashes: np.ndarray, runs: Runs, block_size: int, group: int, spec_kind, window):
+        """One BlockStored per unbroken run piece (kvd.runs), every field vectorized (kvd.eventpack)."""
+        hashes = np.asarray(hashes, f"S{self.hash_width}")
+        starts = runs.starts(hashes)
+        n = starts.size
+        counts = np.diff(np.append(starts, hashes.size))
+        parents = runs.parent[starts]
+        has_parent = parents != NO_PARENT
+        if runs.tokens is None:
+            tok_counts = np.zeros(n, np.int64)
+            tok_part = (np.empty(0, np.uint8), np.empty(0, np.int64))
+        else:
+            known = runs.tokens[starts, 0] != NO_TOKENS
+            tok_counts = counts * block_size * known
+            tok_part = eventpack.ints(runs.tokens[np.repeat(known, counts)])
+        head, tail = _stored_ends(block_size, group, None, spec_kind, window)
+        columns = [head, eventpack.array_headers(counts), eventpack.grouped(self._packed_hashes(hashes), counts),
+                   _PARENT, eventpack.optional(has_parent, self._packed_hashes(parents[has_parent])),
+                   _TOKENS, eventpack.array_headers(tok_counts), eventpack.grouped(tok_part, tok_counts), tail]
+        return eventpack.join(n, columns), n
+
+    def _packed_hashes(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """msgpack of hashes in their published form (kvd.eventpack's (bytes, lengths))."""
+        w = self.hash_width
+        raw = np.ascontiguousarray(hashes, f"S{w}").view(np.uint8).reshape(-1, w)
+        if not self.int_hashes:
+            return eventpack.bins(raw)
+        return eventpack.ints(np.ascontiguousarray(raw[:, w - 8 :]).view(">u8").ravel())
 
     def external_all(self, hashes: list[bytes]) -> list:
         """Many hashes in their published form, in a few numpy calls (the S dtype re-pads them)."""
@@ -199,24 +237,23 @@ class KvEventPublisher:
         """Send the logged changes, one message per topic, and empty the log."""
         if not log:
             return
-        batches: dict[str, list[bytes]] = {}
+        batches: dict[str, list] = {}  # tenant -> [encoded parts, number of events]
         described: dict[int, tuple[str, int, int]] = {}  # one lookup per key, not per entry
         for entry in log:
             key = entry[1]
             d = described.get(key)
             if d is None:
                 d = described[key] = self.describe(key)
-            tenant = d[0]
-            encoded = self._encode(entry, d)
-            events = batches.setdefault(tenant, [])
-            if isinstance(encoded, list):
-                events.extend(encoded)
-            else:
-                events.append(encoded)
+            encoded, count = self._encode(entry, d)
+            batch = batches.get(d[0])
+            if batch is None:
+                batch = batches[d[0]] = [[], 0]
+            batch[0].append(encoded)
+            batch[1] += count
         log.clear()
         now = time.time()
-        for tenant, events in batches.items():
-            self.send(self._topic(tenant), encode_batch(now, events, self.dp_rank))
+        for tenant, (parts, count) in batches.items():
+            self.send(self._topic(tenant), encode_batch(now, parts, self.dp_rank, count))
 
     def send(self, topic: bytes, payload: bytes) -> None:
         seq = self.seq

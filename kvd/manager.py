@@ -2059,9 +2059,8 @@ class _BatchAdmission:
                 pool.num_unconfirmed += reg.size
                 mgr._note_unconfirmed(self.writer, self.mark, reg, mgr.tick,
                                       Runs.concat(self.runs) if self.events else None)
-            elif self.events:
-                for hashes, runs in zip(reg_hashes, self.runs):
-                    pool.log_stored(self.key, hashes, runs)
+            elif self.events:  # one entry: the publisher cuts it into one event per request
+                pool.log_stored(self.key, np.concatenate(reg_hashes), Runs.concat(self.runs))
             else:
                 for hashes in reg_hashes:
                     pool.log_stored(self.key, hashes)

@@ -151,9 +151,9 @@ class BlockPool:
         self.side_of: dict[int, int] = {}  # a writer's side key -> its shared map's key
         self.num_evictions = 0
         # Prefix-cache changes, recorded only when a KV events publisher (kvd.events) asks for them:
-        # ("stored", cache key, [hash, ...][, parent hash or None, token ids int32 [n, bs] or None])
-        # (the longer form per request run, kvd.runs), ("removed", cache key, [hash, ...]) or
-        # ("cleared", cache key, []).
+        # ("stored", cache key, [hash, ...][, parent hash or None, token ids int32 [n, bs] or None]),
+        # ("runs", cache key, hashes, kvd.runs.Runs) (a registration's blocks, one event per
+        # request run: kvd.runs.expand), ("removed", cache key, [hash, ...]) or ("cleared", cache key, []).
         self.event_log: list[tuple] | None = None
         # Conservation is checked against these counts on every call that changes them.
         self._num_evictable = 0
@@ -466,14 +466,15 @@ class BlockPool:
                 self.num_unconfirmed += blocks.size
 
     def log_stored(self, key: int, hashes: np.ndarray, runs: Runs | None = None) -> None:
-        """Record blocks stored (confirmed) under shared map ``key``, in chain order: one entry per
-        request run with its parent when ``runs`` says which (kvd.runs), else one entry."""
+        """Record blocks stored (confirmed) under shared map ``key``, in chain order: with ``runs``
+        (kvd.runs: their requests and parents) one ("runs", key, hashes, runs) entry that the
+        publisher turns into one event per request run, else one ("stored", key, hashes) entry."""
         if self.event_log is None or key in self.side_of or not hashes.size:
             return
         if runs is None:
             self.event_log.append(("stored", key, hashes.tolist()))
         else:
-            self.event_log.extend(runs.entries(key, hashes))
+            self.event_log.append(("runs", key, hashes, runs))
 
     def confirm(self, blocks: np.ndarray) -> None:
         """Unconfirmed shared entries become visible to all (their KV events are the caller's)."""

@@ -28,6 +28,15 @@ NO_TOKENS = -1
 """Token id that fills the rows of blocks whose request supplied no token ids (first column read)."""
 
 
+def expand(log: list[tuple]) -> list[tuple]:
+    """An event log with every ``("runs", key, hashes, runs)`` entry (what the pool records: one
+    per registration) replaced by its ``("stored", ...)`` entries, one per event."""
+    out = []
+    for entry in log:
+        out.extend(entry[3].entries(entry[1], entry[2]) if entry[0] == "runs" else [entry])
+    return out
+
+
 class Runs:
     """Per block, in registration order: ``parent`` (hash array, NO_PARENT for a chain's first
     block), ``first`` (bool: starts its request's run) and ``tokens`` (int32 [n, block_size], rows
@@ -75,17 +84,22 @@ class Runs:
                                      for p in parts])
         return Runs(np.concatenate([p.parent for p in parts]), np.concatenate([p.first for p in parts]), tokens)
 
+    def starts(self, hashes: np.ndarray) -> np.ndarray:
+        """Where each event of blocks ``hashes`` (these runs' blocks, in order) starts: at a new
+        run, and after a block that is not the next one's parent."""
+        cut = self.first.copy()
+        if cut.size:
+            cut[0] = True
+            cut[1:] |= self.parent[1:] != hashes[:-1]
+        return np.flatnonzero(cut)
+
     def entries(self, key: int, hashes: np.ndarray) -> list[tuple]:
-        """The event log's ``("stored", key, hashes, parent or None, tokens or None)`` entries of
+        """The ``("stored", key, hashes, parent or None, tokens or None)`` event log entries of
         blocks ``hashes`` (these runs' blocks, in order): one per unbroken piece of a run."""
         n = hashes.shape[0]
         if not n:
             return []
-        cut = self.first.copy()
-        cut[0] = True
-        if n > 1:
-            cut[1:] |= self.parent[1:] != hashes[:-1]
-        starts = np.flatnonzero(cut)
+        starts = self.starts(hashes)
         hl = hashes.tolist()
         parents = self.parent[starts].tolist()
         tokens = self.tokens

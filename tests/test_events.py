@@ -324,3 +324,62 @@ def test_without_events_the_client_sends_no_token_ids(daemon):
         assert res.admit_status.tolist() == [0]
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_runs_encode_at_once_to_the_bytes_of_their_events_one_by_one(seed):
+    """kvd.eventpack's vectorized BlockStored batch against encode_block_stored per event (which
+    tests/test_events_vllm_bytes.py checks against msgspec byte for byte)."""
+    from kvd.runs import NO_PARENT, NO_TOKENS, Runs, expand
+
+    rng = np.random.default_rng(seed)
+    width = int(rng.choice([16, 32]))
+    int_hashes = bool(seed % 2)
+    bs = int(rng.choice([1, 4, 16, 256]))
+    n = int(rng.choice([1, 3, 40, 300]))
+    hashes = np.array([rng.bytes(width - 2) + bytes(2) if rng.random() < 0.2 else rng.bytes(width)
+                       for _ in range(n)], f"S{width}")  # trailing zero bytes too
+    if seed == 0:  # hashes whose low 64 bits are small: every int width of a published hash
+        raw = hashes.view(np.uint8).reshape(n, width)
+        raw[:, width - 8 :] = np.array([5, 200, 60_000, 2**31, 2**40] * n, ">u8")[:n].view(np.uint8).reshape(n, 8)
+    parents = np.array([NO_PARENT if rng.random() < 0.3 else rng.bytes(width) for _ in range(n)], f"S{width}")
+    first = rng.random(n) < 0.3
+    chained = rng.random(n - 1) < 0.6  # runs of several blocks
+    parents[1:][chained] = hashes[:-1][chained]
+    tokens = None
+    if seed % 4:
+        top = int(rng.choice([100, 256, 70_000, 2**31 - 1]))
+        tokens = rng.integers(0, top, (n, bs)).astype(np.int32)
+    runs = Runs(parents, first, tokens)
+    if tokens is not None:  # some requests supplied none: all of their event's rows
+        starts = runs.starts(hashes)
+        lost = rng.random(starts.size) < 0.2
+        tokens[np.repeat(lost, np.diff(np.append(starts, n)))] = NO_TOKENS
+    ctx, pool, pub = _publisher_pool(width, f"inproc://kvd-events-runs-{seed}", int_hashes=int_hashes,
+                                     group_windows=[None, 4096])
+    try:
+        for group in (0, 1):
+            spec = [("full_attention", None), ("sliding_window", 4096)][group]
+            blob, count = pub._encode_runs(hashes, runs, bs, group, *spec)
+            one_by_one = [pub._encode(e, ("t", bs, group))[0] for e in expand([("runs", 1, hashes, runs)])]
+            assert count == len(one_by_one) == runs.starts(hashes).size
+            assert blob == b"".join(one_by_one)
+    finally:
+        pub.close()
+
+
+def test_eventpack_ints_and_array_headers_are_msgpacks():
+    from kvd import eventpack
+
+    values = np.array([0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63, 2**64 - 1], np.uint64)
+    flat, lens = eventpack.ints(values)
+    assert flat.tobytes() == b"".join(msgpack.packb(int(v)) for v in values)
+    assert lens.tolist() == [len(msgpack.packb(int(v))) for v in values]
+    small = np.array([0, 127, 128, 255, 256, 65535, 65536, 2**31 - 1], np.int32)  # token ids: the int32 path
+    flat, lens = eventpack.ints(small)
+    assert flat.tobytes() == b"".join(msgpack.packb(int(v)) for v in small) and lens.sum() == flat.size
+    counts = np.array([0, 15, 16, 65535, 65536, 70_000])
+    flat, lens = eventpack.array_headers(counts)
+    assert flat.tobytes() == b"".join(msgpack.packb([0] * int(c))[: int(x)] for c, x in zip(counts, lens))
+    assert lens.tolist() == [1, 1, 3, 3, 5, 5]
+    assert eventpack.array_headers(np.full(3, 16)) == msgpack.packb([0] * 16)[:3]  # all equal: one column

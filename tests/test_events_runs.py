@@ -12,7 +12,7 @@ from kvd import errors
 from kvd.api import AdmitRequest, GroupSpec, ManagerConfig, StepBatch
 from kvd.hashing import hash_prompt
 from kvd.manager import BlockManager
-from kvd.runs import NO_PARENT, NO_TOKENS, Runs
+from kvd.runs import NO_PARENT, NO_TOKENS, Runs, expand
 
 BS = 4
 
@@ -29,8 +29,8 @@ def _chain(tokens, parent=None, first_block=0):
 
 
 def _entries(log):
-    """(hashes, parent, token ids or None) of each stored entry, then clear the log."""
-    out = [(e[2], e[3], None if e[4] is None else e[4].ravel().tolist()) for e in log if e[0] == "stored"]
+    """(hashes, parent, token ids or None) of each event the log's stored entries make, then clear it."""
+    out = [(e[2], e[3], None if e[4] is None else e[4].ravel().tolist()) for e in expand(log) if e[0] == "stored"]
     log.clear()
     return out
 

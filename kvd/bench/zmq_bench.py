@@ -332,9 +332,11 @@ class _InprocStepper:
         return self.m.tables[0]
 
 
-def drive(stepper, work, spec: WorkloadSpec, sync=None, progress=None, warmup: int = 0) -> dict:
+def drive(stepper, work, spec: WorkloadSpec, sync=None, progress=None, warmup: int = 0,
+          token_ids: bool = False) -> dict:
     """Replay one client's share of the standard workload. ``sync(name)`` is called between phases
-    (a barrier for several client processes); ``progress[0]`` counts decode steps."""
+    (a barrier for several client processes); ``progress[0]`` counts decode steps. ``token_ids``:
+    the steps carry the token ids of the blocks they register (for KV events)."""
     sync = sync or (lambda name: None)
     R, P, D, bs = spec.num_requests, spec.prompt_len, spec.decode_steps, spec.block_size
     errors = 0
@@ -357,7 +359,8 @@ def drive(stepper, work, spec: WorkloadSpec, sync=None, progress=None, warmup: i
 
     ids = list(range(R))
     t0 = time.perf_counter()
-    res = stepper.step(StepBatch(admit=[AdmitRequest(ids[i], P, hashes[i]) for i in range(R)]))
+    res = stepper.step(StepBatch(admit=[AdmitRequest(ids[i], P, hashes[i], token_ids=work.tokens[i, :P] if token_ids
+                                                     else None) for i in range(R)]))
     admission_s = time.perf_counter() - t0
     ast = np.asarray(res.admit_status)
     admitted = ast == 0
@@ -387,10 +390,13 @@ def drive(stepper, work, spec: WorkloadSpec, sync=None, progress=None, warmup: i
                 new.append(h)
             flat = np.concatenate(new)
             counts = np.ones(n, np.int32)
+            ids_of_blocks = ()
+            if token_ids:
+                ids_of_blocks = (np.ascontiguousarray(work.tokens[live, num_tokens - bs: num_tokens], np.int32),)
             t0 = time.perf_counter()
             client_hash_s += t0 - th
             out = stepper.step(StepBatch(append_rows=rows, append_num_tokens=1, append_hashes=(flat,),
-                                         append_hash_counts=(counts,)))
+                                         append_hash_counts=(counts,), append_token_ids=ids_of_blocks))
             step_s[d] = time.perf_counter() - t0
             hash_step[d] = True
             registered += n
@@ -468,7 +474,7 @@ def _close_quietly(client) -> None:
 
 
 def _client_main(index: int, endpoint: str, tenant: str, spec: WorkloadSpec, warmup: int, barrier,
-                 results, progress) -> None:
+                 results, progress, token_ids: bool = False) -> None:
     """One client process of the standard workload (spawned)."""
     from kvd_client import Client
 
@@ -482,7 +488,7 @@ def _client_main(index: int, endpoint: str, tenant: str, spec: WorkloadSpec, war
             barrier.wait(BARRIER_TIMEOUT_S)
 
         counter = _Slot(progress, index)
-        out = drive(_DaemonStepper(c), work, spec, sync, counter, warmup)
+        out = drive(_DaemonStepper(c), work, spec, sync, counter, warmup, token_ids)
         out["index"] = index
         results.put(out)
     except BaseException as e:  # noqa: BLE001
@@ -630,7 +636,8 @@ def run_clients(args, spec: WorkloadSpec, endpoint: str, daemon_pid: int | None,
                 label: str) -> dict:
     tenant = ""  # the user's own: one shared namespace, reset after the run
     procs, barrier, results, progress = _spawn(
-        _client_main, nclients, lambda i, b, r, p: (i, endpoint, tenant, spec, args.warmup, b, r, p))
+        _client_main, nclients,
+        lambda i, b, r, p: (i, endpoint, tenant, spec, args.warmup, b, r, p, args.events and args.event_token_ids))
     fatal = None
     figures: dict = {}
     try:
@@ -953,6 +960,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--daemon-arg", action="append", default=[], help="extra `kvd serve` argument (repeatable)")
     r.add_argument("--events", action="store_true",
                    help="the daemon publishes KV events; a subscriber process counts events and seq gaps")
+    r.add_argument("--event-token-ids", action="store_true",
+                   help="with --events: steps carry the token ids of the blocks they register")
     r.add_argument("--lease-s", type=float, default=10.0, help="lease of the daemon this script starts")
     r.add_argument("--floor", action="store_true", help="also measure a bare zmq echo of the same sizes")
     r.add_argument("--floor-iters", type=int, default=3000)
@@ -992,6 +1001,7 @@ def main(argv=None) -> int:
                     "config": {"block_size": spec.block_size, "blocks": args.blocks, "R": spec.num_requests,
                                "P": spec.prompt_len, "S": spec.system_len, "shared": spec.shared,
                                "D": spec.decode_steps, "hash": spec.hash_algo, "seed": spec.seed, "events": args.events,
+                               "event_token_ids": args.events and args.event_token_ids,
                                "clients": args.clients, "repeat": args.repeat}}
     honest: dict = {}
     try:
