@@ -30,6 +30,10 @@ def ints(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """msgpack of non-negative integers (< 2**64; int32 ones, e.g. token ids, take a narrower
     path): (flat bytes, bytes per value)."""
     v = np.ascontiguousarray(values).reshape(-1)
+    if v.size:
+        form = _form(int(v.min()))
+        if form == _form(int(v.max())):  # one form for all (e.g. 64-bit hashes): no gather
+            return _uniform_ints(v, form)
     if v.dtype == np.int32:  # no uint64 form: 4 payload bytes at most
         form = (v >= 128).view(np.int8) + (v >= 256) + (v >= 1 << 16)
         src = np.empty((v.size, 5), _U8)
@@ -45,6 +49,20 @@ def ints(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     take = _COLS[:cols] >= cols - width[:, None]  # the marker, then the last ``width`` bytes
     take[:, 0] = True
     return np.compress(take.ravel(), src.ravel()), width + 1
+
+
+def _form(value: int) -> int:
+    return (value >= 128) + (value >= 256) + (value >= 1 << 16) + (value >= 1 << 32)
+
+
+def _uniform_ints(v: np.ndarray, form: int) -> tuple[np.ndarray, np.ndarray]:
+    width = int(_WIDTHS[form])
+    if not width:
+        return v.astype(_U8), np.ones(v.size, np.int64)
+    out = np.empty((v.size, 1 + width), _U8)
+    out[:, 0] = _MARKERS[form]
+    out[:, 1:] = v.astype(">u8").view(_U8).reshape(-1, 8)[:, 8 - width :]
+    return out.reshape(-1), np.full(v.size, 1 + width, np.int64)
 
 
 def bins(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -109,40 +127,46 @@ def grouped(part: tuple[np.ndarray, np.ndarray], counts: np.ndarray) -> tuple[np
 
 
 def join(n: int, columns: list) -> bytes:
-    """Events 0..n-1, each the concatenation of ``columns`` (bytes: the same for every event;
-    (flat bytes, lengths per event); or an [n, w] uint8 matrix: w bytes each), one after another.
-    Runs of columns of one width per event are laid side by side first (one copy), so only the
-    columns whose widths vary are scattered."""
-    pieces = []  # [n, w] matrices of fixed-width runs, and (flat, lens) columns, in order
-    fixed: list[np.ndarray] = []
+    """Events 0..n-1, each the concatenation of ``columns`` (bytes: the same for every event, or
+    (flat bytes, lengths per event)), one after another. Runs of columns of one width per event
+    are laid side by side in one matrix first, so only the columns whose widths vary are scattered."""
+    pieces = []  # fixed-width runs as [n, w] matrices, and (flat, lens) columns, in order
+    run: list = []
     for c in columns:
-        if isinstance(c, bytes):
-            if c:
-                fixed.append(np.broadcast_to(np.frombuffer(c, _U8), (n, len(c))))
-        elif isinstance(c, np.ndarray):
-            fixed.append(c)
-        elif c[1].size and (c[1] == c[1][0]).all():
-            fixed.append(c[0].reshape(n, int(c[1][0])))
-        else:
-            if fixed:
-                pieces.append(np.concatenate(fixed, axis=1) if len(fixed) > 1 else fixed[0])
-                fixed = []
-            pieces.append(c)
-    if fixed:
-        pieces.append(np.concatenate(fixed, axis=1) if len(fixed) > 1 else fixed[0])
+        if isinstance(c, bytes) or c[1].size and (c[1] == c[1][0]).all():
+            run.append(c)
+            continue
+        if run:
+            pieces.append(_side_by_side(n, run))
+            run = []
+        pieces.append(c)
+    if run:
+        pieces.append(_side_by_side(n, run))
     if len(pieces) == 1 and isinstance(pieces[0], np.ndarray):
-        return np.ascontiguousarray(pieces[0]).tobytes()
-    lens = [np.full(n, p.shape[1], np.int64) if isinstance(p, np.ndarray) else p[1] for p in pieces]
+        return pieces[0].tobytes()
+    lens = [p[1] if isinstance(p, tuple) else np.full(n, p.shape[1], np.int64) for p in pieces]
     per_event = np.sum(lens, axis=0)
     out = np.empty(int(per_event.sum()), _U8)
     at = np.cumsum(per_event) - per_event  # where each event's next piece goes
     for p, ln in zip(pieces, lens):
-        if isinstance(p, np.ndarray):
+        if not isinstance(p, tuple):
             out[at[:, None] + np.arange(p.shape[1])] = p
         elif p[0].size:
             out[_segment_index(at, ln)] = p[0]
-        at = at + ln
+        at += ln
     return out.tobytes()
+
+
+def _side_by_side(n: int, columns: list) -> np.ndarray:
+    """Fixed-width columns (constant bytes, or (flat, equal lengths)) as one [n, total] matrix."""
+    widths = [len(c) if isinstance(c, bytes) else int(c[1][0]) if n else 0 for c in columns]
+    out = np.empty((n, sum(widths)), _U8)
+    at = 0
+    for c, w in zip(columns, widths):
+        if w:
+            out[:, at : at + w] = np.frombuffer(c, _U8) if isinstance(c, bytes) else c[0].reshape(n, w)
+        at += w
+    return out
 
 
 def _flatten(data: np.ndarray, lens: np.ndarray) -> np.ndarray:

@@ -239,7 +239,7 @@ class KvEventPublisher:
             return
         batches: dict[str, list] = {}  # tenant -> [encoded parts, number of events]
         described: dict[int, tuple[str, int, int]] = {}  # one lookup per key, not per entry
-        for entry in log:
+        for entry in _merged(log):
             key = entry[1]
             d = described.get(key)
             if d is None:
@@ -268,6 +268,24 @@ class KvEventPublisher:
         if self._replay is not None:
             self._replay.stop()
         self.sock.close(0)
+
+
+def _merged(log: list[tuple]) -> list[tuple]:
+    """The log with consecutive "runs" entries of one key joined (one encoding for all of them;
+    their runs stay apart: each starts a run, or continues the chain of the entry before it,
+    e.g. a confirmation spread over several messages)."""
+    out: list = []
+    for entry in log:
+        last = out[-1] if out else None
+        if entry[0] == "runs" and last is not None and last[0] == "runs" and last[1] == entry[1]:
+            if isinstance(last[2], np.ndarray):
+                out[-1] = last = ("runs", last[1], [last[2]], [last[3]])
+            last[2].append(entry[2])
+            last[3].append(entry[3])
+        else:
+            out.append(entry)
+    return [("runs", e[1], np.concatenate(e[2]), Runs.concat(e[3])) if e[0] == "runs" and isinstance(e[2], list)
+            else e for e in out]
 
 
 def _full_hash(width: int) -> Callable[[bytes], bytes]:

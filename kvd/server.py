@@ -74,6 +74,8 @@ SID_SHIFT = 32
 RECV_HWM = 1024
 SEND_HWM = 1024
 TICK_S = 0.1
+# KV events wait at most this long while messages keep coming (they go out once none waits)
+EVENTS_MAX_DELAY_S = 0.005
 LEASE_EXPIRED = "lease expired"
 MAX_ENDED_REMEMBERED = 4096
 _EMPTY_I32 = np.empty(0, np.int32)
@@ -229,6 +231,7 @@ class Daemon:
         self.next_namespace = 1  # 0 is the in-process manager's default; no session uses it
         self._retired: dict[int, tuple[str, int, int]] = {}  # keys of a namespace being dropped
         self.events = None  # kvd.events.KvEventPublisher, when kv_events_endpoint is set
+        self.events_at = 0.0  # perf_counter of the last publish
         self.next_sid = 1
         # sid -> (name, why) of recently ended sessions, so a late message learns why (bounded)
         self.ended: dict[int, tuple[str, str]] = {}
@@ -343,6 +346,7 @@ class Daemon:
     def publish_events(self) -> None:
         """Send what the pool's event log holds (kvd.events), if events are on."""
         if self.events is not None and self.manager.pool.event_log:
+            self.events_at = time.perf_counter()
             self.events.publish(self.manager.pool.event_log)
 
     def _do_copies(self) -> None:
@@ -1290,7 +1294,8 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                 # Prefix-cache entries a decode step left for after its reply (also flushed by
                 # the manager itself before anything reads the cache).
                 d.manager.flush_deferred()
-                d.publish_events()
+                if d.events is not None and t0 - d.events_at > EVENTS_MAX_DELAY_S:
+                    d.publish_events()
                 if d.was_step:
                     if _PROF is not None:
                         _PROF.append((t0, time.perf_counter(), c0, time.thread_time()))
@@ -1298,6 +1303,8 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                     d.n_steps += 1
                     if d.metrics is not None:
                         d.metrics.observe_step(time.perf_counter() - t0)
+            # KV events once no message waits: what several messages logged is encoded at once
+            d.publish_events()
 
         def on_monitor() -> None:
             while mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:
