@@ -230,7 +230,7 @@ class Daemon:
         self.topic_of: dict[int, str] = {}  # namespace -> topic of its KV events
         self.next_namespace = 1  # 0 is the in-process manager's default; no session uses it
         self._retired: dict[int, tuple[str, int, int]] = {}  # keys of a namespace being dropped
-        self.events = None  # kvd.events.KvEventPublisher, when kv_events_endpoint is set
+        self.events = None  # kvd.eventworker.EventForwarder, when kv_events_endpoint is set
         self.events_at = 0.0  # perf_counter of the last publish
         self.next_sid = 1
         # sid -> (name, why) of recently ended sessions, so a late message learns why (bounded)
@@ -1238,22 +1238,24 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
         events_ep = str(getattr(config, "kv_events_endpoint", "") or "")
         if events_ep:
             try:
-                from kvd.events import KvEventPublisher
+                import kvd.events  # noqa: F401 - the worker's encoder: fail here, naming the extra
+                from kvd.eventworker import EventForwarder, EventsError
             except ImportError as e:
                 print(f"kvd: kv_events_endpoint is set but the events extra is missing ({e}); "
                       "pip install 'kvd[events]'", file=sys.stderr)
                 return 1
 
-            try:
-                d.events = KvEventPublisher(
-                    ctx, events_ep, d.describe_cache_key, hash_width=d.hash_width,
+            try:  # encoded and published by a worker process: the loop only hands the log over
+                d.events = EventForwarder.start(
+                    ctx, f"ipc://{os.path.join(runtime_dir, f'kvd-events-{os.getpid()}.sock')}",
+                    d.describe_cache_key, endpoint=events_ep, hash_width=d.hash_width,
                     replay_endpoint=str(_opt(config, "kv_events_replay_endpoint", "")),
                     buffer_steps=int(_opt(config, "kv_events_buffer_steps", 10_000)),
                     topic=str(_opt(config, "kv_events_topic", "{tenant}")),
                     data_parallel_rank=int(_opt(config, "kv_events_data_parallel_rank", 0)),
                     int_hashes=bool(_opt(config, "kv_events_int_hashes", True)),
                     group_windows=[g.sliding_window for g in d.mcfg.groups])
-            except zmq.ZMQError as e:
+            except EventsError as e:
                 print(f"kvd: cannot bind the KV events endpoint {events_ep}: {e}", file=sys.stderr)
                 return 1
             d.manager.enable_kv_events()
