@@ -1830,7 +1830,9 @@ class _BatchAdmission:
         self.inserted: list[list[bytes]] = []
         self.raced = False
         self.events = mgr._tails is not None
-        self.runs: list[Runs] = []  # events on: per request that registers, its run (kvd.runs)
+        # events on, per request that registers: (hashes, parent, token ids) of its run, or its
+        # Runs when some of its blocks were cached already (kvd.runs)
+        self.runs: list = []
         self.tails: list[bytes] = []  # events on: per admitted request, its last registered hash
         self.dups: list[tuple[np.ndarray, np.ndarray]] = []  # (hashes, blocks) registered by another
 
@@ -1923,6 +1925,12 @@ class _BatchAdmission:
         self.dups.append((hashes[~mask], blocks[~mask]))
         return mask
 
+    def _runs(self) -> Runs:
+        """The runs of every request the batch registered, in order."""
+        if all(type(r) is tuple for r in self.runs):
+            return Runs.of_requests(*zip(*self.runs))
+        return Runs.concat([Runs.chain(*r) if type(r) is tuple else r for r in self.runs])
+
     def _run(self, admits, status, rows_out, cached_out, start: int) -> int:
         mgr = self.mgr
         pool = mgr.pool
@@ -2005,9 +2013,9 @@ class _BatchAdmission:
                 mask = self._register(keys[nhit:reg_end], hashes[nhit:reg_end],
                                       upcoming[offset : offset + reg_end - nhit], reg_hashes, reg_blocks)
                 if self.events:
-                    runs = Runs.chain(hashes[nhit:reg_end], hashes[nhit - 1] if nhit else NO_PARENT,
-                                      None if tokens is None else tokens[nhit:reg_end])
-                    self.runs.append(runs if mask is None else runs.take(mask))
+                    run = (hashes[nhit:reg_end], hashes[nhit - 1] if nhit else NO_PARENT,
+                           None if tokens is None else tokens[nhit:reg_end])
+                    self.runs.append(run if mask is None else Runs.chain(*run).take(mask))
             if self.events:
                 last = max(reg_end, nhit)
                 self.tails.append(hashes[last - 1] if last else NO_PARENT)
@@ -2057,10 +2065,9 @@ class _BatchAdmission:
             if self.mark:
                 pool.unconfirmed_by[reg] = self.mark
                 pool.num_unconfirmed += reg.size
-                mgr._note_unconfirmed(self.writer, self.mark, reg, mgr.tick,
-                                      Runs.concat(self.runs) if self.events else None)
+                mgr._note_unconfirmed(self.writer, self.mark, reg, mgr.tick, self._runs() if self.events else None)
             elif self.events:  # one entry: the publisher cuts it into one event per request
-                pool.log_stored(self.key, np.concatenate(reg_hashes), Runs.concat(self.runs))
+                pool.log_stored(self.key, np.concatenate(reg_hashes), self._runs())
             else:
                 for hashes in reg_hashes:
                     pool.log_stored(self.key, hashes)

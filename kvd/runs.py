@@ -64,6 +64,26 @@ class Runs:
         return cls(parents, first, tokens)
 
     @classmethod
+    def of_requests(cls, hashes: list[np.ndarray], parents: list[bytes], tokens: list) -> "Runs":
+        """Several requests' consecutive blocks (non-empty ``hashes[i]`` after ``parents[i]``,
+        token ids ``tokens[i]`` or None), in a few array operations (a batched admission)."""
+        flat = np.concatenate(hashes)
+        lens = np.fromiter(map(len, hashes), np.int64, count=len(hashes))
+        starts = np.cumsum(lens) - lens
+        parent = np.empty_like(flat)
+        parent[1:] = flat[:-1]
+        parent[starts] = np.array(parents, flat.dtype)
+        first = np.zeros(flat.size, bool)
+        first[starts] = True
+        given = [t for t in tokens if t is not None]
+        if not given:
+            return cls(parent, first)
+        if len(given) < len(tokens):
+            tokens = [np.full((n, given[0].shape[1]), NO_TOKENS, np.int32) if t is None else t
+                      for t, n in zip(tokens, lens.tolist())]
+        return cls(parent, first, np.concatenate(tokens))
+
+    @classmethod
     def one_each(cls, parents: np.ndarray, tokens: np.ndarray | None = None) -> "Runs":
         """Blocks of different requests, one each (a decode step)."""
         return cls(parents, np.ones(parents.shape[0], bool), tokens)
