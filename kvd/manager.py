@@ -384,8 +384,11 @@ class BlockManager:
         live = (self._block_reg[blocks] == regs) & (pool.unconfirmed_by[blocks] == keys)
         in_side = live & (pool.cache_key[blocks] == keys)
         in_shared = live & ~in_side
-        if pool.event_log is None and not in_side.any():
-            pool.confirm(blocks[in_shared])
+        if not in_side.any():
+            confirmed = blocks[in_shared]
+            pool.confirm(confirmed)
+            if pool.event_log is not None and confirmed.size:
+                self._log_confirmed(taken, confirmed, in_shared)
             return
         ends = np.cumsum(sizes)
         for (reg, key, entry, runs), end, size in zip(taken, ends.tolist(), sizes):
@@ -400,6 +403,24 @@ class BlockManager:
             if pool.event_log is not None and published.any():
                 pool.log_stored(pool.side_of[key], pool.block_hash[entry[published]],
                                 None if runs is None else runs.take(published))
+
+    def _log_confirmed(self, taken: list, confirmed: np.ndarray, mask: np.ndarray) -> None:
+        """KV events of confirmed blocks (``mask`` over the taken entries' blocks), in one log
+        entry when the entries share a map (one writer's: they do unless it has several groups)."""
+        pool = self.pool
+        key = pool.side_of[taken[0][1]]
+        if len(taken) > 1 and any(pool.side_of[e[1]] != key for e in taken):
+            start = 0
+            for _, side_key, entry, runs in taken:
+                sub = mask[start : start + entry.size]
+                start += entry.size
+                if sub.any():
+                    pool.log_stored(pool.side_of[side_key], pool.block_hash[entry[sub]],
+                                    None if runs is None else runs.take(sub))
+            return
+        runs = [e[3] for e in taken]
+        joined = None if any(r is None for r in runs) else Runs.concat(runs).take(mask)
+        pool.log_stored(key, pool.block_hash[confirmed], joined)
 
     def drop_writer(self, writer: int) -> None:
         """Forget a writer that has gone (its session ended): blocks it never confirmed leave the
@@ -589,8 +610,8 @@ class BlockManager:
     def _longest_hit(g: _Group, mask: np.ndarray, cap_tokens: int) -> int:
         """Longest cached length <= cap (a multiple of the block size) this group can serve."""
         end = min(cap_tokens // g.block_size, mask.size)
-        if not g.window:
-            return end * g.block_size
+        if not g.window:  # its leading run of hits (``_hit_mask`` cut it at the first miss)
+            return min(end, int(np.count_nonzero(mask))) * g.block_size
         while end > 0:
             start = int(g.skip_for(end * g.block_size))
             if mask[start:end].all():

@@ -196,3 +196,16 @@ def test_without_events_token_ids_are_checked_but_not_kept():
     # enabling now is refused: a request's chain is followed from its admission
     with pytest.raises(errors.InvalidArgument):
         m.enable_kv_events()
+
+
+def test_a_writer_with_two_groups_publishes_each_groups_runs_under_its_map():
+    m = _manager(groups=(GroupSpec(block_size=BS), GroupSpec(block_size=2 * BS)))
+    log = m.enable_kv_events()
+    p = list(range(17))
+    h0, h1 = _chain(p), hash_prompt(np.array(p), 2 * BS)
+    m.allocate("a", 17, [h0, h1], writer=1, token_ids=p)
+    assert log == []
+    m.mark_computed(1, m.tick)
+    keys = [m._cache_key(m._space(0, 0), g) for g in (0, 1)]
+    got = [(e[1], e[2], e[3], e[4].ravel().tolist()) for e in expand(log)]
+    assert got == [(keys[0], h0.tolist(), None, p[:16]), (keys[1], h1.tolist(), None, p[:16])]
