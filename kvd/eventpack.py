@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 NIL = 0xC0
+FEW_EVENTS = 64  # up to this many events, ``join`` slices instead of scattering
 _U8 = np.uint8
 # Per int form (fixint, uint8, uint16, uint32, uint64): its marker byte and payload bytes.
 _MARKERS = np.array([0, 0xCC, 0xCD, 0xCE, 0xCF], _U8)
@@ -129,7 +130,11 @@ def grouped(part: tuple[np.ndarray, np.ndarray], counts: np.ndarray) -> tuple[np
 def join(n: int, columns: list) -> bytes:
     """Events 0..n-1, each the concatenation of ``columns`` (bytes: the same for every event, or
     (flat bytes, lengths per event)), one after another. Runs of columns of one width per event
-    are laid side by side in one matrix first, so only the columns whose widths vary are scattered."""
+    are laid side by side in one matrix first, so only the columns whose widths vary are scattered.
+    A few events are joined by slicing instead: a handful of slices each beats index arithmetic
+    over every byte."""
+    if n <= FEW_EVENTS:
+        return _join_few(n, columns)
     pieces = []  # fixed-width runs as [n, w] matrices, and (flat, lens) columns, in order
     run: list = []
     for c in columns:
@@ -155,6 +160,21 @@ def join(n: int, columns: list) -> bytes:
             out[_segment_index(at, ln)] = p[0]
         at += ln
     return out.tobytes()
+
+
+def _join_few(n: int, columns: list) -> bytes:
+    cuts = []
+    for c in columns:
+        if isinstance(c, bytes):
+            cuts.append(c)
+        else:
+            ends = np.cumsum(c[1]).tolist()
+            cuts.append((c[0].tobytes(), [0] + ends[:-1], ends))
+    parts = []
+    for i in range(n):
+        for c in cuts:
+            parts.append(c if isinstance(c, bytes) else c[0][c[1][i] : c[2][i]])
+    return b"".join(parts)
 
 
 def _side_by_side(n: int, columns: list) -> np.ndarray:

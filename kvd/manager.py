@@ -501,6 +501,11 @@ class BlockManager:
 
     def _token_ids(self, token_ids, what: str) -> np.ndarray:
         """Token ids as a 1-D int32 array, or InvalidArgument."""
+        if type(token_ids) is np.ndarray and token_ids.dtype == np.int32:  # what the daemon passes on
+            arr = token_ids.reshape(-1)
+            if arr.size and int(arr.min()) < 0:
+                raise errors.InvalidArgument(f"{what} must be in [0, {_MAX_TOKEN_ID}]")
+            return arr
         arr = _int_array(token_ids, np.int64, what).reshape(-1)
         if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN_ID):
             raise errors.InvalidArgument(f"{what} must be in [0, {_MAX_TOKEN_ID}]")
