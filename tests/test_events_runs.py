@@ -175,6 +175,8 @@ def test_token_ids_are_checked_and_bad_ones_change_nothing():
         m.allocate("a", 9, h, token_ids=list(range(7)))  # fewer than the 8 its hashes cover
     with pytest.raises(errors.InvalidArgument):
         m.allocate("a", 9, h, token_ids=[0.5] * 9)
+    with pytest.raises(errors.InvalidArgument):
+        m.allocate("a", 9, h, token_ids=np.full(9, -1, np.int32))  # what the daemon passes: int32
     res = m.step(StepBatch(admit=[AdmitRequest("a", 9, h, token_ids=[-1] * 9), AdmitRequest("b", 9, h)]))
     assert res.admit_status.tolist() == [errors.InvalidArgument.code, 0] and "a" not in m
     assert _entries(log) == [(h.tolist(), None, None)]

@@ -1010,6 +1010,7 @@ def main(argv=None) -> int:
             return 2
     spec = spec_of(args)
     daemon = counter = None
+    worker_cpu0 = 0.0
     prev_term = signal.getsignal(signal.SIGTERM)
 
     def on_term(signum, frame):
@@ -1033,6 +1034,7 @@ def main(argv=None) -> int:
             endpoint, dpid = daemon.endpoint, daemon.pid
             if daemon.events_endpoint:
                 counter = EventCounter(daemon.events_endpoint)
+                worker_cpu0 = children_cpu_s(dpid)
         if args.micro:
             results = {}
             for n in args.clients:
@@ -1116,7 +1118,11 @@ def main(argv=None) -> int:
         return 1
     finally:
         if counter is not None:
+            worker_cpu = children_cpu_s(daemon.pid) - worker_cpu0
             ev = counter.finish()
+            ev["events_worker_cpu_s"] = round(worker_cpu, 3)
+            # what one core of the worker sustains: events encoded and published per CPU second
+            ev["events_per_worker_cpu_s"] = round(ev["events"] / worker_cpu) if worker_cpu > 0 else None
             report["events"] = ev
             print_table("KV events (subscriber process)", ev)
             honest["events_none_dropped"] = ev["event_seq_gaps"] == 0 and ev["first_seq"] == 0
@@ -1147,6 +1153,7 @@ def _event_counter(endpoint: str, ready, stop, results) -> None:
     sub.setsockopt(zmq.RCVHWM, 0)  # the subscriber keeps up or queues: the daemon's HWM is under test
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(endpoint)
+    cpu0 = time.process_time()
     ready.set()
     msgs = events = hashes = gaps = 0
     first = last = None
@@ -1167,7 +1174,8 @@ def _event_counter(endpoint: str, ready, stop, results) -> None:
         events += len(batch)
         hashes += sum(len(e.get("block_hashes", ())) for e in batch)
     span = t_last - t_first
-    results.put({"event_messages": msgs, "events": events, "event_block_hashes": hashes, "event_seq_gaps": gaps,
+    # a router's share of the box: this process decodes every payload (msgpack, in Python)
+    results.put({"subscriber_cpu_s": round(time.process_time() - cpu0, 3), "event_messages": msgs, "events": events, "event_block_hashes": hashes, "event_seq_gaps": gaps,
                  "first_seq": first, "events_span_s": round(span, 3),
                  "events_per_s": round(events / span, 1) if span > 0 else 0.0,
                  "event_hashes_per_s": round(hashes / span, 1) if span > 0 else 0.0})
