@@ -46,7 +46,7 @@ requests in one message a parallel int32 "counts" frame says how many hashes bel
 Token ids (optional, only for KV events: kvd.events' ``BlockStored.token_ids``) are int32 frames
 after every other frame of a message. A client sends them only when the hello reply's
 ``kv_events`` is true, so a message without them is byte for byte what it was: the daemon keeps
-token ids only when it publishes events, and ignores them otherwise. An admission's are the first
+token ids only when it publishes events (it checks them either way). An admission's are the first
 ids of its prompt (at least those of its hashed full blocks); an append's are block_size of group g
 per hash of group g, in the order of the hashes.
 
