@@ -6,7 +6,8 @@ makes hundreds of events, and an admission wave with token ids megabytes of them
 (kvd.events, kvd.eventpack) in the daemon's loop would delay every client's next message; here the
 loop only copies the log's arrays into one message to the worker (``EventForwarder.publish``).
 
-The worker (``python -m kvd.eventworker CONFIG_JSON``, started by ``EventForwarder.start``) binds
+The worker (``python -m kvd.eventworker CONFIG_JSON``, started by ``EventForwarder.start``, at nice
+``NICE``: where cores are short the steps go first and events wait) binds
 the events PUB socket and the replay ROUTER (kvd.events.KvEventPublisher: sequence numbers,
 replay buffer), then a PULL socket at ``inbox`` (an ipc path in the daemon's runtime directory,
 mode 0600: only the daemon's user may push), and prints one line on stdout: ``ready`` or
@@ -50,6 +51,9 @@ FORWARD_HWM = 100_000  # messages queued for the worker before the daemon drops
 DRAIN_MS = 500  # at the end: how long the worker waits for the daemon's last messages
 GATHER_MS = 2  # how long the worker lets the daemon's messages gather before encoding them
 GATHER_MAX_ENTRIES = 4096
+# Below the daemon and its engines: where cores are short, events wait (a few ms late, none
+# lost up to FORWARD_HWM messages) rather than the steps.
+NICE = 10
 
 
 class EventsError(Exception):
@@ -190,6 +194,7 @@ def main(argv: list[str]) -> int:
     from kvd.events import KvEventPublisher
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the daemon's to handle
+    os.nice(NICE)
     cfg = json.loads(argv[0])
     inbox_ep = cfg.pop("inbox")
     width = int(cfg.get("hash_width", 16))
