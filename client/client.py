@@ -66,7 +66,7 @@ from kvd.errors import (
 )
 from kvd.shm import SHM_DIR, SessionBuffers
 
-from .step import StepMessage, tag_of
+from .step import StepMessage, group_token_ids, tag_of, token_frame
 
 DEFAULT_ENDPOINT_ENV = "KVD_ENDPOINT"
 _EMPTY_I32 = np.empty(0, np.int32)
@@ -512,11 +512,13 @@ class _Core:
         return P.CAN_ALLOCATE, fields, self._hashes(block_hashes), _alloc_status
 
     def _req_allocate(self, req_id, num_tokens, block_hashes=(), num_lookahead_tokens=0, *,
-                      priority=DEFAULT_PRIORITY, num_encoder_tokens=0, max_new_tokens=0):
+                      priority=DEFAULT_PRIORITY, num_encoder_tokens=0, max_new_tokens=0, token_ids=None):
         fields = {"nt": _count("num_tokens", num_tokens), "la": _count("num_lookahead_tokens", num_lookahead_tokens),
                   "pri": _count("priority", priority), "net": _count("num_encoder_tokens", num_encoder_tokens),
                   "mnt": _count("max_new_tokens", max_new_tokens)}
         frames = self._hashes(block_hashes)
+        if token_ids is not None and self.info.get("kv_events"):  # only a daemon that publishes keeps them
+            frames.append(token_frame(token_ids))
         row = self._new_row(req_id)
         fields["row"], fields["tag"] = row, tag_of(req_id)
 
@@ -533,10 +535,14 @@ class _Core:
         shm = self.shm
         return tuple(shm.tables[g][row, : int(shm.counts[g][row])] for g in range(len(shm.tables)))
 
-    def _req_append_slots(self, req_id, num_new_tokens, new_block_hashes=(), num_lookahead_tokens=0):
+    def _req_append_slots(self, req_id, num_new_tokens, new_block_hashes=(), num_lookahead_tokens=0, *,
+                          new_block_token_ids=None):
         fields = {"n": _count("num_new_tokens", num_new_tokens),
                   "la": _count("num_lookahead_tokens", num_lookahead_tokens)}
         fields["row"] = self.row_of(req_id)
+        frames = self._hashes(new_block_hashes)
+        if new_block_token_ids is not None and self.info.get("kv_events"):
+            frames += [token_frame(t) for t in group_token_ids(new_block_token_ids, len(frames))]
 
         def post(h, f):
             st = int(h["status"])
@@ -546,7 +552,7 @@ class _Core:
             ids = tuple(np.frombuffer(f[g], np.int32) for g in range(G))
             return AppendResult(STATUS_OK, ids, np.frombuffer(f[G], np.int32).reshape(-1, 2))
 
-        return P.APPEND, fields, self._hashes(new_block_hashes), post
+        return P.APPEND, fields, frames, post
 
     def _req_free(self, req_id):
         row = self.row_of(req_id)
@@ -608,17 +614,19 @@ class _Core:
         if (rows is not None and not batch.admit and not batch.free and not batch.forks
                 and type(batch.append_num_tokens) is int):
             spec = self._req_decode(rows, batch.append_num_tokens, batch.num_lookahead_tokens,
-                                    batch.computed_through, batch.append_hashes, batch.append_hash_counts, G)
+                                    batch.computed_through, batch.append_hashes, batch.append_hash_counts, G,
+                                    batch.append_token_ids)
             if spec is not None:
                 return spec
         return StepMessage(self, batch, G).spec()
 
     def _req_decode(self, rows, num_tokens: int, lookahead: int, computed_through: int | None = None,
-                    hashes=(), counts=(), num_groups: int = 1):
+                    hashes=(), counts=(), num_groups: int = 1, token_ids=()):
         """The decode fast path of ``step`` (the ``decode`` op, a binary header): appends by row,
-        one token count for all, and with one KV-cache group the hashes of the blocks that filled;
-        one array copy each way, no per-request Python. None when the batch needs the general
-        message (hashes of several groups, counts that do not fit the rows)."""
+        one token count for all, and with one KV-cache group the hashes of the blocks that filled
+        (and their token ids, sent only to a daemon that publishes KV events); one array copy each
+        way, no per-request Python. None when the batch needs the general message (hashes of
+        several groups, counts that do not fit the rows)."""
         if type(rows) is not np.ndarray or rows.dtype != np.int32 or not rows.flags.c_contiguous:
             rows = np.ascontiguousarray(rows, np.int32)
         na = rows.shape[0]
@@ -636,6 +644,10 @@ class _Core:
                     or (na and int(cnt.min()) < 0) or int(cnt.sum(dtype=np.int64)) != hashes[0].shape[0]):
                 return None
             frames += [hashes[0].tobytes(), cnt.tobytes()]
+            if len(token_ids) and self.info.get("kv_events"):
+                frames.append(token_frame(group_token_ids(token_ids, 1)[0]))
+        elif len(token_ids):
+            return None  # token ids without hashes: the general message reports it
         fields = {"na": na, "an": num_tokens, "la": int(lookahead), "c": self._confirmation(computed_through)}
         return P.DECODE, fields, frames, functools.partial(_decode_post, rows_b, num_tokens)
 
@@ -911,23 +923,26 @@ class Client(_Core):
 
     def allocate(self, req_id: Hashable, num_tokens: int, block_hashes=(), num_lookahead_tokens: int = 0, *,
                  priority: int = DEFAULT_PRIORITY, num_encoder_tokens: int = 0,
-                 max_new_tokens: int = 0) -> AllocResult:
+                 max_new_tokens: int = 0, token_ids=None) -> AllocResult:
         """Admit request ``req_id`` with a prompt of ``num_tokens`` tokens whose full blocks hash to
         ``block_hashes`` (one array per group with several groups). Reuses the cached prefix; the
         block table is in ``tables[g][row_of(req_id)]`` and the slot mapping of the prompt's
         uncached tokens in ``slot_mappings[g]`` when it returns. ``status`` LATER / NEVER (as
-        ``can_allocate`` answers): nothing changed."""
+        ``can_allocate`` answers): nothing changed. ``token_ids``: the prompt's, for the KV events'
+        BlockStored (sent only when the daemon publishes events: ``info["kv_events"]``)."""
         return self._do(self._req_allocate(req_id, num_tokens, block_hashes, num_lookahead_tokens,
                                            priority=priority, num_encoder_tokens=num_encoder_tokens,
-                                           max_new_tokens=max_new_tokens))
+                                           max_new_tokens=max_new_tokens, token_ids=token_ids))
 
     def append_slots(self, req_id: Hashable, num_new_tokens: int, new_block_hashes=(),
-                     num_lookahead_tokens: int = 0) -> AppendResult:
+                     num_lookahead_tokens: int = 0, *, new_block_token_ids=None) -> AppendResult:
         """Grow request ``req_id`` by ``num_new_tokens`` tokens (plus lookahead slots), registering
         ``new_block_hashes`` of blocks that became full. The new tokens' slots are in
         ``slot_mappings[g]`` when it returns; ``copies`` are the copy-on-write copies to do first.
-        ``status`` LATER: nothing changed (preempt something)."""
-        return self._do(self._req_append_slots(req_id, num_new_tokens, new_block_hashes, num_lookahead_tokens))
+        ``status`` LATER: nothing changed (preempt something). ``new_block_token_ids``: those
+        blocks' token ids for KV events (per group with several groups; see ``allocate``)."""
+        return self._do(self._req_append_slots(req_id, num_new_tokens, new_block_hashes, num_lookahead_tokens,
+                                               new_block_token_ids=new_block_token_ids))
 
     def free(self, req_id: Hashable) -> None:
         """Release request ``req_id``: its blocks go back to the pool (full ones stay cached)."""

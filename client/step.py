@@ -30,6 +30,29 @@ def tag_of(req_id: Hashable) -> int:
     return int.from_bytes(d, "little") or 1
 
 
+_MAX_TOKEN_ID = (1 << 31) - 1  # token ids travel as int32
+
+
+def token_frame(ids) -> bytes:
+    """Token ids -> an int32 frame; InvalidArgument for anything but integers in int32's range
+    (never a silent cast)."""
+    arr = np.asarray(ids)
+    if arr.size and (arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN_ID):
+        raise InvalidArgument(f"token ids must be integers in [0, {_MAX_TOKEN_ID}]")
+    return np.ascontiguousarray(arr, np.int32).tobytes()
+
+
+def group_token_ids(token_ids, num_groups: int) -> list:
+    """``StepBatch.append_token_ids`` (or ``new_block_token_ids``) as one array-like per group:
+    with one group the ids themselves may be given, flat or one row per block."""
+    per_group = isinstance(token_ids, (list, tuple)) and all(isinstance(t, (np.ndarray, list, tuple)) for t in token_ids)
+    if num_groups == 1 and not (per_group and len(token_ids) == 1):
+        return [token_ids]
+    if not per_group or len(token_ids) != num_groups:
+        raise InvalidArgument(f"token ids must be given for all {num_groups} groups")
+    return list(token_ids)
+
+
 def _error_code(exc: BaseException) -> int:
     if isinstance(exc, KvdError):
         return exc.code
@@ -52,6 +75,7 @@ class StepMessage:
         self.core = core
         self.batch = batch
         self.G = num_groups
+        self.send_tokens = bool(core.info.get("kv_events"))  # only a daemon that publishes keeps them
         self.new_rows: list[int] = []
 
     # ---- building -------------------------------------------------------------------------------
@@ -76,12 +100,16 @@ class StepMessage:
         self.new_rows.append(crow)
         return prow, crow, tag_of(c)
 
-    def _admit_one(self, a) -> tuple[tuple, list[bytes]]:
+    def _admit_one(self, a) -> tuple[tuple, list[bytes], bytes]:
         per_g = self.core._hashes(a.block_hashes)  # before taking a row: bad hashes take none
+        tokens = P.EMPTY
+        if a.token_ids is not None and self.send_tokens:  # the ids of its hashed blocks, no more
+            need = max(len(h) // self.core.hash_width * bs for h, bs in zip(per_g, self.core.block_sizes))
+            tokens = token_frame(a.token_ids)[: 4 * need]
         row = self.core._new_row(a.req_id)
         self.new_rows.append(row)
         return (row, a.num_tokens, a.num_lookahead_tokens, a.priority, a.num_encoder_tokens,
-                a.max_new_tokens, 0, tag_of(a.req_id)), per_g
+                a.max_new_tokens, 0, tag_of(a.req_id)), per_g, tokens
 
     def _append_hashes(self, sent: np.ndarray) -> list[bytes]:
         """Per group (hashes, counts) frames of the appends that are sent."""
@@ -99,6 +127,23 @@ class StepMessage:
                 frames += [hs, cnt.tobytes()]
             else:
                 frames += [P.EMPTY, P.EMPTY]
+        return frames
+
+    def _append_tokens(self, sent: np.ndarray) -> list[bytes]:
+        """Per group the token-id frame of the appends that are sent (empty: none given)."""
+        b = self.batch
+        if not len(b.append_token_ids) or not self.send_tokens:
+            return []
+        frames = []
+        for g, ids in enumerate(group_token_ids(b.append_token_ids, self.G)):
+            frame = token_frame(ids)
+            if not sent.all() and frame:
+                if len(b.append_hash_counts) <= g or len(b.append_hash_counts[g]) != sent.shape[0]:
+                    raise InvalidArgument("append_token_ids need append_hash_counts, one count per append")
+                per_req = np.asarray(b.append_hash_counts[g], np.int64) * (4 * self.core.block_sizes[g])
+                ends = np.cumsum(per_req)
+                frame = b"".join(frame[e - n : e] for e, n, ok in zip(ends.tolist(), per_req.tolist(), sent) if ok)
+            frames.append(frame)
         return frames
 
     def spec(self) -> tuple:
@@ -148,6 +193,11 @@ class StepMessage:
         for g in range(G):
             frames.append(b"".join(a[1][g] for a in admits))
             frames.append(np.array([len(a[1][g]) // core.hash_width for a in admits], np.int32).tobytes())
+        app_tokens = self._append_tokens(self.app_sent)
+        if app_tokens or any(a[2] for a in admits):  # the optional token-id frames (kvd.protocol)
+            frames.append(b"".join(a[2] for a in admits))
+            frames.append(np.array([len(a[2]) // 4 for a in admits], np.int32).tobytes())
+            frames += app_tokens or [P.EMPTY] * G
         while len(frames) > 4 and not frames[-1]:
             frames.pop()  # trailing empty frames may be left out
         # The daemon answers in the decode format when only appends with one count travel

@@ -119,6 +119,11 @@ class AdmitRequest:
     priority: int = DEFAULT_PRIORITY
     num_encoder_tokens: int = 0
     max_new_tokens: int = 0
+    token_ids: object = None
+    """Optional: the prompt's token ids (at least those of its hashed full blocks, at most
+    ``num_tokens``), published in the KV events' ``BlockStored.token_ids`` of the blocks it
+    registers. Only a manager that publishes KV events keeps them (a client sends them only to such
+    a daemon: the hello reply's ``kv_events``); invalid ones are an InvalidArgument either way."""
 
 
 @dataclass
@@ -145,6 +150,10 @@ class StepBatch:
     """The writer's confirmation, applied before anything else: the forward passes of its calls up
     to this tick (a ``StepResult.tick``) have finished, so the blocks they registered may become hits
     for other writers (see ``kvd.manager``). None: nothing confirmed by this step."""
+    append_token_ids: Sequence[np.ndarray] = ()
+    """Optional, for KV events (as ``AdmitRequest.token_ids``): ``append_token_ids[g]`` holds the
+    token ids of the blocks ``append_hashes[g]`` names, block_size of group g per hash in the same
+    order (flat, or one row per block; with one group the array itself may be given)."""
 
 
 @dataclass

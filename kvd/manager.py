@@ -64,6 +64,7 @@ from kvd.api import (
 )
 from kvd.hashing import as_hash_array, hash_dtype
 from kvd.pool import BlockPool
+from kvd.runs import NO_PARENT, Runs
 
 _EMPTY_I32 = np.empty(0, np.int32)
 _EMPTY_I64 = np.empty(0, np.int64)
@@ -199,7 +200,10 @@ class BlockManager:
         self.tick = 0
         """Counts the calls that may register blocks (step, allocate, append_slots, swap_in)."""
         self._copies: list[np.ndarray] = []
-        self._deferred: list[tuple] = []  # (_APPENDS, rows, hashes, counts, tick) or (_CONFIRM, writer, tick)
+        self._deferred: list[tuple] = []  # (_APPENDS, rows, hashes, counts, tick, tokens) or (_CONFIRM, writer, tick)
+        # With KV events on (enable_kv_events), per group and row the hash of the row's last
+        # registered block (NO_PARENT: none yet): the parent of its next registration (kvd.runs).
+        self._tails: list[np.ndarray] | None = None
         self._watermark_blocks = int(config.watermark * config.num_gpu_blocks)
         self._no_hashes = [self._empty_hashes] * len(self.groups)
         self.counters = dict(prefix_queries=0, prefix_hits=0, swaps_out=0, swaps_in=0, cow_copies=0)
@@ -281,23 +285,43 @@ class BlockManager:
                 return self._space_info[space][0], group
         raise errors.InvalidArgument(f"no prefix-cache key {key}")
 
-    # ================================================================== computed state
-    def _register_in(self, key: int, hashes: np.ndarray, blocks: np.ndarray, tick: int | None = None) -> None:
-        """Register full blocks under cache key ``key``; what a writer's side key stores waits for
-        its confirmation of the tick of the call that filled them (``tick``, default this one)."""
-        self._store(key, hashes, blocks, self.tick if tick is None else tick)
+    def enable_kv_events(self) -> list:
+        """Record prefix-cache changes for a KV events publisher (kvd.events) from now on; returns
+        the pool's event log. Each stored entry is then one request's run of blocks in chain order
+        with its parent hash, and the token ids of those blocks when the caller supplied them
+        (``AdmitRequest.token_ids``, ``StepBatch.append_token_ids``). Call it before admitting
+        anything: a request's chain is followed from its admission on."""
+        if self._tails is None:
+            if self._row_of:
+                raise errors.InvalidArgument("enable KV events before admitting requests")
+            self._tails = [np.zeros(self.num_tokens.size, self.hash_dtype) for _ in self.groups]
+            self.pool.event_log = []
+        return self.pool.event_log
 
-    def _store(self, key: int, hashes: np.ndarray, blocks: np.ndarray, tick: int) -> None:
+    def _set_tails(self, gi: int, rows, hashes) -> None:
+        """Rows' last registered hashes of group ``gi`` (events on only)."""
+        self._tails[gi][rows] = hashes
+
+    # ================================================================== computed state
+    def _register_in(self, key: int, hashes: np.ndarray, blocks: np.ndarray, tick: int | None = None,
+                     runs: Runs | None = None) -> None:
+        """Register full blocks under cache key ``key``; what a writer's side key stores waits for
+        its confirmation of the tick of the call that filled them (``tick``, default this one).
+        ``runs`` (events on): the blocks' request runs and parents (kvd.runs)."""
+        self._store(key, hashes, blocks, self.tick if tick is None else tick, runs)
+
+    def _store(self, key: int, hashes: np.ndarray, blocks: np.ndarray, tick: int, runs: Runs | None = None) -> None:
         shared = self.pool.side_of.get(key)
         if shared is None:
-            self.pool.register(key, hashes, blocks)
+            self.pool.register(key, hashes, blocks, runs=runs)
             return
-        _, in_shared, _, in_side = self.pool.register(shared, hashes, blocks, key)
-        if in_shared.size or in_side.size:
-            stored = in_shared if not in_side.size else np.concatenate([in_shared, in_side])
-            self._note_unconfirmed(self._key_writer[key], key, stored, tick)
+        in_shared, in_side = self.pool.register(shared, hashes, blocks, key)
+        stored = in_shared | in_side
+        if stored.any():  # in chain order: the events of its confirmation follow the chains
+            self._note_unconfirmed(self._key_writer[key], key, blocks[stored], tick,
+                                   None if runs is None else runs.take(stored))
 
-    def _note_unconfirmed(self, writer: int, key: int, blocks: np.ndarray, tick: int) -> None:
+    def _note_unconfirmed(self, writer: int, key: int, blocks: np.ndarray, tick: int, runs: Runs | None = None) -> None:
         """Queue blocks ``writer`` stored (under side key ``key``) at ``tick`` for confirmation
         when it confirms that tick. ``_block_reg`` remembers each block's registration: an entry
         evicted (its block reused, perhaps stored again) must not be confirmed by the earlier
@@ -306,7 +330,7 @@ class BlockManager:
         if fifo is None:
             fifo = self._unconfirmed[writer] = deque()
         self._num_regs += 1
-        fifo.append((tick, self._num_regs, key, blocks))
+        fifo.append((tick, self._num_regs, key, blocks, runs))
         self._block_reg[blocks] = self._num_regs
 
     def mark_computed(self, writer: int, through_tick: int) -> None:
@@ -330,17 +354,19 @@ class BlockManager:
         fifo = self._unconfirmed.get(writer)
         taken = []
         while fifo and fifo[0][0] <= through_tick:
-            tick, reg, key, blocks = fifo[0]
+            tick, reg, key, blocks, runs = fifo[0]
             if budget is not None and blocks.size > budget:
                 if budget <= 0:
                     break
-                fifo[0] = (tick, reg, key, blocks[budget:])  # the rest stays queued
+                rest = None if runs is None else runs.take(slice(budget, None))
+                fifo[0] = (tick, reg, key, blocks[budget:], rest)  # the rest stays queued
                 blocks = blocks[:budget]
+                runs = None if runs is None else runs.take(slice(None, budget))
             else:
                 fifo.popleft()
             if budget is not None:
                 budget -= blocks.size
-            taken.append((reg, key, blocks))
+            taken.append((reg, key, blocks, runs))
         if taken:
             self._confirm_entries(taken)
         if budget is None:
@@ -358,16 +384,43 @@ class BlockManager:
         live = (self._block_reg[blocks] == regs) & (pool.unconfirmed_by[blocks] == keys)
         in_side = live & (pool.cache_key[blocks] == keys)
         in_shared = live & ~in_side
-        if pool.event_log is None and not in_side.any():
-            pool.confirm(blocks[in_shared])
+        if not in_side.any():
+            confirmed = blocks[in_shared]
+            pool.confirm(confirmed)
+            if pool.event_log is not None and confirmed.size:
+                self._log_confirmed(taken, confirmed, in_shared)
             return
         ends = np.cumsum(sizes)
-        for (reg, key, entry), end, size in zip(taken, ends.tolist(), sizes):
+        for (reg, key, entry, runs), end, size in zip(taken, ends.tolist(), sizes):
             sl = slice(end - size, end)
-            pool.confirm(entry[in_shared[sl]])
-            moving = entry[in_side[sl]]
-            if moving.size:
-                pool.promote(key, moving)
+            shared, side = in_shared[sl], in_side[sl]
+            pool.confirm(entry[shared])
+            published = shared
+            if side.any():
+                moved = pool.promote(key, entry[side])
+                published = shared.copy()
+                published[np.flatnonzero(side)[moved]] = True
+            if pool.event_log is not None and published.any():
+                pool.log_stored(pool.side_of[key], pool.block_hash[entry[published]],
+                                None if runs is None else runs.take(published))
+
+    def _log_confirmed(self, taken: list, confirmed: np.ndarray, mask: np.ndarray) -> None:
+        """KV events of confirmed blocks (``mask`` over the taken entries' blocks), in one log
+        entry when the entries share a map (one writer's: they do unless it has several groups)."""
+        pool = self.pool
+        key = pool.side_of[taken[0][1]]
+        if len(taken) > 1 and any(pool.side_of[e[1]] != key for e in taken):
+            start = 0
+            for _, side_key, entry, runs in taken:
+                sub = mask[start : start + entry.size]
+                start += entry.size
+                if sub.any():
+                    pool.log_stored(pool.side_of[side_key], pool.block_hash[entry[sub]],
+                                    None if runs is None else runs.take(sub))
+            return
+        runs = [e[3] for e in taken]
+        joined = None if any(r is None for r in runs) else Runs.concat(runs).take(mask)
+        pool.log_stored(key, pool.block_hash[confirmed], joined)
 
     def drop_writer(self, writer: int) -> None:
         """Forget a writer that has gone (its session ended): blocks it never confirmed leave the
@@ -410,7 +463,7 @@ class BlockManager:
     def _check_pending(self) -> None:
         """Every unconfirmed block waits in its writer's queue under its latest registration."""
         queued = {(key, int(b), reg) for w, fifo in self._unconfirmed.items()
-                  for _, reg, key, blocks in fifo for b in blocks.tolist() if self._key_writer.get(key) == w}
+                  for _, reg, key, blocks, _ in fifo for b in blocks.tolist() if self._key_writer.get(key) == w}
         pool = self.pool
         for b in np.flatnonzero(pool.unconfirmed_by).tolist():
             key = int(pool.unconfirmed_by[b])
@@ -445,6 +498,48 @@ class BlockManager:
                 )
             out.append(arr)
         return out
+
+    def _token_ids(self, token_ids, what: str) -> np.ndarray:
+        """Token ids as a 1-D int32 array, or InvalidArgument."""
+        if type(token_ids) is np.ndarray and token_ids.dtype == np.int32:  # what the daemon passes on
+            arr = token_ids.reshape(-1)
+            if arr.size and int(arr.min()) < 0:
+                raise errors.InvalidArgument(f"{what} must be in [0, {_MAX_TOKEN_ID}]")
+            return arr
+        arr = _int_array(token_ids, np.int64, what).reshape(-1)
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN_ID):
+            raise errors.InvalidArgument(f"{what} must be in [0, {_MAX_TOKEN_ID}]")
+        return arr.astype(np.int32)
+
+    def _admit_tokens(self, token_ids, hash_lists: list[np.ndarray], num_tokens: int) -> list[np.ndarray] | None:
+        """An admission's token ids per group as [blocks, block_size] rows of its hashed blocks
+        (None when no KV events are published: checked, then not kept)."""
+        arr = self._token_ids(token_ids, "token_ids")
+        need = max(h.size * g.block_size for g, h in zip(self.groups, hash_lists))
+        if not need <= arr.size <= num_tokens:
+            raise errors.InvalidArgument(
+                f"token_ids: {arr.size} ids for a prompt of {num_tokens} tokens whose hashed blocks hold {need}")
+        if self._tails is None:
+            return None
+        return [arr[: h.size * g.block_size].reshape(-1, g.block_size) for g, h in zip(self.groups, hash_lists)]
+
+    def _block_tokens(self, token_lists, hash_lists: list[np.ndarray], what: str) -> list[np.ndarray] | None:
+        """Per group the token ids of the blocks ``hash_lists`` name, [n, block_size] (None when no
+        KV events are published: checked, then not kept)."""
+        per_group = isinstance(token_lists, (list, tuple)) and all(
+            isinstance(t, (np.ndarray, list, tuple)) for t in token_lists)
+        if len(self.groups) == 1 and not (per_group and len(token_lists) == 1):
+            token_lists = [token_lists]  # one group: its ids, flat or one row per block
+        if len(token_lists) != len(self.groups):
+            raise errors.InvalidArgument(f"{what} must be given for all {len(self.groups)} groups")
+        out = []
+        for g, h, t in zip(self.groups, hash_lists, token_lists):
+            arr = self._token_ids(t, what)
+            if arr.size != h.size * g.block_size:
+                raise errors.InvalidArgument(
+                    f"{what}: {arr.size} ids for {h.size} block(s) of {g.block_size} tokens")
+            out.append(arr.reshape(-1, g.block_size))
+        return out if self._tails is not None else None
 
     def _check_sizes(self, num_tokens: int, lookahead: int, what: str = "num_tokens") -> None:
         if not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, bool):
@@ -520,8 +615,8 @@ class BlockManager:
     def _longest_hit(g: _Group, mask: np.ndarray, cap_tokens: int) -> int:
         """Longest cached length <= cap (a multiple of the block size) this group can serve."""
         end = min(cap_tokens // g.block_size, mask.size)
-        if not g.window:
-            return end * g.block_size
+        if not g.window:  # its leading run of hits (``_hit_mask`` cut it at the first miss)
+            return min(end, int(np.count_nonzero(mask))) * g.block_size
         while end > 0:
             start = int(g.skip_for(end * g.block_size))
             if mask[start:end].all():
@@ -605,14 +700,17 @@ class BlockManager:
         priority: int = DEFAULT_PRIORITY,
         num_encoder_tokens: int = 0,
         max_new_tokens: int = 0,
+        token_ids=None,
     ) -> AllocResult:
         """Admit a request. ``namespace``: whose prefix cache it reads and fills; ``writer``: who
-        computes its KV (0: visible to every lookup at once; see the module doc)."""
+        computes its KV (0: visible to every lookup at once; see the module doc). ``token_ids``:
+        the prompt's token ids, for KV events (see ``AdmitRequest.token_ids``)."""
         self.flush_deferred()
         space = self._space(namespace, writer)
         self.tick += 1
         result = self._admit(
-            AdmitRequest(req_id, num_tokens, block_hashes, num_lookahead_tokens, priority, num_encoder_tokens, max_new_tokens),
+            AdmitRequest(req_id, num_tokens, block_hashes, num_lookahead_tokens, priority, num_encoder_tokens,
+                         max_new_tokens, token_ids),
             space,
         )
         self._debug_check()
@@ -622,6 +720,7 @@ class BlockManager:
         num_tokens, lookahead = req.num_tokens, req.num_lookahead_tokens
         self._check_new_request(req.req_id, num_tokens, lookahead, req.priority, req.num_encoder_tokens, req.max_new_tokens)
         hash_lists = self._hash_lists(req.block_hashes, num_tokens)
+        tokens = None if req.token_ids is None else self._admit_tokens(req.token_ids, hash_lists, num_tokens)
         status, cached, hits, new = self._plan_admission(
             num_tokens, hash_lists, lookahead, space, req.max_new_tokens, req.num_encoder_tokens
         )
@@ -651,7 +750,7 @@ class BlockManager:
             g.num_blocks[row] = end + fresh.size
             g.num_skipped[row] = skip
             g.num_registered[row] = end
-            self._register(gi, row, hash_lists[gi], num_tokens)
+            self._register(gi, row, hash_lists[gi], num_tokens, None if tokens is None else tokens[gi])
             out.append(g.table[row, : end + fresh.size].copy())
         cross = self.pool.take(_cdiv(req.num_encoder_tokens, self.config.encoder_block_size))
         self.cross_table[row, : cross.size] = cross
@@ -661,24 +760,37 @@ class BlockManager:
             self.counters["prefix_hits"] += cached
         return AllocResult(STATUS_OK, tuple(out), cached, row)
 
-    def _register(self, gi: int, row: int, hashes: np.ndarray, num_tokens: int) -> None:
-        """Register the row's full blocks [num_registered, len(hashes)) that are still present."""
+    def _register(self, gi: int, row: int, hashes: np.ndarray, num_tokens: int, tokens=None) -> None:
+        """Register the row's full blocks [num_registered, len(hashes)) that are still present
+        (``tokens``: their token ids, [len(hashes), block_size], or None)."""
         if not self.config.enable_prefix_caching:
             return
         g = self.groups[gi]
         start = int(g.num_registered[row])
         stop = min(hashes.size, num_tokens // g.block_size)
+        if self._tails is not None:
+            self._set_tails(gi, row, hashes[max(start, stop) - 1] if max(start, stop) else NO_PARENT)
         if stop <= start:
             return
         blocks = g.table[row, start:stop]
         present = blocks != NULL_BLOCK
-        self._register_in(self._cache_key(int(self.namespace[row]), gi), hashes[start:stop][present], blocks[present])
+        runs = None
+        if self._tails is not None:
+            runs = Runs.chain(hashes[start:stop], hashes[start - 1] if start else NO_PARENT,
+                              None if tokens is None else tokens[start:stop])
+            runs = runs if present.all() else runs.take(present)
+        self._register_in(self._cache_key(int(self.namespace[row]), gi), hashes[start:stop][present], blocks[present],
+                          runs=runs)
         g.num_registered[row] = stop
 
     # ================================================================== appends
     def append_slots(
-        self, req_id: ReqId, num_new_tokens: int, new_block_hashes=(), num_lookahead_tokens: int = 0
+        self, req_id: ReqId, num_new_tokens: int, new_block_hashes=(), num_lookahead_tokens: int = 0, *,
+        new_block_token_ids=None,
     ) -> AppendResult:
+        """Grow a request by ``num_new_tokens`` tokens (plus lookahead slots), registering
+        ``new_block_hashes`` of blocks that became full; ``new_block_token_ids``: those blocks'
+        token ids for KV events (see ``StepBatch.append_token_ids``)."""
         self.flush_deferred()
         self.tick += 1
         row = self.row_of(req_id)
@@ -693,11 +805,14 @@ class BlockManager:
             unregistered = total // g.block_size - int(g.num_registered[row])
             if hashes.size > unregistered:
                 raise errors.BadHashes(f"{hashes.size} hashes for {unregistered} full, unregistered block(s)")
+        tokens = None
+        if new_block_token_ids is not None:
+            tokens = self._block_tokens(new_block_token_ids, hash_lists, "new_block_token_ids")
         counts = [np.array([h.size], np.int32) for h in hash_lists]
         before = [int(g.num_blocks[row]) for g in self.groups]
         copies_before = len(self._copies)
         rows, n_new = np.array([row], np.int32), np.array([num_new_tokens], np.int64)
-        code = int(self._append_rows(rows, n_new, hash_lists, counts, num_lookahead_tokens)[0][0])
+        code = int(self._append_rows(rows, n_new, hash_lists, counts, num_lookahead_tokens, tokens)[0][0])
         assert code in (STATUS_OK, STATUS_NO_SPACE), code  # misuse was rejected above
         if code == STATUS_NO_SPACE:
             return AppendResult(STATUS_NO_SPACE)
@@ -752,15 +867,17 @@ class BlockManager:
         if lookahead < 0 or lookahead > self.max_lookahead:
             status[status == 0] = errors.InvalidArgument.code
 
-    def _append_rows(self, rows, n_new, hash_lists, hash_counts, lookahead):
+    def _append_rows(self, rows, n_new, hash_lists, hash_counts, lookahead, token_lists=None):
         """Grow many requests at once (``n_new``: an int for all, or one each). Returns the int16
         status per request, and the tokens each request had before when the fast path took the
-        whole batch (else None)."""
+        whole batch (else None). ``token_lists``: per group the token ids of the hashed blocks
+        (events on), or None."""
         n = rows.size
         if not n:
             return _EMPTY_I16, None
         if self._simple:
-            fast = self._append_fast(rows, n_new, hash_lists[0], hash_counts and hash_counts[0], lookahead)
+            fast = self._append_fast(rows, n_new, hash_lists[0], hash_counts and hash_counts[0], lookahead,
+                                     tokens=token_lists and token_lists[0])
             if fast is not None:
                 return np.zeros(n, np.int16), fast[0]
         if not isinstance(n_new, np.ndarray):
@@ -805,14 +922,14 @@ class BlockManager:
         for gi, g in enumerate(self.groups):
             self._grow_group(g, orows, oold, onew - oold, grow[gi][ok], cow[gi][ok] if cow is not None else no_copy)
         self.num_tokens[orows] = onew
-        self._register_appends(rows, status, hash_lists, hash_counts)
+        self._register_appends(rows, status, hash_lists, hash_counts, token_lists=token_lists)
         grew = onew > oold  # a 0-token append (registering a prefill chunk's blocks) releases nothing
         for g in self.groups:
             if g.window:
                 self._release_out_of_window(g, orows[grew], oold[grew])
         return status, None
 
-    def _append_fast(self, rows, n_new, hashes, counts, lookahead, defer: bool = False):
+    def _append_fast(self, rows, n_new, hashes, counts, lookahead, defer: bool = False, tokens=None):
         """A batch of appends to the one full-attention group, copy-on-write included, in two
         compiled loops (``kvd.rowloops``). Returns (the tokens each request had before, the rows
         whose tables changed), or None, having changed nothing, whenever anything is unusual
@@ -843,9 +960,10 @@ class BlockManager:
         self._record_copies(n_copies)
         if hashes.size:
             if defer:  # the whole registration after the reply (the tables do not change before)
-                self._deferred.append((_APPENDS, rows.copy(), hashes, counts, self.tick))
+                self._deferred.append((_APPENDS, rows.copy(), hashes, counts, self.tick, tokens))
             else:
-                self._register_appends(rows, np.zeros(n, np.int16), [hashes], [counts])
+                self._register_appends(rows, np.zeros(n, np.int16), [hashes], [counts],
+                                       token_lists=None if tokens is None else [tokens])
         return old, self._changed_buf[:n_changed]  # views of scratch: valid until the next append
 
     @staticmethod
@@ -928,7 +1046,7 @@ class BlockManager:
             self._copies.append(self._copies_buf[:n_copies].copy())
             self.counters["cow_copies"] += n_copies
 
-    def _register_one_each(self, gi: int, rows, hashes, counts, tick: int | None = None) -> bool:
+    def _register_one_each(self, gi: int, rows, hashes, counts, tick: int | None = None, tokens=None) -> bool:
         """Registration when each request filled at most one block (a decode step): a few array
         operations. False when the requests span several registration spaces (the general path then)."""
         g = self.groups[gi]
@@ -939,21 +1057,29 @@ class BlockManager:
         reg = g.num_registered[sel]
         blocks = g.table[sel, reg]
         present = blocks != NULL_BLOCK
+        runs = None
+        if self._tails is not None:  # every block a run of its own, after its row's last one
+            runs = Runs.one_each(self._tails[gi][sel], tokens)
+            self._set_tails(gi, sel, hashes)
         if not present.all():
             blocks, hashes = blocks[present], hashes[present]
-        self._register_in(self._cache_key(int(ns[0]), gi), hashes, blocks, tick)
+            runs = None if runs is None else runs.take(present)
+        self._register_in(self._cache_key(int(ns[0]), gi), hashes, blocks, tick, runs)
         g.num_registered[sel] = reg + 1
         return True
 
-    def _register_appends(self, rows, status, hash_lists, hash_counts, tick: int | None = None) -> None:
+    def _register_appends(self, rows, status, hash_lists, hash_counts, tick: int | None = None,
+                          token_lists=None) -> None:
         """Register the blocks that became full, with the hashes given (``tick``: of the call that
-        filled them, when a flush registers them later)."""
+        filled them, when a flush registers them later; ``token_lists``: per group their token ids,
+        events on)."""
         if not self.config.enable_prefix_caching:
             return
         for gi, (g, hashes, counts) in enumerate(zip(self.groups, hash_lists, hash_counts)):
             if not hashes.size:
                 continue
-            if counts.max() == 1 and not status.any() and self._register_one_each(gi, rows, hashes, counts, tick):
+            tokens = None if token_lists is None else token_lists[gi]
+            if counts.max() == 1 and not status.any() and self._register_one_each(gi, rows, hashes, counts, tick, tokens):
                 continue
             take = counts * (status == STATUS_OK)
             sel = np.flatnonzero(take)
@@ -966,13 +1092,27 @@ class BlockManager:
             blocks, rep = _row_blocks(g.table, srows, g.num_registered[srows], g.num_registered[srows] + counts[sel], False)
             ns = self.namespace[srows]
             present = blocks != NULL_BLOCK
+            runs = None if self._tails is None else self._append_runs(gi, srows, hashes, hash_idx, c, tokens)
             if np.all(ns == ns[0]):
-                self._register_in(self._cache_key(int(ns[0]), gi), hashes[hash_idx][present], blocks[present], tick)
+                self._register_in(self._cache_key(int(ns[0]), gi), hashes[hash_idx][present], blocks[present], tick,
+                                  None if runs is None else runs.take(present))
             else:
                 for ns_value in np.unique(ns).tolist():
                     m = present & (ns[rep] == ns_value)
-                    self._register_in(self._cache_key(ns_value, gi), hashes[hash_idx][m], blocks[m], tick)
+                    self._register_in(self._cache_key(ns_value, gi), hashes[hash_idx][m], blocks[m], tick,
+                                      None if runs is None else runs.take(m))
             g.num_registered[srows] += counts[sel]
+
+    def _append_runs(self, gi: int, srows, hashes, hash_idx, counts, tokens) -> Runs:
+        """The runs of appended blocks ``hashes[hash_idx]``, ``counts`` per row of ``srows``: each
+        row's first one after the row's last registered block, the rest after each other."""
+        firsts = np.cumsum(counts) - counts
+        parents = hashes[np.maximum(hash_idx - 1, 0)]
+        parents[firsts] = self._tails[gi][srows]
+        first = np.zeros(hash_idx.size, bool)
+        first[firsts] = True
+        self._set_tails(gi, srows, hashes[hash_idx[firsts + counts - 1]])
+        return Runs(parents, first, None if tokens is None else tokens[hash_idx])
 
     def _release_out_of_window(self, g: _Group, rows, num_computed) -> None:
         skip = g.skip_for(num_computed).astype(np.int32)
@@ -1096,6 +1236,9 @@ class BlockManager:
         if self.max_cross_blocks:
             rowloops.share_blocks(prows, crows, self.cross_table, self.cross_num_blocks, self._no_skip, self._no_skip,
                                   ref, self.num_tokens, 0)
+        if self._tails is not None:  # a child's chain goes on from its parent's
+            for tails in self._tails:
+                tails[crows] = tails[prows]
         return crows
 
     def _claim_rows(self, req_ids: list) -> np.ndarray:
@@ -1121,8 +1264,9 @@ class BlockManager:
             budget: int | None = PROMOTE_BATCH  # for the whole flush
             for item in self._deferred:
                 if item[0] is _APPENDS:
-                    _, rows, hashes, counts, tick = item
-                    self._register_appends(rows, np.zeros(rows.size, np.int16), [hashes], [counts], tick)
+                    _, rows, hashes, counts, tick, tokens = item
+                    self._register_appends(rows, np.zeros(rows.size, np.int16), [hashes], [counts], tick,
+                                           None if tokens is None else [tokens])
                 elif budget is None or (budget := self._promote(item[1], item[2], budget)) is None:
                     unfinished.append(item)  # the next call (or reply) goes on with it
             self._deferred[:] = unfinished
@@ -1265,7 +1409,9 @@ class BlockManager:
         self.pool.ref_cnt[fresh] = counts[miss]
         gpu[miss] = fresh
         keys = self._cpu_carry_key[cpu[miss]]
-        for key in np.unique(keys[keys != 0]).tolist():
+        if self._tails is not None:
+            self._register_swapped_in(rows, cpu, gpu, miss[keys != 0])
+        for key in (np.unique(keys[keys != 0]).tolist() if self._tails is None else ()):
             sel = miss[keys == key]
             self._register_in(key, self.cpu_pool.block_hash[cpu[sel]], gpu[sel])
         records = [self._swapped.pop(row) for row in rows.tolist()]
@@ -1288,6 +1434,39 @@ class BlockManager:
         self.counters["swaps_in"] += cpu.size
         self._debug_check()
         return SwapResult(STATUS_OK, np.stack([cpu, gpu], axis=1).astype(np.int32))
+
+    def _register_swapped_in(self, rows, cpu, gpu, new) -> None:
+        """Events on: register swapped-in content (``cpu[new]``, now at ``gpu[new]``) in its
+        requests' chain order, so each BlockStored is one request's run after the hash before it
+        (the chain is not followed across blocks a sliding window released: such a run has no
+        parent). No token ids: the daemon keeps none of swapped-out blocks."""
+        pending = np.zeros(cpu.size, bool)
+        pending[new] = True
+        idx_parts, parent_parts, first_parts = [], [], []
+        cpu_hash = self.cpu_pool.block_hash
+        for row in rows.tolist():
+            for ids in self._swapped[row].cpu_blocks:  # positions [skip, skip + n) of each group
+                live = ids >= 0
+                idx = np.searchsorted(cpu, np.where(live, ids, cpu[0] if cpu.size else 0))
+                pos = np.flatnonzero(live & pending[np.minimum(idx, cpu.size - 1)])
+                if not pos.size:
+                    continue
+                prev = ids[pos - 1]
+                parents = np.where((pos > 0) & (prev >= 0), cpu_hash[np.maximum(prev, 0)], NO_PARENT)
+                pending[idx[pos]] = False  # a block two requests share registers once, for the first
+                first = np.zeros(pos.size, bool)
+                first[0] = True
+                idx_parts.append(idx[pos])
+                parent_parts.append(parents.astype(self.hash_dtype))
+                first_parts.append(first)
+        if not idx_parts:
+            return
+        order = np.concatenate(idx_parts)
+        runs = Runs(np.concatenate(parent_parts), np.concatenate(first_parts))
+        keys = self._cpu_carry_key[cpu[order]]
+        for key in np.unique(keys).tolist():
+            sel = keys == key
+            self._register_in(key, cpu_hash[cpu[order[sel]]], gpu[order[sel]], runs=runs.take(sel))
 
     def _release_cpu(self, blocks: np.ndarray) -> None:
         blocks = blocks[blocks >= 0].astype(np.int32)
@@ -1323,11 +1502,14 @@ class BlockManager:
             self.flush_deferred()  # the general path reads the cache
         n_new, given_rows, n = self._step_append_sizes(batch)
         hash_lists, hash_counts = self._step_hashes(batch, n) if len(batch.append_hashes) else (self._no_hashes, None)
+        tokens = None
+        if len(batch.append_token_ids):
+            tokens = self._block_tokens(batch.append_token_ids, hash_lists, "append_token_ids")
         free_status, freed_rows = self._step_frees(batch.free) if len(batch.free) else (_EMPTY_I16, _EMPTY_I32)
         fork_status, child_rows = self._step_forks(batch.forks) if len(batch.forks) else (_EMPTY_I16, _EMPTY_I32)
         rows = self._step_append_rows(batch, given_rows)  # after frees and forks: ids may name new children
         copies_before = len(self._copies)
-        append_status, old = self._append_rows(rows, n_new, hash_lists, hash_counts, la)
+        append_status, old = self._append_rows(rows, n_new, hash_lists, hash_counts, la, tokens)
         admit_status, admit_rows, admit_cached = (
             self._step_admits(batch.admit, space) if len(batch.admit) else (_EMPTY_I16, _EMPTY_I32, _EMPTY_I64)
         )
@@ -1446,13 +1628,16 @@ class BlockManager:
             n_new = np.asarray(n_new, np.int64)
             if n_new.shape != (n,):
                 return None
-        hashes, counts = self._empty_hashes, None
+        hashes, counts, tokens = self._empty_hashes, None, None
         if len(batch.append_hashes):
             hash_lists, hash_counts = self._step_hashes(batch, n)
             hashes, counts = hash_lists[0], hash_counts[0]
+        if len(batch.append_token_ids):
+            tokens = self._block_tokens(batch.append_token_ids, [hashes], "append_token_ids")
+            tokens = None if tokens is None else tokens[0]
         defer = self.config.defer_cache_registration
         copies_before = len(self._copies)
-        fast = self._append_fast(rows, n_new, hashes, counts, batch.num_lookahead_tokens, defer) if n else None
+        fast = self._append_fast(rows, n_new, hashes, counts, batch.num_lookahead_tokens, defer, tokens) if n else None
         if fast is None:
             return None
         old, grown = fast
@@ -1642,8 +1827,9 @@ class BlockManager:
         assert set(self._swapped) == set(np.flatnonzero(self.swapped & self.active).tolist())
 
 
+_MAX_TOKEN_ID = (1 << 31) - 1  # token ids travel as int32
 _CONFIRM = object()  # a deferred confirmation in ``_deferred``: (_CONFIRM, writer, through_tick)
-_APPENDS = object()  # a decode step's deferred registration: (_APPENDS, rows, hashes, counts, tick)
+_APPENDS = object()  # a decode step's deferred registration: (_APPENDS, rows, hashes, counts, tick, tokens)
 # Blocks a daemon's flush promotes at most: a confirmation of a whole admission wave (tens of
 # thousands of prompt blocks) is spread over the next messages instead of pausing every client.
 PROMOTE_BATCH = 1024
@@ -1676,6 +1862,12 @@ class _BatchAdmission:
         self.side = mgr.pool.caches.get(side_key) or None
         self.inserted: list[list[bytes]] = []
         self.raced = False
+        self.events = mgr._tails is not None
+        # events on, per request that registers: (hashes, parent, token ids) of its run, or its
+        # Runs when some of its blocks were cached already (kvd.runs)
+        self.runs: list = []
+        self.tails: list[bytes] = []  # events on: per admitted request, its last registered hash
+        self.dups: list[tuple[np.ndarray, np.ndarray]] = []  # (hashes, blocks) registered by another
 
     def run(self, admits, status, rows_out, cached_out, start: int = 0) -> int:
         """Decide ``admits[start:]`` in order; returns the index of the first one left undecided
@@ -1732,8 +1924,9 @@ class _BatchAdmission:
             raise errors.DuplicateRequest(f"request {req.req_id!r} already exists")
         return mgr._hash_lists(req.block_hashes, req.num_tokens)[0]
 
-    def _register(self, keys: list, hashes: np.ndarray, blocks: np.ndarray, reg_hashes, reg_blocks) -> None:
-        """Cache ``keys`` -> ``blocks`` unless a key is cached already (the first block keeps it)."""
+    def _register(self, keys: list, hashes: np.ndarray, blocks: np.ndarray, reg_hashes, reg_blocks) -> np.ndarray | None:
+        """Cache ``keys`` -> ``blocks`` unless a key is cached already (the first block keeps it).
+        Returns which were cached (None: all)."""
         cache = self.cache
         before = len(cache)
         if cache.keys().isdisjoint(keys):
@@ -1742,7 +1935,7 @@ class _BatchAdmission:
                 self.inserted.append(keys)
                 reg_hashes.append(hashes)
                 reg_blocks.append(blocks)
-                return
+                return None
             for h in keys:  # a hash repeated within the request: redo it one by one
                 cache.pop(h, None)
         mask = np.zeros(len(keys), bool)
@@ -1755,6 +1948,14 @@ class _BatchAdmission:
         self.inserted.append(mine)
         reg_hashes.append(hashes[mask])
         reg_blocks.append(blocks[mask])
+        self.dups.append((hashes[~mask], blocks[~mask]))
+        return mask
+
+    def _runs(self) -> Runs:
+        """The runs of every request the batch registered, in order."""
+        if all(type(r) is tuple for r in self.runs):
+            return Runs.of_requests(*zip(*self.runs))
+        return Runs.concat([Runs.chain(*r) if type(r) is tuple else r for r in self.runs])
 
     def _run(self, admits, status, rows_out, cached_out, start: int) -> int:
         mgr = self.mgr
@@ -1786,6 +1987,10 @@ class _BatchAdmission:
                     hashes = req.block_hashes
                 else:
                     hashes = self._slow_valid(req, seen)
+                tokens = None
+                if req.token_ids is not None:
+                    tokens = mgr._admit_tokens(req.token_ids, [hashes], req.num_tokens)
+                    tokens = tokens and tokens[0]
             except errors.KvdError as exc:
                 status[i] = exc.code
                 done = i + 1
@@ -1831,8 +2036,15 @@ class _BatchAdmission:
             free_rows -= 1
             headroom -= new + extra
             if reg_end > nhit:
-                self._register(keys[nhit:reg_end], hashes[nhit:reg_end],
-                               upcoming[offset : offset + reg_end - nhit], reg_hashes, reg_blocks)
+                mask = self._register(keys[nhit:reg_end], hashes[nhit:reg_end],
+                                      upcoming[offset : offset + reg_end - nhit], reg_hashes, reg_blocks)
+                if self.events:
+                    run = (hashes[nhit:reg_end], hashes[nhit - 1] if nhit else NO_PARENT,
+                           None if tokens is None else tokens[nhit:reg_end])
+                    self.runs.append(run if mask is None else Runs.chain(*run).take(mask))
+            if self.events:
+                last = max(reg_end, nhit)
+                self.tails.append(hashes[last - 1] if last else NO_PARENT)
             admitted.append(i)
             flat_hits.extend(hits)
             hit_counts.append(nhit)
@@ -1879,11 +2091,16 @@ class _BatchAdmission:
             if self.mark:
                 pool.unconfirmed_by[reg] = self.mark
                 pool.num_unconfirmed += reg.size
-                mgr._note_unconfirmed(self.writer, self.mark, reg, mgr.tick)
+                mgr._note_unconfirmed(self.writer, self.mark, reg, mgr.tick, self._runs() if self.events else None)
+            elif self.events:  # one entry: the publisher cuts it into one event per request
+                pool.log_stored(self.key, np.concatenate(reg_hashes), self._runs())
             else:
-                for keys in self.inserted:
-                    if keys:
-                        pool.log_stored(self.key, keys)
+                for hashes in reg_hashes:
+                    pool.log_stored(self.key, hashes)
+        for hashes, dup in self.dups:  # uncached, but their requests' chains go through them
+            pool.block_hash[dup] = hashes
+        if self.events:
+            mgr._tails[0][rows] = np.array(self.tails, mgr.hash_dtype)
         tokens = np.fromiter((admits[i].num_tokens for i in admitted), np.int64, count=k)
         g.num_registered[rows] = reg_ends
         mgr.num_tokens[rows] = tokens

@@ -3,7 +3,9 @@
 Per block (numpy arrays, no Python object per block):
 
     ref_cnt     int32   holders of the block (requests, forks, swap copies)
-    block_hash  S16     its prefix-cache hash; meaningful only while cache_key != 0
+    block_hash  S16     its prefix-cache hash while cache_key != 0; for a block a request registered
+                        but that stayed uncached (its hash was cached already) the hash of its
+                        content too, so swapped-in chains know their parents (kvd.runs)
     cache_key   uint16  which prefix-cache map holds it; 0 = not cached
     unconfirmed_by uint16  side key of the writer whose confirmation it awaits; 0 = confirmed (or
                         not cached)
@@ -46,8 +48,10 @@ import numpy as np
 from kvd import rowloops
 from kvd.api import DEFAULT_PRIORITY, MAX_PRIORITY, NULL_BLOCK
 from kvd.hashing import HASH_DTYPE
+from kvd.runs import Runs
 
 NO_CACHE_KEY = 0
+_NO_MASK = np.zeros(0, bool)
 _MIN_QUEUE_CAPACITY = 1024
 _EMPTY_I32 = np.empty(0, np.int32)
 
@@ -148,8 +152,10 @@ class BlockPool:
         self.side_of: dict[int, int] = {}  # a writer's side key -> its shared map's key
         self.num_evictions = 0
         # Prefix-cache changes, recorded only when a KV events publisher (kvd.events) asks for them:
-        # ("stored" | "removed", cache key, [hash, ...]) or ("cleared", cache key, []).
-        self.event_log: list[tuple[str, int, list[bytes]]] | None = None
+        # ("stored", cache key, [hash, ...][, parent hash or None, token ids int32 [n, bs] or None]),
+        # ("runs", cache key, hashes, kvd.runs.Runs) (a registration's blocks, one event per
+        # request run: kvd.runs.expand), ("removed", cache key, [hash, ...]) or ("cleared", cache key, []).
+        self.event_log: list[tuple] | None = None
         # Conservation is checked against these counts on every call that changes them.
         self._num_evictable = 0
         for arr in (self.ref_cnt, self.block_hash, self.cache_key, self.evict_prio, self.unconfirmed_by):
@@ -385,21 +391,28 @@ class BlockPool:
                 blocks[i] = side_get(hashes[i], -1)
         return blocks
 
-    def register(self, key: int, hashes: np.ndarray, blocks: np.ndarray,
-                 side_key: int = NO_CACHE_KEY) -> tuple[list[bytes], np.ndarray, list[bytes], np.ndarray]:
+    def register(self, key: int, hashes: np.ndarray, blocks: np.ndarray, side_key: int = NO_CACHE_KEY,
+                 runs: Runs | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Put full blocks in shared map ``key`` under their hashes: confirmed at once (``side_key``
         0), or unconfirmed by the writer of ``side_key``, whose copies of hashes another writer's
-        unconfirmed entry holds go into its side map. Returns what it stored: (hashes, blocks) in
-        the shared map, then in the side map. A hash the writer already sees keeps its block, and a
-        block already cached keeps its hash (forks share blocks, and each sharer may register
-        them): such entries are dropped. A confirmed entry replaces an unconfirmed one."""
-        if not blocks.size:
-            return [], blocks, [], blocks
+        unconfirmed entry holds go into its side map. Returns which of the given blocks it stored:
+        (mask in the shared map, mask in the side map). A hash the writer already sees keeps its
+        block, and a block already cached keeps its hash (forks share blocks, and each sharer may
+        register them): such entries are dropped. A confirmed entry replaces an unconfirmed one.
+        ``runs``: the blocks' requests and parents (kvd.runs), for the KV events of what is
+        stored confirmed."""
+        n = blocks.size
+        if not n:
+            return _NO_MASK, _NO_MASK
         uncached = self.cache_key[blocks] == NO_CACHE_KEY
         if not uncached.all():
-            blocks, hashes = blocks[uncached], hashes[uncached]
-            if not blocks.size:
-                return [], blocks, [], blocks
+            idx = np.flatnonzero(uncached)
+            in_main, in_side = np.zeros(n, bool), np.zeros(n, bool)
+            if idx.size:
+                sub_main, sub_side = self.register(key, hashes[idx], blocks[idx], side_key,
+                                                   None if runs is None else runs.take(idx))
+                in_main[idx], in_side[idx] = sub_main, sub_side
+            return in_main, in_side
         cache = self.cache_map(key)
         side = self.caches.get(side_key) if side_key else None
         keys = hashes.tolist()
@@ -409,13 +422,13 @@ class BlockPool:
             if len(cache) - before == len(keys):
                 self._mark_cached(key, blocks, hashes, side_key)
                 if not side_key:
-                    self.log_stored(key, keys)
-                return keys, blocks, [], blocks[:0]
+                    self.log_stored(key, hashes, runs)
+                return np.ones(n, bool), np.zeros(n, bool)
             for h in keys:  # a hash repeated within the batch: redo it one by one
                 cache.pop(h, None)
-        return self._register_each(key, keys, hashes, blocks, side_key)
+        return self._register_each(key, keys, hashes, blocks, side_key, runs)
 
-    def _register_each(self, key, keys, hashes, blocks, side_key):
+    def _register_each(self, key, keys, hashes, blocks, side_key, runs):
         cache = self.caches[key]
         mark = self.unconfirmed_by
         in_main, in_side, replaced = np.zeros(blocks.size, bool), np.zeros(blocks.size, bool), []
@@ -437,12 +450,14 @@ class BlockPool:
                 self.cache_key[b] = side_key
         if replaced:
             self._forget(np.array(replaced, np.int32))
+        dup = ~(in_main | in_side) & (self.cache_key[blocks] == NO_CACHE_KEY)
+        if dup.any():  # not cached, but its request's chain goes through it (kvd.runs: parents)
+            self.block_hash[blocks[dup]] = hashes[dup]
         self._mark_cached(key, blocks[in_main], hashes[in_main], side_key)
         self._mark_cached(side_key, blocks[in_side], hashes[in_side], side_key)
-        stored = hashes[in_main].tolist()
-        if stored and not side_key:
-            self.log_stored(key, stored)
-        return stored, blocks[in_main], hashes[in_side].tolist(), blocks[in_side]
+        if not side_key and in_main.any():
+            self.log_stored(key, hashes[in_main], None if runs is None else runs.take(in_main))
+        return in_main, in_side
 
     def _mark_cached(self, key: int, blocks: np.ndarray, hashes: np.ndarray, side_key: int) -> None:
         if blocks.size:
@@ -452,22 +467,27 @@ class BlockPool:
                 self.unconfirmed_by[blocks] = side_key
                 self.num_unconfirmed += blocks.size
 
-    def log_stored(self, key: int, keys: list[bytes]) -> None:
-        if self.event_log is not None and key not in self.side_of:
-            self.event_log.append(("stored", key, keys))
+    def log_stored(self, key: int, hashes: np.ndarray, runs: Runs | None = None) -> None:
+        """Record blocks stored (confirmed) under shared map ``key``, in chain order: with ``runs``
+        (kvd.runs: their requests and parents) one ("runs", key, hashes, runs) entry that the
+        publisher turns into one event per request run, else one ("stored", key, hashes) entry."""
+        if self.event_log is None or key in self.side_of or not hashes.size:
+            return
+        if runs is None:
+            self.event_log.append(("stored", key, hashes.tolist()))
+        else:
+            self.event_log.append(("runs", key, hashes, runs))
 
     def confirm(self, blocks: np.ndarray) -> None:
-        """Unconfirmed shared entries (one registration, chain order) become visible to all."""
+        """Unconfirmed shared entries become visible to all (their KV events are the caller's)."""
         self.unconfirmed_by[blocks] = 0
         self.num_unconfirmed -= blocks.size
-        if self.event_log is not None and blocks.size:
-            self.log_stored(int(self.cache_key[blocks[0]]), self.block_hash[blocks].tolist())
 
-    def promote(self, side_key: int, blocks: np.ndarray) -> None:
-        """Move confirmed side entries (all still in the side map; chain order) into its shared
-        map. A hash the shared map holds confirmed keeps that block: the side copy stops being
-        cached (a free one goes to the front of the free queue, like any uncached block); an
-        unconfirmed one gives way to the side copy."""
+    def promote(self, side_key: int, blocks: np.ndarray) -> np.ndarray:
+        """Move confirmed side entries (all still in the side map) into its shared map. A hash the
+        shared map holds confirmed keeps that block: the side copy stops being cached (a free one
+        goes to the front of the free queue, like any uncached block); an unconfirmed one gives way
+        to the side copy. Returns which of ``blocks`` moved (their KV events are the caller's)."""
         side = self.caches[side_key]
         key = self.side_of[side_key]
         shared = self.cache_map(key)
@@ -492,7 +512,7 @@ class BlockPool:
         if moved.size:
             shared.update(zip(self.block_hash[moved].tolist(), moved.tolist()))
             self.cache_key[moved] = key
-            self.log_stored(key, self.block_hash[moved].tolist())
+        return keep
 
     def cached_in(self, key: int, hashes: np.ndarray) -> np.ndarray:
         """Block per hash (or -1) that registrations into ``key`` (a shared map, or a writer's side

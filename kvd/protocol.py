@@ -43,6 +43,13 @@ Hashes are ``S16`` frames (16 bytes per full block; ``S32`` when the daemon serv
 scheme: the hello reply's ``hash_width`` says which), one frame per KV-cache group; with several
 requests in one message a parallel int32 "counts" frame says how many hashes belong to each request.
 
+Token ids (optional, only for KV events: kvd.events' ``BlockStored.token_ids``) are int32 frames
+after every other frame of a message. A client sends them only when the hello reply's
+``kv_events`` is true, so a message without them is byte for byte what it was: the daemon keeps
+token ids only when it publishes events (it checks them either way). An admission's are the first
+ids of its prompt (at least those of its hashed full blocks); an append's are block_size of group g
+per hash of group g, in the order of the hashes.
+
 Ops and their frames (G = number of KV-cache groups of the pool; "hdr" = extra header keys)
 ===========================================================================================
 hello      hdr: tenant (str, <= 256 chars; "" = the peer's own, see kvd.tenancy), name (str),
@@ -52,7 +59,8 @@ hello      hdr: tenant (str, <= 256 chars; "" = the peer's own, see kvd.tenancy)
            block_sizes, max_reqs, max_blocks, max_tokens, lease_s, hb_s (heartbeat interval),
            tenant (the tenant granted), shared (bool: the session's prefix cache is its tenant's
            shared one; false: a namespace of its own), topic (of its KV events: the tenant, or
-           "tenant#N" for a namespace of its own), t (the manager tick).
+           "tenant#N" for a namespace of its own), t (the manager tick), kv_events (bool: the
+           daemon publishes KV events, so token ids are worth sending).
            A retried hello (same nonce, same peer uid) returns the same session. A tenant the
            peer's credentials do not open -> Unauthorized.
            With a GPU pool (daemon ``--device cuda:N``, kvd.gpu_session) the reply also carries
@@ -88,8 +96,8 @@ step       hdr: la (lookahead tokens, int), an (uniform append token count used 
            append-counts frame is empty), nf, nk, na, nd (counts of frees, forks, appends, admits),
            c (optional int: the session's confirmation, applied first: the forward passes of its
            calls up to manager tick c have finished; see kvd.manager, the computed state).
-           frames after the header (6 + 4G; trailing empty frames may be left out, at least 4 sent),
-           in this order:
+           frames after the header (6 + 4G, or 8 + 5G with token ids; trailing empty frames may be
+           left out, at least 4 sent), in this order:
              0  free rows            int32[nf]
              1  fork rows            int32[nk, 2]   (parent row, child row)
              2  fork tags            uint64[nk]
@@ -99,6 +107,9 @@ step       hdr: la (lookahead tokens, int), an (uniform append token count used 
              5+2G  admissions        int64[nd, ADMIT_COLS]  (row, num_tokens, lookahead, priority,
                                       num_encoder_tokens, max_new_tokens, tag as int64)
              6+2G .. 6+4G-1  per group g: admit hashes S16[*], admit hash counts int32[nd]
+             6+4G  admit token ids      int32[*]   (optional: each admission's, concatenated)
+             7+4G  admit token id counts int32[nd] (0: that admission sent none)
+             8+4G .. 8+5G-1  per group g: append token ids int32[block_size_g per append hash]
            reply hdr: t (the manager tick of this step: what a later ``c`` confirms), nt
            (slot-mapping tokens written per group, list), nc (copies), nch (changed rows), nfr
            (freed rows), ns (scheduled requests). ONE reply frame, the concatenation of:
@@ -127,7 +138,8 @@ decode     The decode step again, with a *binary* header instead of JSON (the ho
                c      i64 confirmation tick, or NO_CONFIRM (-1)
                na     u32 append rows          an   u32  tokens each   la  u32  lookahead tokens
            frames after it: append rows int32[na]; optionally (one KV-cache group only) the hashes
-           of the blocks that filled S16[*] and their counts int32[na]. Same meaning, checks and
+           of the blocks that filled S16[*] and their counts int32[na], and after those optionally
+           the blocks' token ids int32[block_size per hash]. Same meaning, checks and
            effects as a ``step`` of appends only. The reply header is ``DECODE_REPLY`` (48 bytes +
            4 per group)::
 
@@ -138,12 +150,14 @@ decode     The decode step again, with a *binary* header instead of JSON (the ho
            replies (a client tells them apart by the first byte).
 lookup     frames: hashes S16[n] (group 0). reply hdr: n (leading cached blocks).
 can_alloc  hdr: nt, la, mnt, net. frames: per group hashes S16. reply hdr: status (AllocStatus).
-allocate   hdr: row, tag, nt, la, pri, net, mnt. frames: per group hashes S16.
+allocate   hdr: row, tag, nt, la, pri, net, mnt. frames: per group hashes S16, then optionally
+           the prompt's token ids int32[*].
            reply hdr: status (AllocStatus: OK, LATER or NEVER, as can_alloc answers), cached, t
            (tick), nt (slot-mapping tokens written per group: the prompt's uncached tokens, from
            ``cached``, written into the slot mapping like a step's). No reply frames: the table is
            in shm.
-append     hdr: row, n, la. frames: per group new hashes S16.
+append     hdr: row, n, la. frames: per group new hashes S16, then optionally per group the
+           new blocks' token ids int32[block_size_g per hash].
            reply hdr: status, t, nt (the ``n`` new tokens' slots are written into the slot mapping).
            frames: per group new block ids int32, copies int32[k, 2].
 computed   hdr: c (tick). The session's confirmation on its own (see step). reply: ok.
@@ -227,9 +241,9 @@ U64 = np.dtype("<u8")
 EMPTY = b""
 
 
-def step_frame_count(num_groups: int) -> int:
-    """Frames of a step request after the header."""
-    return 6 + 4 * num_groups
+def step_frame_count(num_groups: int, token_ids: bool = False) -> int:
+    """Frames of a step request after the header (``token_ids``: with the optional token-id frames)."""
+    return 6 + 4 * num_groups + (2 + num_groups if token_ids else 0)
 
 
 # ---- encoding -----------------------------------------------------------------------------------

@@ -74,6 +74,8 @@ SID_SHIFT = 32
 RECV_HWM = 1024
 SEND_HWM = 1024
 TICK_S = 0.1
+# KV events wait at most this long while messages keep coming (they go out once none waits)
+EVENTS_MAX_DELAY_S = 0.005
 LEASE_EXPIRED = "lease expired"
 MAX_ENDED_REMEMBERED = 4096
 _EMPTY_I32 = np.empty(0, np.int32)
@@ -230,7 +232,8 @@ class Daemon:
         self.topic_of: dict[int, str] = {}  # namespace -> topic of its KV events
         self.next_namespace = 1  # 0 is the in-process manager's default; no session uses it
         self._retired: dict[int, tuple[str, int, int]] = {}  # keys of a namespace being dropped
-        self.events = None  # kvd.events.KvEventPublisher, when kv_events_endpoint is set
+        self.events = None  # kvd.eventworker.EventForwarder, when kv_events_endpoint is set
+        self.events_at = 0.0  # perf_counter of the last publish
         self.next_sid = 1
         # sid -> (name, why) of recently ended sessions, so a late message learns why (bounded)
         self.ended: dict[int, tuple[str, str]] = {}
@@ -345,6 +348,7 @@ class Daemon:
     def publish_events(self) -> None:
         """Send what the pool's event log holds (kvd.events), if events are on."""
         if self.events is not None and self.manager.pool.event_log:
+            self.events_at = time.perf_counter()
             self.events.publish(self.manager.pool.event_log)
 
     def _do_copies(self) -> None:
@@ -369,6 +373,11 @@ class Daemon:
 
     def _hash_arg(self, hs: list[np.ndarray]) -> Any:
         return hs[0] if self.G == 1 else hs
+
+    @staticmethod
+    def _token_frame(buf: bytes, name: str, max_n: int) -> np.ndarray:
+        """A frame of token ids (kvd.protocol: only for KV events); the manager checks the values."""
+        return P.frame_array(buf, P.I32, None, name, max_n)
 
     def _map(self, sess: Session, srow: int, mrow: int, tag: int) -> None:
         sess.mrow[srow] = mrow
@@ -558,6 +567,7 @@ class Daemon:
             hash_width=self.hash_width, **({"hash_seed": self.hash_seed} if self.hash_algo == VLLM_SCHEME else {}),
             num_groups=self.G, max_model_len=self.max_model_len, tenant=sess.tenant,
             shared=bool(sess.writer), topic=self.topic_of[sess.namespace], t=self.manager.tick,
+            kv_events=self.events is not None,
             **({"gpu": sess.gpu.handle} if sess.gpu is not None and sess.gpu.handle else {}),
             **({"kv": self.kv.info} if self.kv is not None else {}),
         )
@@ -671,17 +681,18 @@ class Daemon:
         return [P.ok_reply(seq, self.epoch, status=int(st))]
 
     def op_allocate(self, sess, h, frames, ident, seq):
-        if len(frames) != self.G:
-            raise ProtocolError(f"allocate: expected {self.G} frames")
+        if len(frames) not in (self.G, self.G + 1):
+            raise ProtocolError(f"allocate: expected {self.G} frames (+ token ids)")
         srow = self._row(h, "row")
         tag = P.get_int(h, "tag", 0, 0, (1 << 64) - 1)
         hs = self._group_hashes(frames, 0)
+        tokens = self._token_frame(frames[self.G], "token ids", self.max_model_len) if len(frames) > self.G else None
         res = self.manager.allocate(
             sess.base | srow, P.get_int(h, "nt", None, 0, P.MAX_COUNT), self._hash_arg(hs),
             P.get_int(h, "la", 0, 0, P.MAX_COUNT), namespace=sess.namespace, writer=sess.writer,
             priority=P.get_int(h, "pri", 50, 0, 100),
             num_encoder_tokens=P.get_int(h, "net", 0, 0, P.MAX_COUNT),
-            max_new_tokens=P.get_int(h, "mnt", 0, 0, P.MAX_COUNT),
+            max_new_tokens=P.get_int(h, "mnt", 0, 0, P.MAX_COUNT), token_ids=tokens,
         )
         t = self.manager.tick
         if res.status != STATUS_OK:
@@ -694,15 +705,18 @@ class Daemon:
         return [P.ok_reply(seq, self.epoch, status=STATUS_OK, cached=cached, nt=nt, t=t)]
 
     def op_append(self, sess, h, frames, ident, seq):
-        if len(frames) != self.G:
-            raise ProtocolError(f"append: expected {self.G} frames")
+        if len(frames) not in (self.G, 2 * self.G):
+            raise ProtocolError(f"append: expected {self.G} frames (+ {self.G} of token ids)")
         srow = self._row(h, "row")
         if sess.mrow[srow] < 0:
             raise UnknownRequest(f"row {srow} holds no request of this session")
         hs = self._group_hashes(frames, 0)
+        tokens = None
+        if len(frames) > self.G:
+            tokens = [self._token_frame(frames[self.G + g], "token ids", self.max_model_len) for g in range(self.G)]
         res = self.manager.append_slots(
             sess.base | srow, P.get_int(h, "n", None, 0, P.MAX_COUNT), self._hash_arg(hs),
-            P.get_int(h, "la", 0, 0, P.MAX_COUNT),
+            P.get_int(h, "la", 0, 0, P.MAX_COUNT), new_block_token_ids=tokens,
         )
         t = self.manager.tick
         if res.status != STATUS_OK:
@@ -772,15 +786,17 @@ class Daemon:
             raise ProtocolError(f"decode: {na} rows > {self.max_reqs}")
         if len(frames) == 1:
             return self._decode_step(sess, seq, frames[0], na, an, la, c)
-        if len(frames) != 3 or self.G != 1:
-            raise ProtocolError("decode: expected the rows frame, then hashes and counts (one group only)")
-        return self._decode_step(sess, seq, frames[0], na, an, la, c, frames[1], frames[2])
+        if len(frames) not in (3, 4) or self.G != 1:
+            raise ProtocolError("decode: expected the rows frame, then hashes and counts (+ token ids; one group only)")
+        return self._decode_step(sess, seq, frames[0], na, an, la, c, *frames[1:])
 
     def _decode_step(self, sess: Session, seq: int, rows_b: bytes, na: int, an: int, la: int, c: int,
-                     hashes_b: bytes = P.EMPTY, counts_b: bytes = P.EMPTY, binary: bool = True) -> list[bytes]:
+                     hashes_b: bytes = P.EMPTY, counts_b: bytes = P.EMPTY, tokens_b: bytes = P.EMPTY,
+                     binary: bool = True) -> list[bytes]:
         """The decode fast path: appends only, one token count for all; the hashes of blocks that
-        filled (if any, one group) are registered on the way. ``c``: the confirmation, or
-        NO_CONFIRM. ``binary``: reply with a decode header (the decode op) or JSON (a step)."""
+        filled (if any, one group) are registered on the way, with their token ids if sent.
+        ``c``: the confirmation, or NO_CONFIRM. ``binary``: reply with a decode header (the decode
+        op) or JSON (a step)."""
         if na * an > self.max_tokens:
             raise InvalidArgument(f"{na * an} append tokens > max_num_batched_tokens {self.max_tokens}")
         app_rows = P.frame_array(rows_b, P.I32, na, "append rows")
@@ -799,6 +815,10 @@ class Daemon:
                 raise ProtocolError("append hash counts do not add up")
             batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la,
                               append_hashes=(hs,), append_hash_counts=(cnt,))
+            if tokens_b:
+                batch.append_token_ids = (self._token_frame(tokens_b, "append token ids", na * self.max_model_len),)
+        elif tokens_b:
+            raise ProtocolError("append token ids without hashes")
         else:
             batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la)
         if c != P.NO_CONFIRM and sess.writer:
@@ -818,6 +838,21 @@ class Daemon:
             return [P.decode_reply(seq, self.epoch_b, res.tick, len(copies), len(changed), ns, nt), body]
         return [P.ok_reply(seq, self.epoch, t=res.tick, nt=nt, nc=len(copies), nch=len(changed), nfr=0, ns=ns), body]
 
+    def _step_token_ids(self, frames: list[bytes], nd: int, na: int):
+        """A step's optional token-id frames (kvd.protocol): per admission its ids (or None when
+        none were sent), and per group the append token ids (() when none were sent)."""
+        adm_b, adm_counts_b, *app_b = frames
+        adm_tokens = None
+        if adm_b or adm_counts_b:
+            ids = self._token_frame(adm_b, "admit token ids", nd * self.max_model_len)
+            counts = P.frame_array(adm_counts_b, P.I32, nd, "admit token id counts")
+            if nd and int(counts.min()) < 0 or int(counts.sum(dtype=np.int64)) != ids.size:
+                raise ProtocolError("admit token id counts do not add up")
+            adm_tokens = np.split(ids, np.cumsum(counts[:-1], dtype=np.int64)) if nd else []
+        if not any(app_b):
+            return adm_tokens, ()
+        return adm_tokens, [self._token_frame(b, "append token ids", na * self.max_model_len) for b in app_b]
+
     def _count_step_no_space(self, sess: Session, res) -> None:
         if self.metrics is not None:
             n = sum(int(np.count_nonzero((st == STATUS_NO_SPACE) | (st == STATUS_NEVER)))
@@ -827,10 +862,11 @@ class Daemon:
     def op_step(self, sess, h, frames, ident, seq):
         G = self.G
         nfr = P.step_frame_count(G)
-        if len(frames) != nfr:
-            if len(frames) > nfr or len(frames) < 4:
-                raise ProtocolError(f"step: expected 4 to {nfr} frames after the header")
-            frames = frames + [P.EMPTY] * (nfr - len(frames))  # trailing empty frames may be left out
+        most = P.step_frame_count(G, token_ids=True)
+        if len(frames) != most:
+            if len(frames) > most or len(frames) < 4:
+                raise ProtocolError(f"step: expected 4 to {most} frames after the header")
+            frames = frames + [P.EMPTY] * (most - len(frames))  # trailing empty frames may be left out
         R = self.max_reqs
         mml = self.max_model_len
         nf = P.get_int(h, "nf", 0, 0, R)
@@ -838,11 +874,12 @@ class Daemon:
         na = P.get_int(h, "na", 0, 0, R)
         nd = P.get_int(h, "nd", 0, 0, R)
         la = P.get_int(h, "la", 0, 0, P.MAX_COUNT)
-        if not (nf or nk or nd or frames[4]) and not any(frames[7 if G == 1 else 5:]):
-            # a decode step (that may register the blocks that filled)
+        if not (nf or nk or nd or frames[4]) and not any(frames[7 if G == 1 else 5 : nfr + 2]) \
+                and (G == 1 or not any(frames[nfr + 2 :])):
+            # a decode step (that may register the blocks that filled, with their token ids)
             c = P.NO_CONFIRM if h.get("c") is None else P.get_int(h, "c", None, 0, P.MAX_INT)
             return self._decode_step(sess, seq, frames[3], na, P.get_int(h, "an", 1, 0, P.MAX_COUNT), la, c,
-                                     frames[5], frames[6], binary=False)
+                                     frames[5], frames[6], frames[nfr + 2], binary=False)
         free_rows = self._rows(frames[0], "free rows", nf)
         fork_rows = self._rows(frames[1], "fork rows", 2 * nk).reshape(nk, 2)
         fork_tags = P.frame_array(frames[2], P.U64, nk, "fork tags")
@@ -878,6 +915,7 @@ class Daemon:
             hs = P.frame_hashes(frames[k + 1 + 2 * g], "admit hashes", R * (mml // self.block_sizes[g] + 1), dtype=self.hash_dtype)
             cnt = P.frame_array(frames[k + 2 + 2 * g], P.I32, nd, "admit hash counts")
             adm_hashes.append(P.split_counts(hs, cnt))
+        adm_tokens, app_token_ids = self._step_token_ids(frames[nfr:], nd, na)
 
         # -- map session rows -> manager ids / rows (arrays; per-request Python only for the rare
         #    frees, forks and admissions)
@@ -899,7 +937,8 @@ class Daemon:
                 raise InvalidArgument("two admissions in one row")
             for i, (row, nt, l, pri, net, mnt) in enumerate(cols.tolist()):
                 hs = [adm_hashes[g][i] for g in range(G)]
-                admits.append(AdmitRequest(base | row, nt, hs[0] if G == 1 else hs, l, pri, net, mnt))
+                tok = adm_tokens[i] if adm_tokens and len(adm_tokens[i]) else None
+                admits.append(AdmitRequest(base | row, nt, hs[0] if G == 1 else hs, l, pri, net, mnt, tok))
         # unmapped session rows become -1: the manager reports UnknownRequest for them (and
         # InvalidArgument for duplicates) without failing the other requests
         if nk and na:
@@ -911,7 +950,7 @@ class Daemon:
         batch = StepBatch(
             free=frees, forks=forks, append_num_tokens=ntok,
             append_hashes=app_hashes, append_hash_counts=app_counts, num_lookahead_tokens=la,
-            admit=admits, **app,
+            admit=admits, append_token_ids=app_token_ids, **app,
         )
         m = self.manager
         self._confirm(sess, h)
@@ -1201,24 +1240,27 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
         events_ep = str(getattr(config, "kv_events_endpoint", "") or "")
         if events_ep:
             try:
-                from kvd.events import KvEventPublisher
+                import kvd.events  # noqa: F401 - the worker's encoder: fail here, naming the extra
+                from kvd.eventworker import EventForwarder, EventsError
             except ImportError as e:
                 print(f"kvd: kv_events_endpoint is set but the events extra is missing ({e}); "
                       "pip install 'kvd[events]'", file=sys.stderr)
                 return 1
 
-            try:
-                d.events = KvEventPublisher(
-                    ctx, events_ep, d.describe_cache_key, hash_width=d.hash_width,
+            try:  # encoded and published by a worker process: the loop only hands the log over
+                d.events = EventForwarder.start(
+                    ctx, f"ipc://{os.path.join(runtime_dir, f'kvd-events-{os.getpid()}.sock')}",
+                    d.describe_cache_key, endpoint=events_ep, hash_width=d.hash_width,
                     replay_endpoint=str(_opt(config, "kv_events_replay_endpoint", "")),
                     buffer_steps=int(_opt(config, "kv_events_buffer_steps", 10_000)),
                     topic=str(_opt(config, "kv_events_topic", "{tenant}")),
                     data_parallel_rank=int(_opt(config, "kv_events_data_parallel_rank", 0)),
-                    int_hashes=bool(_opt(config, "kv_events_int_hashes", True)))
-            except zmq.ZMQError as e:
+                    int_hashes=bool(_opt(config, "kv_events_int_hashes", True)),
+                    group_windows=[g.sliding_window for g in d.mcfg.groups])
+            except EventsError as e:
                 print(f"kvd: cannot bind the KV events endpoint {events_ep}: {e}", file=sys.stderr)
                 return 1
-            d.manager.pool.event_log = []
+            d.manager.enable_kv_events()
 
         # warm the decode path (numpy dispatch) without touching the pool
         slot_mapping_from_ranges_ref([np.zeros((2, 4), np.int32)] * d.G, d.block_sizes, np.zeros(2, np.int32),
@@ -1250,6 +1292,7 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                         d.publish_events()
                         last = pc()
                         continue
+                    d.publish_events()  # KV events once no message waits: several messages' at once
                     if not poll_s:
                         break
                     now = pc()
@@ -1275,11 +1318,12 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                     except zmq.ZMQError as e:
                         log.debug("send failed: %s", e)
                 # Prefix-cache work a decode step left for after its reply waits while messages are
-                # queued (up to _MAX_DEFERRED of them), else runs now; the manager runs it first in
-                # any call that reads the cache, and decode steps that register blocks.
+                # queued (up to _MAX_DEFERRED of them), else runs when the socket is idle; the
+                # manager runs it first in any call that reads the cache.
                 if m.num_deferred > _MAX_DEFERRED:
                     m.flush_deferred()
-                d.publish_events()
+                if d.events is not None and t0 - d.events_at > EVENTS_MAX_DELAY_S:
+                    d.publish_events()
                 if d.was_step:
                     if _PROF is not None:
                         _PROF.append((t0, time.perf_counter(), c0, time.thread_time()))

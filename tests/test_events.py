@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest_daemon import daemon_factory, short_tmp  # noqa: F401
+from conftest_daemon import daemon, daemon_factory, short_tmp  # noqa: F401
 from kvd.events import END_SEQ, KvEventPublisher, encode_all_cleared, encode_batch, encode_block_removed, encode_block_stored
 from kvd.hashing import hash_prompt
 from kvd.pool import BlockPool
@@ -182,7 +182,8 @@ def test_a_router_decodes_every_event_with_vllms_decoder(daemon_factory, short_t
 
         assert stored == kv_events.BlockStored(
             block_hashes=[ext(x) for x in hs], parent_block_hash=None, token_ids=[],
-            block_size=16, lora_id=None, medium="GPU", lora_name=None, group_idx=0)
+            block_size=16, lora_id=None, medium="GPU", lora_name=None, group_idx=0,
+            kv_cache_spec_kind="full_attention")
         c.free("a")
         c.allocate("b", 15 * 16)  # every block of the pool: both cached blocks are evicted
         topic, _, payload = _recv(sub)
@@ -234,3 +235,151 @@ def test_batch_admission_in_a_step_logs_one_stored_entry_per_request(width):
     # r0 registers its 3 full blocks; r1 hits the 2 shared ones and registers its third and fourth
     assert m.pool.event_log == [("stored", 1, hashes[0].tolist()), ("stored", 1, hashes[1][2:].tolist())]
     assert m.block_table("r1").tolist()[:2] == m.block_table("r0").tolist()[:2]
+
+
+def _stored(sub, decode, n: int) -> list:
+    """The next ``n`` BlockStored events the subscriber receives (other kinds are skipped)."""
+    out = []
+    while len(out) < n:
+        _, _, payload = _recv(sub)
+        out += [e for e in decode(payload).events if type(e).__name__ == "BlockStored"]
+    return out
+
+
+def test_token_ids_and_parents_reach_a_router_through_every_kind_of_call(daemon_factory, short_tmp):
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    msgspec = pytest.importorskip("msgspec")
+    from kvd.api import AdmitRequest, StepBatch
+
+    decode = msgspec.msgpack.Decoder(kv_events.KVEventBatch).decode
+    events_ep = f"ipc://{short_tmp}/events.sock"
+    d = daemon_factory(num_gpu_blocks=64, block_size=4, kv_events_endpoint=events_ep)
+    ctx = zmq.Context()
+    sub = _sub(ctx, events_ep)
+    c = Client(d.endpoint, tenant="alice")
+    try:
+        assert c.info["kv_events"] is True
+        for _ in range(50):  # until the subscription is in place
+            c.allocate("probe", 5, c.hash_prompt(np.arange(5)))
+            c.free("probe")
+            if sub.poll(100):
+                break
+        assert c.reset_prefix_cache()
+        while sub.poll(200):
+            sub.recv_multipart()
+        ext = lambda x: int.from_bytes(bytes(x).ljust(16, b"\0")[-8:], "big")  # noqa: E731
+        p = [list(range(10, 19)), list(range(10, 18)) + [40, 41, 42, 43, 44], [7] * 6]
+        h = [c.hash_prompt(np.array(x)) for x in p]
+        res = c.step(StepBatch(admit=[AdmitRequest("a", 9, h[0], token_ids=p[0]),
+                                      AdmitRequest("b", 13, h[1], token_ids=np.array(p[1])),
+                                      AdmitRequest("c", 6, h[2])]))
+        assert res.admit_cached_tokens.tolist() == [0, 8, 0]
+        got = _stored(sub, decode, 3)
+        assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in got] == [
+            ([ext(x) for x in h[0]], None, p[0][:8]), ([ext(h[1][2])], ext(h[1][1]), p[1][8:12]),
+            ([ext(h[2][0])], None, [])]
+        assert {(e.block_size, e.group_idx, e.kv_cache_spec_kind) for e in got} == {(4, 0, "full_attention")}
+        # a decode step through the binary decode op: a fills its third block, c its second
+        rows = c.rows_of(["a", "c"])
+        fill = {"a": p[0][8:] + [1, 2, 3], "c": p[2][4:] + [5, 6]}
+        new = {r: c.hash_prompt(np.array(p[0 if r == "a" else 2][:4 * (2 if r == "a" else 1)] + fill[r]))[-1:]
+               for r in "ac"}
+        c.step(StepBatch(append_rows=rows, append_num_tokens=2))
+        c.step(StepBatch(append_rows=rows, append_num_tokens=1, append_hashes=(np.concatenate([new["a"], new["c"]]),),
+                         append_hash_counts=(np.array([1, 1], np.int32),),
+                         append_token_ids=(np.array(fill["a"] + fill["c"], np.int32),)))
+        got = _stored(sub, decode, 2)
+        assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in got] == [
+            ([ext(new["a"][0])], ext(h[0][1]), fill["a"]), ([ext(new["c"][0])], ext(h[2][0]), fill["c"])]
+        # allocate and append_slots (a private namespace: the session's own, so nothing hits)
+        q = list(range(100, 108))
+        hq = c.hash_prompt(np.array(q))
+        c.allocate("d", 8, hq, token_ids=q)
+        nq = c.hash_prompt(np.array(q + [9, 9, 9, 9]))[-1:]
+        c.append_slots("d", 4, nq, new_block_token_ids=[9, 9, 9, 9])
+        got = _stored(sub, decode, 2)
+        assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in got] == [
+            ([ext(x) for x in hq], None, q), ([ext(nq[0])], ext(hq[1]), [9, 9, 9, 9])]
+    finally:
+        c.close()
+        sub.close(0)
+        ctx.term()
+    assert d.stop() == 0, d.stderr[-2000:]
+
+
+def test_without_events_the_client_sends_no_token_ids(daemon):
+    from kvd.api import AdmitRequest, StepBatch
+
+    c = Client(daemon.endpoint)
+    try:
+        assert c.info["kv_events"] is False
+        h = c.hash_prompt(np.arange(40))
+        spec = c._req_decode(np.zeros(2, np.int32), 1, 0, None, (h[:2],), (np.ones(2, np.int32),), 1,
+                             (np.arange(32, dtype=np.int32),))
+        assert len(spec[2]) == 3  # rows, hashes, counts: the message of a step without token ids
+        with_ids = c._req_allocate("x", 40, h, token_ids=np.arange(40))
+        assert len(with_ids[2]) == 1
+        with_ids[4]()  # give the row back
+        res = c.step(StepBatch(admit=[AdmitRequest("a", 40, h, token_ids=list(range(40)))]))
+        assert res.admit_status.tolist() == [0]
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_runs_encode_at_once_to_the_bytes_of_their_events_one_by_one(seed):
+    """kvd.eventpack's vectorized BlockStored batch against encode_block_stored per event (which
+    tests/test_events_vllm_bytes.py checks against msgspec byte for byte)."""
+    from kvd.runs import NO_PARENT, NO_TOKENS, Runs, expand
+
+    rng = np.random.default_rng(seed)
+    width = int(rng.choice([16, 32]))
+    int_hashes = bool(seed % 2)
+    bs = int(rng.choice([1, 4, 16, 256]))
+    n = int(rng.choice([1, 3, 40, 300]))
+    hashes = np.array([rng.bytes(width - 2) + bytes(2) if rng.random() < 0.2 else rng.bytes(width)
+                       for _ in range(n)], f"S{width}")  # trailing zero bytes too
+    if seed == 0:  # hashes whose low 64 bits are small: every int width of a published hash
+        raw = hashes.view(np.uint8).reshape(n, width)
+        raw[:, width - 8 :] = np.array([5, 200, 60_000, 2**31, 2**40] * n, ">u8")[:n].view(np.uint8).reshape(n, 8)
+    parents = np.array([NO_PARENT if rng.random() < 0.3 else rng.bytes(width) for _ in range(n)], f"S{width}")
+    first = rng.random(n) < 0.3
+    chained = rng.random(n - 1) < 0.6  # runs of several blocks
+    parents[1:][chained] = hashes[:-1][chained]
+    tokens = None
+    if seed % 4:
+        top = int(rng.choice([100, 256, 70_000, 2**31 - 1]))
+        tokens = rng.integers(0, top, (n, bs)).astype(np.int32)
+    runs = Runs(parents, first, tokens)
+    if tokens is not None:  # some requests supplied none: all of their event's rows
+        starts = runs.starts(hashes)
+        lost = rng.random(starts.size) < 0.2
+        tokens[np.repeat(lost, np.diff(np.append(starts, n)))] = NO_TOKENS
+    ctx, pool, pub = _publisher_pool(width, f"inproc://kvd-events-runs-{seed}", int_hashes=int_hashes,
+                                     group_windows=[None, 4096])
+    try:
+        for group in (0, 1):
+            spec = [("full_attention", None), ("sliding_window", 4096)][group]
+            blob, count = pub._encode_runs(hashes, runs, bs, group, *spec)
+            one_by_one = [pub._encode(e, ("t", bs, group))[0] for e in expand([("runs", 1, hashes, runs)])]
+            assert count == len(one_by_one) == runs.starts(hashes).size
+            assert blob == b"".join(one_by_one)
+    finally:
+        pub.close()
+
+
+def test_eventpack_ints_and_array_headers_are_msgpacks():
+    from kvd import eventpack
+
+    values = np.array([0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63, 2**64 - 1], np.uint64)
+    flat, lens = eventpack.ints(values)
+    assert flat.tobytes() == b"".join(msgpack.packb(int(v)) for v in values)
+    assert lens.tolist() == [len(msgpack.packb(int(v))) for v in values]
+    small = np.array([0, 127, 128, 255, 256, 65535, 65536, 2**31 - 1], np.int32)  # token ids: the int32 path
+    flat, lens = eventpack.ints(small)
+    assert flat.tobytes() == b"".join(msgpack.packb(int(v)) for v in small) and lens.sum() == flat.size
+    counts = np.array([0, 15, 16, 65535, 65536, 70_000])
+    flat, lens = eventpack.array_headers(counts)
+    assert flat.tobytes() == b"".join(msgpack.packb([0] * int(c))[: int(x)] for c, x in zip(counts, lens))
+    assert lens.tolist() == [1, 1, 3, 3, 5, 5]
+    assert eventpack.array_headers(np.full(3, 16)) == msgpack.packb([0] * 16)[:3]  # all equal: one column

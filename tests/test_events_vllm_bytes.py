@@ -16,14 +16,21 @@ def _cases(rng):
     for n in (1, 2, 15, 16, 70):  # fixarray / array16 boundaries of block_hashes and of the events list
         width = int(rng.choice([16, 32]))
         hashes = [rng.bytes(width) for _ in range(n)]
-        parent = rng.bytes(width) if rng.random() < 0.5 else None
+        if rng.random() < 0.5:  # vLLM's default: the uint64 of the last 8 bytes
+            hashes = [int.from_bytes(h[-8:], "big") for h in hashes]
+        parent = (rng.bytes(width) if rng.random() < 0.5 else int(rng.integers(0, 2**63))) if rng.random() < 0.5 else None
         bs = int(rng.choice([1, 16, 256]))
-        tokens = rng.integers(0, 2**31 - 1, bs * n).tolist() if rng.random() < 0.5 else []
+        # every msgpack int width a token id can take: fixint, uint8, uint16, uint32
+        top = int(rng.choice([100, 256, 70_000, 2**31 - 1]))
+        tokens = rng.integers(0, top, bs * n) if rng.random() < 0.7 else None
         lora = "adapter-x" if rng.random() < 0.3 else None
         group = int(rng.integers(0, 300))
-        yield (kv_events.BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=bs,
-                                     lora_id=None, medium="GPU", lora_name=lora, group_idx=group),
-               encode_block_stored(hashes, bs, group, parent, tokens, lora))
+        kind, window = [(None, None), ("full_attention", None), ("sliding_window", int(rng.integers(1, 70_000)))][n % 3]
+        yield (kv_events.BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                                     token_ids=[] if tokens is None else tokens.tolist(), block_size=bs,
+                                     lora_id=None, medium="GPU", lora_name=lora, group_idx=group,
+                                     kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window),
+               encode_block_stored(hashes, bs, group, parent, tokens, lora, kind, window))
         yield (kv_events.BlockRemoved(block_hashes=[hashes[0]], medium="GPU", group_idx=group),
                encode_block_removed(hashes[0], group))
     yield kv_events.AllBlocksCleared(), encode_all_cleared()

@@ -344,3 +344,15 @@ def test_fork_batch_of_one_parent_with_two_groups_and_cross_blocks():
     assert m.block_table("b", 1).tolist() == [4, 5, 6, 7, 8]
     assert m.cross_block_table("a").tolist() == [9, 10]
     m.check_invariants(heavy=True)
+
+
+def test_two_full_attention_groups_hit_only_what_both_have_cached():
+    m = BlockManager(ManagerConfig(num_gpu_blocks=32, groups=(GroupSpec(block_size=4), GroupSpec(block_size=8)),
+                                   max_model_len=64, max_num_reqs=8, debug_checks=True))
+    p = np.arange(17)
+    hashes = [hash_prompt(p, 4), hash_prompt(p, 8)]
+    a = m.allocate("a", 17, hashes)  # nothing cached: a miss in both groups (was: a hit on -1)
+    assert a.num_cached_tokens == 0 and [t.tolist() for t in a.group_block_ids] == [[1, 2, 3, 4, 5], [6, 7, 8]]
+    b = m.allocate("b", 17, [hashes[0], hashes[1][:1]])  # group 1 has only its first block
+    assert b.num_cached_tokens == 8 and b.group_block_ids[0][:2].tolist() == [1, 2]
+    assert b.group_block_ids[1][:1].tolist() == [6]

@@ -103,6 +103,24 @@ def proc_cpu_s(pid: int) -> tuple[float, float] | None:
         return None
 
 
+def children_cpu_s(pid: int) -> float:
+    """CPU seconds (schedstat) of the processes whose parent is ``pid``: the daemon's KV events
+    worker (kvd.eventworker), whose work the daemon's own figure leaves out."""
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            cpu = proc_cpu_s(int(entry))
+            total += cpu[1] if cpu else 0.0
+    return total
+
+
 def load_avg() -> list[float]:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -336,9 +354,11 @@ class _InprocStepper:
         return self.m.tables[0]
 
 
-def drive(stepper, work, spec: WorkloadSpec, sync=None, progress=None, warmup: int = 0) -> dict:
+def drive(stepper, work, spec: WorkloadSpec, sync=None, progress=None, warmup: int = 0,
+          token_ids: bool = False) -> dict:
     """Replay one client's share of the standard workload. ``sync(name)`` is called between phases
-    (a barrier for several client processes); ``progress[0]`` counts decode steps."""
+    (a barrier for several client processes); ``progress[0]`` counts decode steps. ``token_ids``:
+    the steps carry the token ids of the blocks they register (for KV events)."""
     sync = sync or (lambda name: None)
     R, P, D, bs = spec.num_requests, spec.prompt_len, spec.decode_steps, spec.block_size
     errors = 0
@@ -361,7 +381,8 @@ def drive(stepper, work, spec: WorkloadSpec, sync=None, progress=None, warmup: i
 
     ids = list(range(R))
     t0 = time.perf_counter()
-    res = stepper.step(StepBatch(admit=[AdmitRequest(ids[i], P, hashes[i]) for i in range(R)]))
+    res = stepper.step(StepBatch(admit=[AdmitRequest(ids[i], P, hashes[i], token_ids=work.tokens[i, :P] if token_ids
+                                                     else None) for i in range(R)]))
     admission_s = time.perf_counter() - t0
     ast = np.asarray(res.admit_status)
     admitted = ast == 0
@@ -391,10 +412,13 @@ def drive(stepper, work, spec: WorkloadSpec, sync=None, progress=None, warmup: i
                 new.append(h)
             flat = np.concatenate(new)
             counts = np.ones(n, np.int32)
+            ids_of_blocks = ()
+            if token_ids:
+                ids_of_blocks = (np.ascontiguousarray(work.tokens[live, num_tokens - bs: num_tokens], np.int32),)
             t0 = time.perf_counter()
             client_hash_s += t0 - th
             out = stepper.step(StepBatch(append_rows=rows, append_num_tokens=1, append_hashes=(flat,),
-                                         append_hash_counts=(counts,)))
+                                         append_hash_counts=(counts,), append_token_ids=ids_of_blocks))
             step_s[d] = time.perf_counter() - t0
             hash_step[d] = True
             registered += n
@@ -472,7 +496,7 @@ def _close_quietly(client) -> None:
 
 
 def _client_main(index: int, endpoint: str, tenant: str, spec: WorkloadSpec, warmup: int, barrier,
-                 results, progress) -> None:
+                 results, progress, token_ids: bool = False) -> None:
     """One client process of the standard workload (spawned)."""
     from kvd_client import Client
 
@@ -486,7 +510,7 @@ def _client_main(index: int, endpoint: str, tenant: str, spec: WorkloadSpec, war
             barrier.wait(BARRIER_TIMEOUT_S)
 
         counter = _Slot(progress, index)
-        out = drive(_DaemonStepper(c), work, spec, sync, counter, warmup)
+        out = drive(_DaemonStepper(c), work, spec, sync, counter, warmup, token_ids)
         out["index"] = index
         results.put(out)
     except BaseException as e:  # noqa: BLE001
@@ -648,7 +672,8 @@ def run_clients(args, spec: WorkloadSpec, endpoint: str, daemon_pid: int | None,
                 label: str) -> dict:
     tenant = ""  # the user's own: one shared namespace, reset after the run
     procs, barrier, results, progress = _spawn(
-        _client_main, nclients, lambda i, b, r, p: (i, endpoint, tenant, spec, args.warmup, b, r, p))
+        _client_main, nclients,
+        lambda i, b, r, p: (i, endpoint, tenant, spec, args.warmup, b, r, p, args.events and args.event_token_ids))
     fatal = None
     figures: dict = {}
     try:
@@ -659,11 +684,13 @@ def run_clients(args, spec: WorkloadSpec, endpoint: str, daemon_pid: int | None,
         sync()  # hashed
         sync()  # admitted
         cpu0 = proc_cpu_s(daemon_pid) if daemon_pid else None
+        kids0 = children_cpu_s(daemon_pid) if daemon_pid else 0.0
         t0 = time.perf_counter()
         with Progress(args.progress, label, progress, nclients * spec.decode_steps):
             sync()  # decoded
         t1 = time.perf_counter()
         cpu1 = proc_cpu_s(daemon_pid) if daemon_pid else None
+        kids1 = children_cpu_s(daemon_pid) if daemon_pid else 0.0
         st_peak = _gpu_stats(daemon_stats(endpoint))
         sync()  # measured
         sync()  # freed
@@ -679,6 +706,7 @@ def run_clients(args, spec: WorkloadSpec, endpoint: str, daemon_pid: int | None,
             figures["daemon_cpu_per_step_us"] = (cpu1[1] - cpu0[1]) * 1e6 / steps
             figures["daemon_cpu_per_step_us_stat"] = (cpu1[0] - cpu0[0]) * 1e6 / steps
             figures["daemon_cpu_util"] = (cpu1[1] - cpu0[1]) / (t1 - t0)
+            figures["events_worker_cpu_per_step_us"] = (kids1 - kids0) * 1e6 / steps
     except threading.BrokenBarrierError:
         fatal = "a client failed"
     except BaseException:
@@ -1029,6 +1057,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--daemon-arg", action="append", default=[], help="extra `kvd serve` argument (repeatable)")
     r.add_argument("--events", action="store_true",
                    help="the daemon publishes KV events; a subscriber process counts events and seq gaps")
+    r.add_argument("--event-token-ids", action="store_true",
+                   help="with --events: steps carry the token ids of the blocks they register")
     r.add_argument("--lease-s", type=float, default=10.0, help="lease of the daemon this script starts")
     r.add_argument("--floor", action="store_true", help="also measure a bare zmq echo of the same sizes")
     r.add_argument("--floor-iters", type=int, default=3000)
@@ -1064,6 +1094,7 @@ def main(argv=None) -> int:
             return 2
     spec = spec_of(args)
     daemon = counter = None
+    worker_cpu0 = 0.0
     prev_term = signal.getsignal(signal.SIGTERM)
 
     def on_term(signum, frame):
@@ -1076,6 +1107,7 @@ def main(argv=None) -> int:
                     "config": {"block_size": spec.block_size, "blocks": args.blocks, "R": spec.num_requests,
                                "P": spec.prompt_len, "S": spec.system_len, "shared": spec.shared,
                                "D": spec.decode_steps, "hash": spec.hash_algo, "seed": spec.seed, "events": args.events,
+                               "event_token_ids": args.events and args.event_token_ids,
                                "clients": args.clients, "repeat": args.repeat}}
     honest: dict = {}
     try:
@@ -1086,6 +1118,7 @@ def main(argv=None) -> int:
             endpoint, dpid = daemon.endpoint, daemon.pid
             if daemon.events_endpoint:
                 counter = EventCounter(daemon.events_endpoint)
+                worker_cpu0 = children_cpu_s(dpid)
         if args.micro:
             results = {}
             for n in args.clients:
@@ -1179,7 +1212,11 @@ def main(argv=None) -> int:
         return 1
     finally:
         if counter is not None:
+            worker_cpu = children_cpu_s(daemon.pid) - worker_cpu0
             ev = counter.finish()
+            ev["events_worker_cpu_s"] = round(worker_cpu, 3)
+            # what one core of the worker sustains: events encoded and published per CPU second
+            ev["events_per_worker_cpu_s"] = round(ev["events"] / worker_cpu) if worker_cpu > 0 else None
             report["events"] = ev
             print_table("KV events (subscriber process)", ev)
             honest["events_none_dropped"] = ev["event_seq_gaps"] == 0 and ev["first_seq"] == 0
@@ -1210,6 +1247,7 @@ def _event_counter(endpoint: str, ready, stop, results) -> None:
     sub.setsockopt(zmq.RCVHWM, 0)  # the subscriber keeps up or queues: the daemon's HWM is under test
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(endpoint)
+    cpu0 = time.process_time()
     ready.set()
     msgs = events = hashes = gaps = 0
     first = last = None
@@ -1230,7 +1268,8 @@ def _event_counter(endpoint: str, ready, stop, results) -> None:
         events += len(batch)
         hashes += sum(len(e.get("block_hashes", ())) for e in batch)
     span = t_last - t_first
-    results.put({"event_messages": msgs, "events": events, "event_block_hashes": hashes, "event_seq_gaps": gaps,
+    # a router's share of the box: this process decodes every payload (msgpack, in Python)
+    results.put({"subscriber_cpu_s": round(time.process_time() - cpu0, 3), "event_messages": msgs, "events": events, "event_block_hashes": hashes, "event_seq_gaps": gaps,
                  "first_seq": first, "events_span_s": round(span, 3),
                  "events_per_s": round(events / span, 1) if span > 0 else 0.0,
                  "event_hashes_per_s": round(hashes / span, 1) if span > 0 else 0.0})
