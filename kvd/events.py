@@ -42,7 +42,9 @@ sends ``[b"", start_seq (8 bytes big-endian)]``; it gets back every buffered mes
 ``2 * (buffer_steps + 1)`` so a whole replay and its marker always fit.
 
 Events are published after the reply that caused them, without blocking: a slow subscriber loses
-messages at the PUB socket's high-water mark (vLLM's ``hwm``), which the replay socket repairs.
+messages at the PUB socket's high-water mark (vLLM's ``hwm``), which the replay socket repairs. The
+daemon runs this publisher in its events worker process (kvd.eventworker), so one PUB message may
+carry the events of several of the daemon's messages (those that arrived within a few ms).
 """
 
 from __future__ import annotations
