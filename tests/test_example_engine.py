@@ -97,4 +97,7 @@ def test_main_exits_zero(capsys):
     assert pe.main([]) == 0
     out = capsys.readouterr().out
     assert "copy-on-write copies: 1" in out and out.rstrip().endswith("OK")
-    assert set(shm_segments()) <= before
+    # new segments may only belong to daemons still running (another test suite's, on a shared box):
+    # the example's own daemon has exited, so any of its segments left behind is a leak
+    left = [n for n in set(shm_segments()) - before if not os.path.exists(f"/proc/{n.split('_')[1]}")]
+    assert left == []
