@@ -63,7 +63,7 @@ from kvd.api import (
     SwapResult,
 )
 from kvd.hashing import as_hash_array, hash_dtype
-from kvd.pool import BlockPool
+from kvd.pool import ALL_SHARED, BlockPool
 from kvd.runs import NO_PARENT, Runs
 
 _EMPTY_I32 = np.empty(0, np.int32)
@@ -315,8 +315,12 @@ class BlockManager:
         if shared is None:
             self.pool.register(key, hashes, blocks, runs=runs)
             return
-        in_shared, in_side = self.pool.register(shared, hashes, blocks, key)
-        stored = in_shared | in_side
+        masks = self.pool.register(shared, hashes, blocks, key)
+        if masks is ALL_SHARED:
+            if blocks.size:
+                self._note_unconfirmed(self._key_writer[key], key, blocks, tick, runs)
+            return
+        stored = masks[0] | masks[1]
         if stored.any():  # in chain order: the events of its confirmation follow the chains
             self._note_unconfirmed(self._key_writer[key], key, blocks[stored], tick,
                                    None if runs is None else runs.take(stored))

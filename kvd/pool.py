@@ -52,6 +52,8 @@ from kvd.runs import Runs
 
 NO_CACHE_KEY = 0
 _NO_MASK = np.zeros(0, bool)
+ALL_SHARED = None
+"""What ``BlockPool.register`` returns when every block it was given went into the shared map."""
 _MIN_QUEUE_CAPACITY = 1024
 _EMPTY_I32 = np.empty(0, np.int32)
 
@@ -392,11 +394,12 @@ class BlockPool:
         return blocks
 
     def register(self, key: int, hashes: np.ndarray, blocks: np.ndarray, side_key: int = NO_CACHE_KEY,
-                 runs: Runs | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 runs: Runs | None = None) -> tuple[np.ndarray, np.ndarray] | None:
         """Put full blocks in shared map ``key`` under their hashes: confirmed at once (``side_key``
         0), or unconfirmed by the writer of ``side_key``, whose copies of hashes another writer's
         unconfirmed entry holds go into its side map. Returns which of the given blocks it stored:
-        (mask in the shared map, mask in the side map). A hash the writer already sees keeps its
+        (mask in the shared map, mask in the side map), or ALL_SHARED when it stored every one in
+        the shared map (the usual case: no mask to build). A hash the writer already sees keeps its
         block, and a block already cached keeps its hash (forks share blocks, and each sharer may
         register them): such entries are dropped. A confirmed entry replaces an unconfirmed one.
         ``runs``: the blocks' requests and parents (kvd.runs), for the KV events of what is
@@ -409,9 +412,8 @@ class BlockPool:
             idx = np.flatnonzero(uncached)
             in_main, in_side = np.zeros(n, bool), np.zeros(n, bool)
             if idx.size:
-                sub_main, sub_side = self.register(key, hashes[idx], blocks[idx], side_key,
-                                                   None if runs is None else runs.take(idx))
-                in_main[idx], in_side[idx] = sub_main, sub_side
+                sub = self.register(key, hashes[idx], blocks[idx], side_key, None if runs is None else runs.take(idx))
+                in_main[idx], in_side[idx] = (True, False) if sub is ALL_SHARED else sub
             return in_main, in_side
         cache = self.cache_map(key)
         side = self.caches.get(side_key) if side_key else None
@@ -423,7 +425,7 @@ class BlockPool:
                 self._mark_cached(key, blocks, hashes, side_key)
                 if not side_key:
                     self.log_stored(key, hashes, runs)
-                return np.ones(n, bool), np.zeros(n, bool)
+                return ALL_SHARED
             for h in keys:  # a hash repeated within the batch: redo it one by one
                 cache.pop(h, None)
         return self._register_each(key, keys, hashes, blocks, side_key, runs)
