@@ -184,13 +184,7 @@ class Engine(ForwardMixin, OverlapMixin):
         self.kvd_s += t1 - t0
         self.kvd_exposed_s += t1 - t0  # nothing runs meanwhile
         self.phases.update(plan=t0 - t_start, rt=t1 - t0)
-        self.steps += 1
-        self._check(res)
-        if self.after_reply is not None:
-            self.after_reply(self, res)
-        if self.owned is not None:
-            self.owned.copy(res.copies)
-        self.copies += len(res.copies)
+        self._took_reply(res)
         for rid, st, n in zip(decode + cont, res.append_status.tolist(), counts):
             if st == STATUS_OK:  # a refused append registered nothing: its hashes wait for the retry
                 self.reqs[rid].registered += n
@@ -253,6 +247,16 @@ class Engine(ForwardMixin, OverlapMixin):
             child.forced[len(child.output) - 1] = tok
             self.reqs[c] = child
         return forks
+
+    def _took_reply(self, res) -> None:
+        """A step's reply arrived: check it, let a hook see it, do its copies if the KV is ours."""
+        self.steps += 1
+        self._check(res)
+        if self.after_reply is not None:
+            self.after_reply(self, res)
+        if self.owned is not None:
+            self.owned.copy(res.copies)
+        self.copies += len(res.copies)
 
     def _check(self, res) -> None:
         for what in ("free_status", "fork_status"):

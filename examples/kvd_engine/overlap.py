@@ -75,13 +75,7 @@ class OverlapMixin:
         self._ahead = None
         self._free_later += self._retire()
         self.phases.update(plan=plan_s, rt=rt_s)
-        self.steps += 1
-        self._check(res)
-        if self.after_reply is not None:
-            self.after_reply(self, res)
-        if self.owned is not None:
-            self.owned.copy(res.copies)
-        self.copies += len(res.copies)
+        self._took_reply(res)
         sched = []
         for i, (rid, st, n) in enumerate(zip(ids, res.append_status.tolist(), counts)):
             if st == STATUS_OK:
