@@ -1889,10 +1889,7 @@ class _BatchAdmission:
         then continued through its side map."""
         mgr_pool = self.mgr.pool
         if hits and mgr_pool.num_unconfirmed:
-            marks = mgr_pool.unconfirmed_by[np.array(hits, np.int32)]
-            hidden = (marks != 0) & (marks != self.mark)
-            if hidden.any():
-                hits = hits[: int(np.argmax(hidden))]
+            hits = hits[: mgr_pool.visible_run(np.array(hits, np.int32), self.mark).size]
         if self.side is not None and len(hits) < len(keys):
             hits = mgr_pool.lookup_from(self.key, keys, self.mark, np.array(hits, np.int32)).tolist()
         return hits

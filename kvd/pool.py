@@ -351,14 +351,22 @@ class BlockPool:
             if block is None:
                 break
             hits.append(block)
-        run = np.array(hits, np.int32)
-        if self.num_unconfirmed and run.size:
-            mark = self.unconfirmed_by[run]
-            hidden = (mark != 0) & (mark != side_key)
-            if hidden.any():
-                run = run[: int(np.argmax(hidden))]
+        run = self.visible_run(np.array(hits, np.int32), side_key)
         if side_key and run.size < len(hashes) and self.caches.get(side_key):
             return self.lookup_from(key, hashes, side_key, run)
+        return run
+
+    def hidden(self, blocks: np.ndarray, side_key: int) -> np.ndarray:
+        """Which cached ``blocks`` the writer of ``side_key`` may not hit (another's unconfirmed)."""
+        mark = self.unconfirmed_by[blocks]
+        return (mark != 0) & (mark != side_key)
+
+    def visible_run(self, run: np.ndarray, side_key: int) -> np.ndarray:
+        """A leading run of cached blocks cut at the first one the writer may not hit."""
+        if self.num_unconfirmed and run.size:
+            hidden = self.hidden(run, side_key)
+            if hidden.any():
+                return run[: int(np.argmax(hidden))]
         return run
 
     def lookup_from(self, key: int, hashes: list[bytes], side_key: int, head: np.ndarray) -> np.ndarray:
@@ -382,11 +390,8 @@ class BlockPool:
         get = self.caches.get(key, {}).get
         blocks = np.array([get(h, -1) for h in hashes], np.int64)
         if self.num_unconfirmed and blocks.size:
-            found = blocks >= 0
-            mark = self.unconfirmed_by[blocks[found]]
-            keep = np.zeros(blocks.size, bool)
-            keep[found] = (mark == 0) | (mark == side_key)
-            blocks[~keep] = -1
+            found = np.flatnonzero(blocks >= 0)
+            blocks[found[self.hidden(blocks[found], side_key)]] = -1
         if side_key and self.caches.get(side_key):
             side_get = self.caches[side_key].get
             for i in np.flatnonzero(blocks < 0).tolist():
@@ -496,8 +501,7 @@ class BlockPool:
         hashes = self.block_hash[blocks].tolist()
         for h in hashes:
             del side[h]
-        self.unconfirmed_by[blocks] = 0
-        self.num_unconfirmed -= blocks.size
+        self.confirm(blocks)
         mark = self.unconfirmed_by
         keep, doomed = np.ones(blocks.size, bool), []
         for i, h in enumerate(hashes):
