@@ -405,6 +405,13 @@ class _Core:
             kw.setdefault("seed", self.info["hash_seed"])
         return hash_prompt(token_ids, self.block_sizes[group], **kw)
 
+    def hash_next_blocks(self, token_blocks, parents) -> np.ndarray:
+        """kvd.hashing.hash_next_blocks with this pool's hash scheme: the blocks that many requests
+        just filled, one each, chained to their parents, in one call (a decode step's hashing)."""
+        from kvd.hashing import hash_next_blocks
+
+        return hash_next_blocks(token_blocks, parents, algo=self.info.get("hash_algo", "sha256"))
+
     # ---- session ----------------------------------------------------------------------------------
     def _next_seq(self) -> int:
         self._seq += 1

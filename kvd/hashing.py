@@ -225,6 +225,40 @@ def hash_prompt(
     return np.frombuffer(b"".join(out), dtype=HASH_DTYPE).copy()
 
 
+def hash_next_blocks(token_blocks, parents, *, algo: str = "sha256") -> np.ndarray:
+    """One full block each for many requests (a decode step's filled blocks), in one call.
+
+    ``token_blocks``: ``(n, block_size)`` token ids, row i the block request i just filled;
+    ``parents``: ``(n,)`` hashes (``S{hash_width(algo)}``), row i that request's previous block's
+    hash. Equal to ``hash_prompt(token_blocks[i], block_size, parent=parents[i], algo=algo)`` for
+    every i, for blocks past the first with no extra keys (LoRA, multimodal; use ``hash_prompt`` for
+    those): one loop over bytes objects cut in C, ~0.7 µs a block where ``hash_prompt`` per request
+    costs ~10 µs of numpy per call."""
+    tokens = np.ascontiguousarray(token_blocks, dtype="<i4")
+    if tokens.ndim != 2 or not tokens.shape[1]:
+        raise InvalidArgument(f"token_blocks must be (n, block_size), got shape {tokens.shape}")
+    n, block_size = tokens.shape
+    width = hash_width(algo)
+    dtype = hash_dtype(width)
+    parent_arr = as_hash_array(parents, width)
+    if parent_arr.shape != (n,):
+        raise BadHashes(f"{parent_arr.shape[0]} parents for {n} blocks")
+    # V items keep trailing zero bytes (S items drop them): each parent is exactly ``width`` bytes.
+    parent_list = np.ascontiguousarray(parent_arr, dtype).view(f"V{width}").tolist()
+    if algo == VLLM_SCHEME:
+        dumps = pickle.dumps
+        out = [_sha256(dumps((p, tuple(c), None), protocol=_PICKLE_PROTOCOL)).digest()
+               for p, c in zip(parent_list, tokens.tolist())]
+    else:
+        chunks = tokens.view(f"V{block_size * 4}").reshape(n).tolist()
+        if algo == "sha256":
+            out = [_sha256(p + c).digest()[:HASH_BYTES] for p, c in zip(parent_list, chunks)]
+        else:
+            digest = _digest_fn(algo)
+            out = [digest(p + c) for p, c in zip(parent_list, chunks)]
+    return np.frombuffer(b"".join(out), dtype=dtype).copy()
+
+
 def as_hash_array(hashes, width: int = HASH_BYTES) -> np.ndarray:
     """Validate and view client-given hashes as a 1-D ``S{width}`` array (no copy where possible)."""
     dtype = HASH_DTYPE if width == HASH_BYTES else hash_dtype(width)

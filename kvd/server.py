@@ -20,7 +20,8 @@ Shutdown (SIGTERM/SIGINT): stop reading, answer what was already received, end e
 (unlinking every segment), remove the ipc socket, release the lock, exit 0.
 
 Debugging aids (environment): ``KVDSRV_PROF=1`` logs p50/p99 of the daemon-side step time (handle +
-send, wall and CPU) at shutdown; ``KVDSRV_PROF=cprofile`` logs a cProfile of the socket callback.
+send, wall and CPU) at shutdown, and with ``KVDSRV_PROF_FILE=path.npy`` saves every step's (wall start,
+wall end, CPU start, CPU end) there; ``KVDSRV_PROF=cprofile`` logs a cProfile of the socket callback.
 """
 
 from __future__ import annotations
@@ -1405,6 +1406,8 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
             buf = io.StringIO()
             pstats.Stats(d._cprof, stream=buf).sort_stats("tottime").print_stats(25)
             log.warning("%s", buf.getvalue())
+        if _PROF and os.environ.get("KVDSRV_PROF_FILE"):
+            np.save(os.environ["KVDSRV_PROF_FILE"], np.array(_PROF))
         if len(_PROF or ()) > 20:
             a = np.array([b - a for a, b, _, _ in _PROF[20:]]) * 1e6
             c = np.array([d - c for _, _, c, d in _PROF[20:]]) * 1e6

@@ -153,6 +153,8 @@ def test_tenants_are_isolated_and_shared_blocks_are_hits_once_confirmed(daemon):
         assert a2.block_table("z")[:3].tolist() == a.block_table("x")[:3].tolist()
         b.reset_prefix_cache()  # only bob's namespace
         assert a2.lookup(hs) == 4
+        nxt = np.arange(64, 80, dtype=np.int32)  # the block a decode step fills next, as one batch
+        assert a.hash_next_blocks(nxt[None, :], hs[-1:]).tolist() == hash_prompt(np.r_[toks, nxt], BS)[-1:].tolist()
     finally:
         for x in (a, b, a2, own):
             x.close()

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kvd.errors import BadHashes, InvalidArgument
-from kvd.hashing import HASH_DTYPE, ROOT_SEED, as_hash_array, hash_prompt, root_hash
+from kvd.hashing import HASH_DTYPE, ROOT_SEED, as_hash_array, hash_next_blocks, hash_prompt, root_hash
 
 
 def sha16(data: bytes) -> bytes:
@@ -73,3 +73,32 @@ def test_as_hash_array_accepts_s16_and_uint8_rows_and_rejects_the_rest():
         as_hash_array(np.zeros((2, 8), np.uint8))
     with pytest.raises(BadHashes):
         as_hash_array([b"short"])
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxh3_128", "vllm_sha256"])
+def test_hash_next_blocks_equals_hash_prompt_per_request(algo):
+    rng = np.random.default_rng(1)
+    prompts = rng.integers(0, 50_000, (5, 48)).astype(np.int32)
+    whole = [hash_prompt(p, 16, algo=algo) for p in prompts]
+    parents = np.array([h[1] for h in whole])
+    got = hash_next_blocks(prompts[:, 32:], parents, algo=algo)
+    assert got.dtype == whole[0].dtype
+    assert [bytes(h) for h in got] == [bytes(h[2]) for h in whole]
+
+
+def test_hash_next_blocks_keeps_a_parents_trailing_zero_bytes():
+    tokens = np.arange(16, dtype=np.int32)
+    parent = b"\x07" + bytes(15)  # an S16 array stores it as b"\x07"
+    got = hash_next_blocks(tokens[None, :], np.array([parent], HASH_DTYPE))
+    assert got.tobytes() == sha16(parent + tokens.astype("<i4").tobytes())
+
+
+def test_hash_next_blocks_rejects_misshapen_input():
+    parents = np.array([b"a" * 16], HASH_DTYPE)
+    with pytest.raises(InvalidArgument):
+        hash_next_blocks(np.arange(16), parents)  # not (n, block_size)
+    with pytest.raises(BadHashes):
+        hash_next_blocks(np.zeros((2, 16), np.int32), parents)  # one parent for two blocks
+    with pytest.raises(BadHashes):
+        hash_next_blocks(np.zeros((1, 16), np.int32), np.array([b"a" * 32], "S32"))  # wrong width
+    assert hash_next_blocks(np.zeros((0, 16), np.int32), parents[:0]).shape == (0,)

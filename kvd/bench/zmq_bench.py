@@ -62,7 +62,7 @@ import kvd
 from kvd.api import AdmitRequest, GroupSpec, ManagerConfig, StepBatch
 from kvd.bench.plots import step_distribution as plot
 from kvd.errors import FIRST_ERROR_CODE
-from kvd.hashing import hash_prompt
+from kvd.hashing import hash_next_blocks, hash_prompt
 from kvd.workload import WorkloadSpec, make_workload
 
 # The directory that holds the kvd package (the repository, or site-packages for a wheel): the
@@ -393,7 +393,7 @@ def drive(stepper, work, spec: WorkloadSpec, sync=None, progress=None, warmup: i
     sync("admitted")
 
     # Decode: the client keeps each request's last block hash to extend the chain.
-    last_hash = [h[-1] if h.size else None for h in hashes]
+    last_hash = np.array([h[-1] for h in hashes], hashes[0].dtype) if P >= bs else None
     num_tokens = P
     step_s = np.empty(D)
     hash_step = np.zeros(D, bool)
@@ -404,13 +404,14 @@ def drive(stepper, work, spec: WorkloadSpec, sync=None, progress=None, warmup: i
         th = time.perf_counter()
         num_tokens += 1
         if num_tokens % bs == 0 and n:  # every request fills a block at the same step
-            new = []
-            for i in live.tolist():
-                h = hash_prompt(work.tokens[i, num_tokens - bs: num_tokens], bs, parent=last_hash[i],
-                                algo=spec.hash_algo, first_block_index=num_tokens // bs - 1)
-                last_hash[i] = h[0]
-                new.append(h)
-            flat = np.concatenate(new)
+            if last_hash is None:
+                flat = np.concatenate([hash_prompt(work.tokens[i, :bs], bs, algo=spec.hash_algo) for i in live.tolist()])
+            else:
+                flat = hash_next_blocks(work.tokens[live, num_tokens - bs: num_tokens], last_hash[live],
+                                        algo=spec.hash_algo)
+            if last_hash is None:
+                last_hash = np.empty(R, flat.dtype)
+            last_hash[live] = flat
             counts = np.ones(n, np.int32)
             ids_of_blocks = ()
             if token_ids:
@@ -496,7 +497,7 @@ def _close_quietly(client) -> None:
 
 
 def _client_main(index: int, endpoint: str, tenant: str, spec: WorkloadSpec, warmup: int, barrier,
-                 results, progress, token_ids: bool = False) -> None:
+                 results, progress, token_ids: bool = False, busy_poll_us: int | None = None) -> None:
     """One client process of the standard workload (spawned)."""
     from kvd_client import Client
 
@@ -504,7 +505,8 @@ def _client_main(index: int, endpoint: str, tenant: str, spec: WorkloadSpec, war
     c = None
     try:
         work = make_workload(spec, index)
-        c = Client(endpoint, tenant=tenant, name=f"bench-{index}", timeout_s=30.0, kv_shared=True)
+        poll = {} if busy_poll_us is None else {"busy_poll_us": busy_poll_us}
+        c = Client(endpoint, tenant=tenant, name=f"bench-{index}", timeout_s=30.0, kv_shared=True, **poll)
 
         def sync(_name: str) -> None:
             barrier.wait(BARRIER_TIMEOUT_S)
@@ -673,7 +675,8 @@ def run_clients(args, spec: WorkloadSpec, endpoint: str, daemon_pid: int | None,
     tenant = ""  # the user's own: one shared namespace, reset after the run
     procs, barrier, results, progress = _spawn(
         _client_main, nclients,
-        lambda i, b, r, p: (i, endpoint, tenant, spec, args.warmup, b, r, p, args.events and args.event_token_ids))
+        lambda i, b, r, p: (i, endpoint, tenant, spec, args.warmup, b, r, p, args.events and args.event_token_ids,
+                                   args.client_busy_poll_us))
     fatal = None
     figures: dict = {}
     try:
@@ -1059,6 +1062,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the daemon publishes KV events; a subscriber process counts events and seq gaps")
     r.add_argument("--event-token-ids", action="store_true",
                    help="with --events: steps carry the token ids of the blocks they register")
+    r.add_argument("--client-busy-poll-us", type=int, default=None, metavar="US",
+                   help="the clients' busy_poll_us (default: the Client's own default)")
     r.add_argument("--lease-s", type=float, default=10.0, help="lease of the daemon this script starts")
     r.add_argument("--floor", action="store_true", help="also measure a bare zmq echo of the same sizes")
     r.add_argument("--floor-iters", type=int, default=3000)
