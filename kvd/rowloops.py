@@ -231,6 +231,51 @@ def drop_refs(blocks, ref_cnt, freed_out):
     return n_freed
 
 
+@_jit
+def sync_appended_rows(mrows, owner_sid, owner_srow, sid, table, counts, out_table, out_counts,
+                       dirty_start, dirty_end, srows_out):
+    """Publish rows after appends without copy-on-write to a group without a sliding window (its
+    tables only grow at their ends): for each of ``mrows`` that session ``sid`` owns, copy the
+    entries from its published count to its new one into its session row of ``out_table``, and the
+    count. ``dirty_start``/``dirty_end`` (empty: none) widen each session row's range of entries
+    changed (a GPU mirror's tracker). Returns how many rows it published; their session rows are at
+    the front of ``srows_out``."""
+    k = 0
+    track = dirty_start.size > 0
+    for i in range(mrows.size):
+        m = mrows[i]
+        if owner_sid[m] != sid:
+            continue
+        s = owner_srow[m]
+        new = counts[m]
+        old = out_counts[s]
+        lo = old if new >= old else 0  # a row that shrank (not expected here) is copied whole
+        for j in range(lo, new):
+            out_table[s, j] = table[m, j]
+        if track and new > lo:
+            if lo < dirty_start[s]:
+                dirty_start[s] = lo
+            if new > dirty_end[s]:
+                dirty_end[s] = new
+        out_counts[s] = new
+        srows_out[k] = s
+        k += 1
+    return k
+
+
+@_jit
+def decode_slots(table, block_size, rows, pos, pad, pad_end, out):
+    """The slot of one token per request (request i's token at ``pos[i]``, table row ``rows[i]``)
+    into ``out[:n]``, then ``pad`` into ``out[n:pad_end]``: kvd_kernels'
+    ``slot_mapping_from_ranges_ref`` for a decode step, in one call."""
+    n = rows.size
+    for i in range(n):
+        p = pos[i]
+        out[i] = np.int64(table[rows[i], p // block_size]) * block_size + p % block_size
+    for i in range(n, pad_end):
+        out[i] = pad
+
+
 def warm_up() -> None:
     """Compile (or load from the disk cache) every loop for the manager's array types now, so that
     the first step a daemon serves does not pay for it."""
@@ -246,3 +291,5 @@ def warm_up() -> None:
     fork_rows(i32, i32[:0], i64, np.zeros(1, np.uint8), i64, flags, flags, flags.copy(), table, i32, i32, i32, i32, 1)
     share_blocks(i32, i32[:0], table, i32, i32, i32, i32, i64, 1)
     drop_refs(i32[:0], i32, flags.copy())
+    sync_appended_rows(i32, i64, i32, 1, table, i32, table.copy(), i32.copy(), i32[:0], i32[:0], i32.copy())
+    decode_slots(table, 1, i32, i32, -1, 1, i64.copy())

@@ -44,6 +44,7 @@ import zmq
 from kvd import protocol as P
 from kvd import rowloops
 from kvd.api import (
+    PAD_SLOT_ID,
     STATUS_NEVER,
     STATUS_NO_SPACE,
     STATUS_OK,
@@ -227,6 +228,10 @@ class Daemon:
         n = int(config.max_num_reqs)
         self.owner_sid = np.zeros(n, np.int64)  # manager row -> session id (0: none)
         self.owner_srow = np.full(n, -1, np.int32)  # manager row -> session row
+        # The compiled publish of a decode step's rows and slots (kvd.rowloops): one group without
+        # a window; the numpy path does the rest, and everything without numba.
+        self._compiled_decode = rowloops.HAVE_NUMBA and self.G == 1 and not self.windowed[0]
+        self._srows_buf = np.empty(self.max_reqs, np.int32)
         self.sessions: dict[int, Session] = {}
         self.by_nonce: dict[str, int] = {}
         self.namespaces: dict[str, int] = {}  # tenant -> its shared namespace
@@ -409,6 +414,8 @@ class Daemon:
         count did not change are skipped."""
         if mrows.size == 0:
             return _EMPTY_I32
+        if not full and self._compiled_decode:
+            return self._sync_appended(sess, mrows)
         own = self.owner_sid[mrows] == sess.sid
         if not own.all():
             mrows = mrows[own]
@@ -450,6 +457,20 @@ class Daemon:
             tr.mark_counts(srows)
         return srows
 
+    def _sync_appended(self, sess: Session, mrows: np.ndarray) -> np.ndarray:
+        """``_sync_rows(full=False)`` for the one group, in one compiled call."""
+        tr = sess.gpu.tracker if sess.gpu is not None else None
+        m = self.manager
+        k = rowloops.sync_appended_rows(mrows, self.owner_sid, self.owner_srow, sess.sid, m.tables[0],
+                                        m.num_blocks[0], sess.shm.tables[0], sess.shm.counts[0],
+                                        tr.st[0] if tr is not None else _EMPTY_I32,
+                                        tr.en[0] if tr is not None else _EMPTY_I32, self._srows_buf)
+        srows = self._srows_buf[:k].copy()
+        if tr is not None:
+            tr.dirty = True
+            tr.mark_counts(srows)
+        return srows
+
     def _sync_row(self, sess: Session, srow: int) -> None:
         mrow = int(sess.mrow[srow])
         m = self.manager
@@ -474,7 +495,10 @@ class Daemon:
         if sess.gpu is not None:
             sess.gpu.stage_slots(self.owner_srow[rows], start, lens)
         total = rows.shape[0] if uniform == 1 else int(lens.sum())
-        if total <= self.max_tokens:
+        if uniform == 1 and self._compiled_decode and total <= self.max_tokens:
+            rowloops.decode_slots(m.tables[0], self.block_sizes[0], rows, start, PAD_SLOT_ID,
+                                  max(total, sess.slots_written[0]), shm.slot_array[0])
+        elif total <= self.max_tokens:
             slot_mapping_from_ranges_ref(m.tables, self.block_sizes, rows, start, 1 if uniform == 1 else lens,
                                          shm.slot_array, prev_tokens=max(sess.slots_written))
         else:

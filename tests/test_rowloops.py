@@ -128,3 +128,38 @@ def test_fork_rows_copies_row_state_and_shares_blocks_up_to_the_last_token():
     assert s["num_tokens"][4:].tolist() == [8, 8] and prio[4:].tolist() == [7, 7] and ns[4:].tolist() == [3, 3]
     assert s["ref_cnt"][[3, 4, 9]].tolist() == [3, 3, 1]
     assert s["forked"].tolist() == [True, True, True, False, True, True]
+
+
+def test_decode_slots_equals_the_kernels_reference_and_pads_what_the_last_step_wrote():
+    from kvd_kernels import slot_mapping_from_ranges_ref
+
+    rng = np.random.default_rng(3)
+    table = rng.integers(1, 1 << 20, (8, 6)).astype(np.int32)
+    rows = np.array([5, 0, 7, 2], np.int32)
+    pos = np.array([0, 23, 9, 15], np.int32)
+    want = np.full((1, 10), 77, np.int64)
+    slot_mapping_from_ranges_ref([table], [4], rows, pos, 1, want, prev_tokens=7)
+    got = np.full(10, 77, np.int64)
+    rowloops.decode_slots(table, 4, rows, pos, -1, 7, got)
+    assert got.tolist() == want[0].tolist()
+    assert got[:7].tolist() == [table[5, 0] * 4, table[0, 5] * 4 + 3, table[7, 2] * 4 + 1, table[2, 3] * 4 + 3,
+                                -1, -1, -1]
+
+
+def test_sync_appended_rows_copies_only_new_entries_of_owned_rows_and_widens_dirty_ranges():
+    table = np.arange(1, 25, dtype=np.int32).reshape(4, 6)  # manager rows
+    counts = np.array([3, 5, 2, 6], np.int32)
+    owner_sid = np.array([7, 7, 9, 7], np.int64)
+    owner_srow = np.array([2, 0, 1, 1], np.int32)
+    out_table = np.full((3, 6), -5, np.int32)  # session rows: what was published before
+    out_counts = np.array([4, 6, 1], np.int32)  # srow 0 <- mrow 1 had 4; srow 1 <- mrow 3 had 6
+    start = np.full(3, 1000, np.int32)
+    end = np.zeros(3, np.int32)
+    srows = np.full(3, -9, np.int32)
+    k = rowloops.sync_appended_rows(np.array([1, 2, 3], np.int32), owner_sid, owner_srow, 7, table, counts,
+                                    out_table, out_counts, start, end, srows)
+    assert k == 2 and srows[:2].tolist() == [0, 1]  # mrow 2 belongs to session 9: untouched
+    assert out_table[0].tolist() == [-5, -5, -5, -5, table[1, 4], -5]  # entry 4 only: it grew 4 -> 5
+    assert out_table[1].tolist() == [-5] * 6  # unchanged count: nothing copied
+    assert out_counts.tolist() == [5, 6, 1]
+    assert start.tolist() == [4, 1000, 1000] and end.tolist() == [5, 0, 0]
