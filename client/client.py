@@ -680,6 +680,10 @@ for _a in (_EMPTY_I16_RO, _EMPTY_I32_RO, _EMPTY_COPIES):
     _a.flags.writeable = False
 
 
+DEFAULT_BUSY_POLL_US = 1000
+BUSY_POLL_MIN_CPUS = 4  # measured: on 2 CPUs, 1 and 4 polling clients were slower than sleeping ones
+
+
 def _busy_poll(sock, seconds: float) -> None:
     """Wait for a reply by polling (yielding the CPU), at most ``seconds``: a thread that sleeps in
     recv pays the wake-up (tens to hundreds of µs on a cloud host) on every step."""
@@ -766,7 +770,7 @@ class Client(_Core):
     def __init__(self, endpoint: str | None = None, *, tenant: str = "", name: str = "",
                  timeout_s: float = 2.0, retries: int = 2, heartbeat: bool = True,
                  gpu: bool | None = None, kv_shared: bool = False, confirm: str = "auto",
-                 steps_in_flight: int = 1, busy_poll_us: int = 1000) -> None:
+                 steps_in_flight: int = 1, busy_poll_us: int | None = None) -> None:
         """Connect and say hello.
 
         ``endpoint``: the daemon's ZeroMQ endpoint (default: ``$KVD_ENDPOINT``, else the daemon's
@@ -780,13 +784,17 @@ class Client(_Core):
         attempts (a retried request is applied once). ``heartbeat``: renew the lease from a
         background thread. ``gpu``: map the daemon's CUDA-IPC buffers (None: when it has a GPU
         pool and torch can; True: required; False: never). ``busy_poll_us``: wait for each reply
-        this long by polling (yielding the CPU) before sleeping in recv, which costs a wake-up.
+        this long by polling (yielding the CPU) before sleeping in recv, which costs a wake-up
+        (None: ``DEFAULT_BUSY_POLL_US`` with at least ``BUSY_POLL_MIN_CPUS`` CPUs to run on, else 0:
+        on fewer, a polling engine takes the CPU the daemon and the other engines need).
 
         Raises ``DaemonUnavailable`` (no socket file), ``PermissionDenied`` (socket or segment not
         accessible), ``Timeout`` (no answer), ``ServerBusy`` (too many sessions)."""
         super().__init__(endpoint, tenant=tenant, name=name, timeout_s=timeout_s, retries=retries,
                          heartbeat=heartbeat, gpu=gpu, kv_shared=kv_shared, confirm=confirm,
                          steps_in_flight=steps_in_flight)
+        if busy_poll_us is None:
+            busy_poll_us = DEFAULT_BUSY_POLL_US if len(os.sched_getaffinity(0)) >= BUSY_POLL_MIN_CPUS else 0
         if type(busy_poll_us) is not int or not 0 <= busy_poll_us <= 1_000_000:
             raise InvalidArgument(f"busy_poll_us must be an int in [0, 1e6], got {busy_poll_us!r}")
         self._poll_s = busy_poll_us / 1e6

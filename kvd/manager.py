@@ -1260,20 +1260,41 @@ class BlockManager:
         its socket is idle; every call that reads the prefix cache runs it first)."""
         return len(self._deferred)
 
-    def flush_deferred(self) -> None:
+    def flush_deferred(self, max_rows: int | None = None) -> None:
         """Finish prefix-cache registrations a decode step left for later (see
-        ``ManagerConfig.defer_cache_registration``)."""
-        if self._deferred:
-            unfinished = []
-            budget: int | None = PROMOTE_BATCH  # for the whole flush
-            for item in self._deferred:
-                if item[0] is _APPENDS:
-                    _, rows, hashes, counts, tick, tokens = item
-                    self._register_appends(rows, np.zeros(rows.size, np.int16), [hashes], [counts], tick,
-                                           None if tokens is None else [tokens])
-                elif budget is None or (budget := self._promote(item[1], item[2], budget)) is None:
-                    unfinished.append(item)  # the next call (or reply) goes on with it
-            self._deferred[:] = unfinished
+        ``ManagerConfig.defer_cache_registration``). ``max_rows``: do about that much work and
+        keep the rest queued, in order (requests' registrations, blocks' confirmations): an idle
+        daemon works in slices, so that a message arriving meanwhile waits for one slice only."""
+        if not self._deferred:
+            return
+        unfinished = []
+        sliced = max_rows is not None
+        budget: int | None = max_rows if sliced else PROMOTE_BATCH  # confirmations: for the whole flush
+        items = self._deferred
+        for i, item in enumerate(items):
+            if item[0] is _APPENDS:
+                if sliced:
+                    if budget <= 0:
+                        unfinished += items[i:]
+                        break
+                    if budget < item[1].size:
+                        head, rest = _split_appends(item, budget)
+                        self._register_deferred(head)
+                        unfinished += [rest, *items[i + 1:]]
+                        break
+                    budget -= item[1].size
+                self._register_deferred(item)
+            elif budget is None or (budget := self._promote(item[1], item[2], budget)) is None:
+                unfinished.append(item)  # the next call (or reply) goes on with it
+                if sliced:
+                    unfinished += items[i + 1:]
+                    break
+        self._deferred[:] = unfinished
+
+    def _register_deferred(self, item: tuple) -> None:
+        _, rows, hashes, counts, tick, tokens = item
+        self._register_appends(rows, np.zeros(rows.size, np.int16), [hashes], [counts], tick,
+                               None if tokens is None else [tokens])
 
     def take_copies(self) -> np.ndarray:
         """Copy-on-write ``(src, dst)`` pairs since the last call; the KV owner performs them
@@ -1837,6 +1858,16 @@ _APPENDS = object()  # a decode step's deferred registration: (_APPENDS, rows, h
 # Blocks a daemon's flush promotes at most: a confirmation of a whole admission wave (tens of
 # thousands of prompt blocks) is spread over the next messages instead of pausing every client.
 PROMOTE_BATCH = 1024
+
+
+def _split_appends(item: tuple, k: int) -> tuple[tuple, tuple]:
+    """A deferred registration of appends split after its first ``k`` requests (each request's
+    hashes, and token ids, stay together and in order)."""
+    kind, rows, hashes, counts, tick, tokens = item
+    h = int(counts[:k].sum())
+    head = (kind, rows[:k], hashes[:h], counts[:k], tick, None if tokens is None else tokens[:h])
+    rest = (kind, rows[k:], hashes[h:], counts[k:], tick, None if tokens is None else tokens[h:])
+    return head, rest
 
 
 class _BatchAdmission:

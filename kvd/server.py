@@ -86,6 +86,7 @@ _EMPTY_I32 = np.empty(0, np.int32)
 _PROF = [] if os.environ.get("KVDSRV_PROF") else None
 _MAX_DRAIN_S = 0.02  # the longest one socket callback runs (busy polling included) before timers run
 _MAX_DEFERRED = 64  # deferred prefix-cache items a daemon lets pile up while messages keep coming
+_IDLE_FLUSH_ROWS = 64  # registrations (requests) or confirmations (blocks) an idle daemon runs between two looks at its socket
 
 
 # ---- sessions -----------------------------------------------------------------------------------
@@ -1312,9 +1313,8 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
             last = entered = pc()
             while True:
                 if not has_input(s):  # ZMQ_EVENTS re-arms the edge-triggered FD without an EAGAIN
-                    if m.num_deferred:  # idle: the prefix-cache work steps left for later
-                        m.flush_deferred()
-                        d.publish_events()
+                    if m.num_deferred:  # idle: the prefix-cache work steps left for later, a slice
+                        m.flush_deferred(_IDLE_FLUSH_ROWS)  # at a time (a message waits for one)
                         last = pc()
                         continue
                     d.publish_events()  # KV events once no message waits: several messages' at once

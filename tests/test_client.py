@@ -256,3 +256,17 @@ def test_two_kv_groups_are_served_like_the_in_process_manager(daemon_factory):
         assert c.stats()["num_used_blocks"] == m.stats()["num_used_blocks"]
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("cpus, poll_s", [(2, 0.0), (8, 0.001)])
+def test_the_default_busy_poll_depends_on_the_cpus_the_engine_may_run_on(daemon, monkeypatch, cpus, poll_s):
+    import kvd_client.client as C
+
+    monkeypatch.setattr(C.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    c = Client(daemon.endpoint)
+    try:
+        assert c._poll_s == poll_s
+        with pytest.raises(InvalidArgument):
+            Client(daemon.endpoint, busy_poll_us=-1)
+    finally:
+        c.close()

@@ -91,6 +91,27 @@ def test_a_decode_step_the_daemon_defers_logs_its_runs_at_the_flush():
     m.check_invariants(heavy=True)
 
 
+def test_a_deferred_registration_flushed_in_slices_registers_requests_in_order_and_keeps_the_rest():
+    m = _manager(defer_cache_registration=True, debug_checks=False)  # the heavy check would flush
+    log = m.enable_kv_events()
+    p = [[i * 10 + t for t in range(7)] for i in range(3)]
+    h = [_chain(x[:4]) for x in p]
+    r = m.step(StepBatch(admit=[AdmitRequest(i, 7, hs) for i, hs in enumerate(h)]))
+    _entries(log)
+    rows = r.admit_rows.astype(np.int32)
+    new = [_chain(x[4:] + [0], hs[0], 1) for x, hs in zip(p, h)]
+    m.step(StepBatch(append_rows=rows, append_num_tokens=1, append_hashes=(np.concatenate(new),),
+                     append_hash_counts=(np.array([1, 1, 1], np.int32),),
+                     append_token_ids=(np.array([x[4:] + [0] for x in p], np.int32),)))
+    m.flush_deferred(max_rows=2)  # the first two requests' blocks; the third stays queued
+    assert _entries(log) == [(new[i].tolist(), h[i][0], p[i][4:] + [0]) for i in range(2)]
+    assert m.num_deferred == 1
+    m.flush_deferred(max_rows=2)
+    assert _entries(log) == [(new[2].tolist(), h[2][0], p[2][4:] + [0])] and m.num_deferred == 0
+    assert [m.lookup(np.r_[h[i], new[i]]) for i in range(3)] == [2, 2, 2]
+    m.check_invariants(heavy=True)
+
+
 def test_a_writers_runs_wait_for_its_confirmation_and_keep_their_parents_across_promotion_batches(monkeypatch):
     monkeypatch.setattr(M, "PROMOTE_BATCH", 2)
     m = _manager(defer_cache_registration=True)
