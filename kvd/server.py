@@ -118,6 +118,45 @@ class Session:
         self.gpu = None  # kvd.gpu_session.GpuSession with a GPU pool
 
 
+class IdlePacer:
+    """When a busy-polling daemon runs, between messages, the prefix-cache work that decode steps
+    left for after their replies (``BlockManager.flush_deferred`` in slices of _IDLE_FLUSH_ROWS).
+
+    A slice that is still running when the next message arrives delays that message. So after each
+    reply one slice always runs (the work cannot fall behind the messages that make it), and more
+    only while they fit before the next message is expected (the mean gap between a reply and the
+    next message), or once the socket has stayed idle for twice that gap. With back-to-back steps
+    the work of one step that registers 256 blocks is spread over the next few steps' gaps instead
+    of landing on the step after it; with an engine's forward pass between steps it all runs at once.
+    """
+
+    EWMA = 0.2
+    MAX_GAP_S = 0.002  # one long pause must not make every later gap look long
+
+    def __init__(self, gap_s: float = 100e-6, slice_s: float = 50e-6):
+        self.gap_s = gap_s
+        self.slice_s = slice_s
+        self.replied_at = 0.0
+        self.owed = False
+
+    def arrived(self, now: float) -> None:
+        if self.replied_at:
+            gap = min(now - self.replied_at, self.MAX_GAP_S)
+            self.gap_s += (gap - self.gap_s) * self.EWMA
+
+    def replied(self, now: float) -> None:
+        self.replied_at = now
+        self.owed = True
+
+    def may_run(self, now: float) -> bool:
+        since = now - self.replied_at
+        return self.owed or since + self.slice_s <= self.gap_s or since > 2 * self.gap_s
+
+    def ran(self, seconds: float) -> None:
+        self.slice_s += (seconds - self.slice_s) * self.EWMA
+        self.owed = False
+
+
 def _peer(identity_frame: Any) -> Peer | None:
     if identity_frame is None:
         return None
@@ -1306,6 +1345,8 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
         poll_s = int(getattr(config, "busy_poll_us", 0)) / 1e6
         pc, yield_cpu = time.perf_counter, os.sched_yield
 
+        pacer = IdlePacer()
+
         def drain() -> None:
             s = sock
             handle = d.handle
@@ -1313,15 +1354,18 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
             last = entered = pc()
             while True:
                 if not has_input(s):  # ZMQ_EVENTS re-arms the edge-triggered FD without an EAGAIN
-                    if m.num_deferred:  # idle: the prefix-cache work steps left for later, a slice
-                        m.flush_deferred(_IDLE_FLUSH_ROWS)  # at a time (a message waits for one)
-                        last = pc()
-                        continue
+                    if m.num_deferred:  # idle: the prefix-cache work steps left for later
+                        now = pc()
+                        if not poll_s or pacer.may_run(now):
+                            m.flush_deferred(_IDLE_FLUSH_ROWS)
+                            last = pc()
+                            pacer.ran(last - now)
+                            continue
                     d.publish_events()  # KV events once no message waits: several messages' at once
                     if not poll_s:
                         break
                     now = pc()
-                    if now - last > poll_s:
+                    if now - last > poll_s and not m.num_deferred:
                         break  # idle: sleep in the event loop
                     if now - entered > _MAX_DRAIN_S:
                         loop.call_soon(drain)  # timers and signals get their turn
@@ -1333,6 +1377,7 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                 except zmq.Again:
                     break
                 t0 = time.perf_counter()
+                pacer.arrived(t0)
                 c0 = time.thread_time() if _PROF is not None else 0.0
                 reply = handle(msg, identity_frame)
                 if reply is not None:
@@ -1342,6 +1387,7 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                         pass  # peer's queue full: its loss, our memory stays bounded
                     except zmq.ZMQError as e:
                         log.debug("send failed: %s", e)
+                pacer.replied(pc())
                 # Prefix-cache work a decode step left for after its reply waits while messages are
                 # queued (up to _MAX_DEFERRED of them), else runs when the socket is idle; the
                 # manager runs it first in any call that reads the cache.

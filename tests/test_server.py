@@ -418,3 +418,22 @@ def test_systemd_notifications(daemon_factory, short_tmp):
         read_until(lambda x: x == "STOPPING=1")
     finally:
         s.close()
+
+
+def test_idle_pacer_runs_one_slice_per_reply_and_more_only_where_they_fit_the_expected_gap():
+    from kvd.server import IdlePacer
+
+    p = IdlePacer(gap_s=100e-6, slice_s=50e-6)
+    p.replied(1.0)
+    assert p.may_run(1.0 + 90e-6)  # the slice owed to this reply, whatever the gap
+    p.ran(50e-6)
+    assert p.may_run(1.0 + 10e-6)  # 10 + 50 <= 100 µs: it ends before the next message is due
+    assert not p.may_run(1.0 + 60e-6)  # it would not: wait for the message
+    assert p.may_run(1.0 + 201e-6)  # idle for twice the gap: the client is not coming soon
+    p.arrived(1.0 + 600e-6)
+    assert p.gap_s == pytest.approx(200e-6)  # the mean gap follows the clients' pace
+    p.replied(2.0)
+    p.arrived(3.0)  # one long pause counts as MAX_GAP_S
+    assert p.gap_s == pytest.approx(200e-6 + (IdlePacer.MAX_GAP_S - 200e-6) * IdlePacer.EWMA)
+    p.ran(150e-6)
+    assert p.slice_s == pytest.approx(50e-6 + 100e-6 * IdlePacer.EWMA)
