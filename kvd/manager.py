@@ -1262,33 +1262,30 @@ class BlockManager:
 
     def flush_deferred(self, max_rows: int | None = None) -> None:
         """Finish prefix-cache registrations a decode step left for later (see
-        ``ManagerConfig.defer_cache_registration``). ``max_rows``: do about that much work and
-        keep the rest queued, in order (requests' registrations, blocks' confirmations): an idle
-        daemon works in slices, so that a message arriving meanwhile waits for one slice only."""
+        ``ManagerConfig.defer_cache_registration``). ``max_rows``: register about that many
+        requests' blocks and keep the rest queued, in order (an idle daemon works in slices, so that
+        a message arriving meanwhile waits for one slice only). Confirmations run PROMOTE_BATCH
+        blocks per call either way."""
         if not self._deferred:
             return
         unfinished = []
-        sliced = max_rows is not None
-        budget: int | None = max_rows if sliced else PROMOTE_BATCH  # confirmations: for the whole flush
+        budget: int | None = PROMOTE_BATCH  # for the whole flush
         items = self._deferred
         for i, item in enumerate(items):
             if item[0] is _APPENDS:
-                if sliced:
-                    if budget <= 0:
+                if max_rows is not None:
+                    if max_rows <= 0:
                         unfinished += items[i:]
                         break
-                    if budget < item[1].size:
-                        head, rest = _split_appends(item, budget)
+                    if max_rows < item[1].size:
+                        head, rest = _split_appends(item, max_rows)
                         self._register_deferred(head)
                         unfinished += [rest, *items[i + 1:]]
                         break
-                    budget -= item[1].size
+                    max_rows -= item[1].size
                 self._register_deferred(item)
             elif budget is None or (budget := self._promote(item[1], item[2], budget)) is None:
                 unfinished.append(item)  # the next call (or reply) goes on with it
-                if sliced:
-                    unfinished += items[i + 1:]
-                    break
         self._deferred[:] = unfinished
 
     def _register_deferred(self, item: tuple) -> None:

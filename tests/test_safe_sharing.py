@@ -238,7 +238,9 @@ def test_session_segments_are_group_readable_and_name_no_session_id(daemon):
 
 
 def test_a_pool_that_cannot_fit_in_memory_fails_at_start_with_both_numbers(daemon_factory):
-    d = daemon_factory(wait=False, num_gpu_blocks=2**31 - 1, max_num_reqs=2**20)
+    # ~70 GB of blocks and 256 GiB of block tables (2^20 rows x 65,536 entries): more than any
+    # machine this runs on (the blocks alone fit on a 128 GiB GPU host)
+    d = daemon_factory(wait=False, num_gpu_blocks=2**31 - 1, max_num_reqs=2**20, max_model_len=2**20)
     assert d.proc.wait(60) == 78
     d.stop()
     assert "the block pool needs" in d.stderr and "bytes of memory" in d.stderr and "available" in d.stderr
