@@ -312,6 +312,37 @@ class SharingMachine(RuleBasedStateMachine):
             assert self.model.append(rid, k, []) == STATUS_OK
         self.mgr.take_copies()
 
+    @rule(k=st.integers(0, 5), data=st.data())
+    def decode_step_that_registers(self, k, data):
+        """A daemon's decode step whose requests fill blocks: their registration waits for the
+        reply (no debug check flushes it here), then an idle daemon runs a slice of it; the
+        invariant's flush does the rest."""
+        live = sorted(self.model.reqs)
+        rids = data.draw(st.lists(st.sampled_from(live), unique=True, max_size=4)) if live else []
+        if any(self.model.reqs[r]["tokens"] + k > MAX_LEN for r in rids) or not self.model.decode_fits(rids, k):
+            return
+        self.model.flush()
+        hashes = []
+        for rid in rids:
+            r = self.model.reqs[rid]
+            self.tokens[rid] = self.tokens[rid][: r["tokens"]] + data.draw(st.lists(st.integers(0, 1), min_size=k, max_size=k))
+            hashes.append(self._hashes(rid, r["reg"], (r["tokens"] + k) // BS))
+        rows = np.array([self.mgr.row_of(r) for r in rids], np.int32)
+        flat = np.concatenate(hashes) if hashes else np.empty(0, "S16")
+        batch = StepBatch(append_rows=rows, append_num_tokens=k, append_hashes=(flat,),
+                          append_hash_counts=(np.array([h.size for h in hashes], np.int32),))
+        self.mgr._debug_check = lambda: None  # the heavy check would flush at once
+        try:
+            res = self.mgr.step(batch)
+            self.mgr.flush_deferred(max_rows=data.draw(st.integers(0, 3)))
+        finally:
+            del self.mgr._debug_check
+        self._ticked()
+        assert res.append_status.tolist() == [0] * len(rids)
+        for rid, h in zip(rids, hashes):
+            assert self.model.append(rid, k, h.tolist()) == STATUS_OK
+        self.mgr.take_copies()
+
     @rule(rid=consumes(reqs))
     def free(self, rid):
         self.model.flush()
