@@ -33,6 +33,7 @@ from .inputs import Staging
 from .model import layer_groups
 from .overlap import OverlapMixin
 from .state import DONE, PREFILL, RUNNING, SWAPPED, WAITING, OwnedKv, Request, daemon_kv
+from .steady import SteadyBatch
 
 __all__ = ["Engine", "OwnedKv", "Request", "daemon_kv", "WAITING", "PREFILL", "RUNNING", "SWAPPED", "DONE"]
 
@@ -91,8 +92,12 @@ class Engine(ForwardMixin, OverlapMixin):
         if overlap and (self.num_groups != 1 or max(self.groups) > 0 or (ticks is not None and ticks.maxlen < 2)):
             raise ValueError("overlap needs one full-attention KV-cache group and a client with steps_in_flight >= 1")
         self.overlap = overlap
-        self._ahead = None  # (ids, decode count, hash counts, StepResult, plan s, rt s) of the step sent ahead
+        # (ids, decode count, hash counts, StepResult, plan s, rt s, (SteadyBatch, its row order) or
+        # None) of the step sent ahead
+        self._ahead = None
+        self._batch: SteadyBatch | None = None  # overlap: the steady decode batch's arrays
         self.ahead_steps = 0
+        self.steady_steps = 0  # steps that ran on the steady batch's arrays
         # the step round trips' time on the critical path: all of a round trip the engine waits for,
         # the part of one sent ahead after the forward it overlapped had finished on the GPU (on the
         # CPU the forward is done before it starts: all of it)
@@ -141,6 +146,7 @@ class Engine(ForwardMixin, OverlapMixin):
         self.phases = {}
         if self._ahead is not None:  # this step's round trip went out during the last forward
             return self._step_ahead(t_start)
+        self._drop_batch()
         self._swap_in_some()
         free = self._retire() + self._free_later
         self._free_later = []
@@ -207,9 +213,20 @@ class Engine(ForwardMixin, OverlapMixin):
         """The step's forward; with ``overlap``, the next step's round trip while it runs."""
         if sched:
             launched = self._launch(sched, res)
-            rt = self._send_ahead() if self._steady(sched, res) else None
+            rt = None
+            if self._steady(sched, res):  # from now on the steps run on arrays (steady.py)
+                batch = self._batch = SteadyBatch([r for r, _, _ in sched], self.c.rows_of([r.rid for r, _, _ in sched]),
+                                                  self.bs, self.hashes_dtype)
+                launched = ((batch, None),) + launched[1:]
+                rt = self._send_ahead_steady(batch)
             self._finish(launched, rt)
         self._preempt(decode, res)  # after the forward: a victim's KV of this step is written
+
+    def _drop_batch(self) -> None:
+        """Leave the steady batch (its hashes go to their requests first)."""
+        if self._batch is not None:
+            self._batch.flush()
+            self._batch = None
 
     def _extend_hashes(self, r: Request, n_tokens: int) -> None:
         """Hash the full blocks among ``r``'s first ``n_tokens`` tokens that have no hash yet."""

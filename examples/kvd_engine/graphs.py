@@ -64,6 +64,7 @@ class Bucket:
         self.graph = None
         self.out = None
         self.key = None
+        self.layout = 0  # the steady batch layout (``SteadyBatch.stamp``) last staged in full; 0: none
 
     def stage(self, ids, positions: np.ndarray, keep: np.ndarray, rep: np.ndarray, rows: np.ndarray,
               seq_lens: np.ndarray, qsl: np.ndarray) -> None:
@@ -85,6 +86,17 @@ class Bucket:
         small[bp + b:2 * bp] = 0
         small[2 * bp:2 * bp + b + 1] = qsl
         small[2 * bp + b + 1:3 * bp + 1] = qsl[-1]
+        if self.dev is not self.host:
+            self.dev.copy_(self.host, non_blocking=True)
+
+    def stage_moving(self, ids, positions: np.ndarray, seq_lens: np.ndarray) -> None:
+        """Rewrite only what moves between two steps of one steady decode batch (ids, positions,
+        seq_lens; the rest is staged already), and copy the buffer to the device."""
+        tp, bp, h = self.tp, self.bp, self.h
+        t, b = positions.shape[0], seq_lens.shape[0]
+        h[:t] = ids
+        h[tp:tp + t] = positions
+        h[3 * tp + bp:].view(np.int32)[bp:bp + b] = seq_lens
         if self.dev is not self.host:
             self.dev.copy_(self.host, non_blocking=True)
 
@@ -110,16 +122,22 @@ class GraphRunner:
     def fits(self, num_tokens: int) -> bool:
         return self.device.type == "cuda" and 0 < num_tokens <= self.max_tokens
 
-    def prepare(self, ids, positions, keep, rep, rows, seq_lens, qsl, tables) -> Bucket:
+    def prepare(self, ids, positions, keep, rep, rows, seq_lens, qsl, tables, layout: int = 0) -> Bucket:
         """Stage a step into its bucket: inputs and, with host tables, the scheduled rows.
         ``tables``: device tables (fixed addresses) or, with ``table_width``, host rows [B, width]
-        in step order (then ``rows`` must be 0..B-1)."""
+        in step order (then ``rows`` must be 0..B-1). ``layout``: a steady decode batch's stamp
+        (``SteadyBatch.stamp``; 0: none): when the bucket's last full staging had it, only the
+        moving arrays are written."""
         t, b = positions.shape[0], rows.shape[0]
         key = (pow2(t), min(pow2(b), pow2(t)))
         bk = self.buckets.get(key)
         if bk is None:
             bk = self.buckets[key] = Bucket(*key, self.G, self.device, self.table_width)
-        bk.stage(ids, positions, keep, rep, rows, seq_lens, qsl)
+        if layout and bk.layout == layout:
+            bk.stage_moving(ids, positions, seq_lens)
+        else:
+            bk.stage(ids, positions, keep, rep, rows, seq_lens, qsl)
+            bk.layout = layout
         if self.table_width:
             for dst, src in zip(bk.tables, tables):
                 dst[:b, :src.shape[1]].copy_(src, non_blocking=False)
