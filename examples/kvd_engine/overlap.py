@@ -46,7 +46,7 @@ class OverlapMixin:
         nxt = [r for r in live if len(r.output) + 1 < r.max_new_tokens]
         # requests this forward finishes register their last written blocks with a 0-token append
         fin = [r for r in live if len(r.output) + 1 >= r.max_new_tokens and self._lagging(r)]
-        if not nxt:
+        if not nxt and not fin:
             return
         reqs = nxt + fin
         regs = [self._unregistered(r, r.computed + 1) if self._lagging(r) else [] for r in reqs]
@@ -83,14 +83,15 @@ class OverlapMixin:
         fill = np.zeros(len(batch), np.int32)
         fill[idx] = 1
         nxt = batch.left > 1
+        fin = ~nxt & (fill > 0)  # finishing with a block to register: a 0-token append
         n_next = int(np.count_nonzero(nxt))
-        if not n_next:
+        if not n_next and not fin.any():
             return None
         ntok = 1
         if n_next == len(batch):
             order, ids, counts, rows = None, batch.rids, fill, batch.rows
-        else:  # requests this forward finishes register their last blocks with a 0-token append
-            order = np.concatenate([np.flatnonzero(nxt), np.flatnonzero(~nxt & (fill > 0))])
+        else:
+            order = np.concatenate([np.flatnonzero(nxt), np.flatnonzero(fin)])
             ids, counts, rows = [batch.rids[i] for i in order.tolist()], fill[order], batch.rows[order]
             if len(order) > n_next:
                 ntok = np.zeros(len(order), np.int32)
