@@ -56,10 +56,12 @@ def test_steady_batch_arrays_hashing_and_compaction():
     assert b.recent.tolist() == [[5, 6, 7, 8], [15, 16, 17, 0]]
     idx = b.filled()  # position 7 ends r0's second block
     assert idx.tolist() == [0]
-    new = hash_next_blocks(b.recent[idx], b.last_hash[idx])
-    assert new[0] == hash_prompt(np.array(r0.seq[:8]), bs)[1]
-    b.add_hashes(idx, new)
-    assert b.nh.tolist() == [2, 1] and b.last_hash[0] == new[0]
+    b.push(idx)
+    assert b.queued.tolist() == [1, 0] and b.q_rows.tolist() == [0] and b.q_tokens.tolist() == [[5, 6, 7, 8]]
+    rows, hashes = b.take(np.array([False, False]), hash_next_blocks)
+    want = hash_prompt(np.array(r0.seq[:8]), bs)[1]
+    assert rows.tolist() == [0] and hashes == [[want]] and b.q_rows.size == 0
+    assert b.nh.tolist() == [2, 1] and b.queued.tolist() == [0, 0] and b.last_hash[0] == want
     assert len(r0.hashes) == 1  # not flushed yet
     assert b.filled() is None  # a known hash kvd has not registered: not the steady bookkeeping
     b.registered(None, np.array([1, 0], np.int32))
@@ -73,9 +75,46 @@ def test_steady_batch_arrays_hashing_and_compaction():
     assert b.stamp != stamp  # a new layout: graph buckets stage it in full
     idx = b.filled()
     assert idx.tolist() == [0]
-    b.add_hashes(idx, hash_next_blocks(b.recent[idx], b.last_hash[idx]))
+    b.push(idx)
+    b.take(np.array([True]), hash_next_blocks)
     b.flush()
     assert r1.hashes.tolist() == hash_prompt(np.array(r1.seq[:8]), bs).tolist() and b.pending == []
+
+
+def test_lockstep_fills_spread_over_steps_and_a_finishing_row_drains_its_chain():
+    """40 rows fill a block at the same step: at most ``cap`` (16) are hashed per message, oldest
+    first; a row that must finish takes every queued block, two chained blocks in order."""
+    bs = 4
+    reqs = [_decoding(f"r{i}", [i + 1] * 5, [100 + i, 200 + i, 300 + i], 30, bs) for i in range(40)]  # position 7
+    b = SteadyBatch(reqs, np.arange(40), bs, "S16")
+    assert b.cap == 20 and b.filled().tolist() == list(range(40))
+    b.cap = 16
+    b.push(np.arange(40))
+    rows, hashes = b.take(np.zeros(40, bool), hash_next_blocks)
+    assert rows.tolist() == list(range(16)) and b.q_rows.tolist() == list(range(16, 40))
+    assert all(h == [hash_prompt(np.array(reqs[i].seq[:8]), bs)[1]] for i, h in zip(rows.tolist(), hashes))
+    must = np.zeros(40, bool)
+    must[39] = True
+    rows, hashes = b.take(must, hash_next_blocks)
+    assert rows.tolist() == list(range(16, 32)) + [39]
+    b.registered(None, np.bincount(rows, minlength=40))  # kvd granted them
+    b.registered(None, np.isin(np.arange(40), range(16)).astype(np.int64))
+    assert b.queued.tolist() == [0] * 32 + [1] * 7 + [0]
+    for _ in range(4):  # positions 8..11: the next block of every row
+        _sample(b, [7] * 40)
+    assert b.filled().tolist() == list(range(40))  # position 11 ends a block (queued ones counted)
+    b.push(np.arange(40))  # rows 32..38 now queue two blocks each
+    must = np.zeros(40, bool)
+    must[35] = True
+    rows, hashes = b.take(must, hash_next_blocks)
+    # row 35 takes both of its blocks, chained; 16 others, oldest first
+    assert rows.tolist() == list(range(32, 39)) + list(range(10))
+    by_row = dict(zip(rows.tolist(), hashes))
+    seq = reqs[35].seq  # the tokens were copied out of ``recent`` at push
+    chain = hash_prompt(np.array(seq[:12]), bs)
+    assert by_row[35] == [chain[1], chain[2]] and by_row[0] == [hash_prompt(np.array(reqs[0].seq[:12]), bs)[2]]
+    assert by_row[32] == [hash_prompt(np.array(reqs[32].seq[:8]), bs)[1]]
+    assert b.queued[35] == 0 and b.nh[35] == 3 and b.queued[32] == 1
 
 
 def test_steady_batch_refuses_a_first_block_without_parent():
@@ -98,10 +137,20 @@ def _lookup_after(d, model, prompts, max_new, overlap):
     return eng, cached
 
 
-def test_overlap_requests_leaving_a_steady_batch_one_by_one(daemon_factory):
+@pytest.mark.parametrize("cap", [None, 1], ids=["cap", "one_block_a_step"])
+def test_overlap_requests_leaving_a_steady_batch_one_by_one(daemon_factory, monkeypatch, cap):
     """Requests finish at different steps: the batch compacts, a finishing request registers its
-    last block with a 0-token append; tokens equal HF's and every written full block is cached,
-    exactly as without overlap; the hashes kept in the batch reached every request."""
+    last blocks with a 0-token append; tokens equal HF's and every written full block is cached,
+    exactly as without overlap; the hashes kept in the batch reached every request. With one block
+    registered a step, the queue lags and drains (a finishing request's all at once)."""
+    if cap is not None:
+        layout = SteadyBatch._layout
+
+        def capped(self):
+            layout(self)
+            self.cap = cap
+
+        monkeypatch.setattr(SteadyBatch, "_layout", capped)
     model = model_of(LLAMA)
     rng = np.random.default_rng(5)
     prompts = {f"r{i}": rng.integers(0, 512, int(rng.integers(6, 30))).tolist() for i in range(6)}

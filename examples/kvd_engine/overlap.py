@@ -78,11 +78,12 @@ class OverlapMixin:
         if idx is None:
             self._drop_batch()
             return self._send_ahead()
-        if idx.size:  # the blocks this forward completes, hashed in one call
-            batch.add_hashes(idx, self.c.hash_next_blocks(batch.recent[idx], batch.last_hash[idx]))
-        fill = np.zeros(len(batch), np.int32)
-        fill[idx] = 1
+        if idx.size:  # the blocks this forward completes wait in the batch's queue
+            batch.push(idx)
         nxt = batch.left > 1
+        hrows, hashes = batch.take(~nxt, self.c.hash_next_blocks)  # in one call (a few, if chained)
+        fill = np.zeros(len(batch), np.int32)
+        fill[hrows] = [len(h) for h in hashes]
         fin = ~nxt & (fill > 0)  # finishing with a block to register: a 0-token append
         n_next = int(np.count_nonzero(nxt))
         if not n_next and not fin.any():
@@ -97,9 +98,11 @@ class OverlapMixin:
                 ntok = np.zeros(len(order), np.int32)
                 ntok[:n_next] = 1
         hs = cnt = ()
-        if idx.size:
-            hv = batch.last_hash if order is None else batch.last_hash[order]
-            hs, cnt = [hv[counts > 0]] * self.num_groups, [counts] * self.num_groups
+        if hrows.size:  # in message order: each row's hashes in chain order
+            by_row = dict(zip(hrows.tolist(), hashes))
+            seq = np.flatnonzero(counts) if order is None else order[counts > 0]
+            hv = np.array([h for i in seq.tolist() for h in by_row[i]], self.hashes_dtype)
+            hs, cnt = [hv] * self.num_groups, [counts] * self.num_groups
         msg = StepBatch(free=self._free_later, append_rows=rows, append_num_tokens=ntok, append_hashes=hs,
                         append_hash_counts=cnt)
         self._free_later = []

@@ -15,7 +15,10 @@ step needs in numpy arrays indexed by the request's row in the forward (its inde
     recent    int64 [B, block_size]  the tokens of the block being filled, column position % block_size
 
 so the blocks a step fills are hashed in one ``hash_next_blocks`` call from ``recent`` and
-``last_hash``. The ``Request`` objects stay the truth for everything else in the engine, with one
+``last_hash``. Filled blocks queue (FIFO) and at most ``cap`` of them are hashed and registered per
+message (a finishing request's all at once): a batch that fills its blocks in lockstep (equal prompt
+lengths) would otherwise put every request's hash and registration into one step's message, longer
+than the forward it should hide behind. The ``Request`` objects stay the truth for everything else in the engine, with one
 exception: the hashes computed here are appended to ``Request.hashes`` only by :meth:`flush`
 (``Engine`` flushes before any step that is not a steady one, and when requests leave the batch),
 because a concatenation per request and block would cost more than the hashing. ``output``,
@@ -55,6 +58,10 @@ class SteadyBatch:
             self.recent[i, :r.computed - base + 1] = r.tokens(base, r.computed - base + 1)
         self.forced = any(r.forced for r in self.reqs)
         self.pending: list[tuple[np.ndarray, np.ndarray]] = []  # (rows, hashes) not in Request.hashes yet
+        # filled blocks waiting for their hash and registration (FIFO): rows, tokens [Q, block_size]
+        self.q_rows = np.zeros(0, np.int64)
+        self.q_tokens = np.zeros((0, block_size), np.int64)
+        self.queued = np.zeros(n, np.int64)
         self._layout()
 
     def __len__(self) -> int:
@@ -65,29 +72,63 @@ class SteadyBatch:
         self.keep = np.arange(n, dtype=np.int64)  # every row samples; also each token's request
         self.qsl = np.arange(n + 1, dtype=np.int32)
         self.stamp = next(_stamps)  # a new layout: a graph bucket staged with another stages it all
+        # blocks registered per message besides a finishing request's: twice the mean fill rate
+        # (n / block_size a step), so a batch filling its blocks in lockstep spreads their hashing and
+        # registration over block_size / 2 steps instead of one long message
+        self.cap = max(16, -(-2 * n // self.bs))
 
     # ---- hashing ---------------------------------------------------------------------------------------
     def filled(self) -> np.ndarray | None:
         """Rows whose block the running forward completes (position ``pos`` ends it), or None when
-        the hash bookkeeping is not the steady one (a hash missing besides those blocks', a known
-        hash not registered, a first block with no parent): the caller falls back to the generic
-        path."""
+        the hash bookkeeping is not the steady one (a block without hash besides those queued and
+        this step's, a hash not registered, a first block with no parent): the caller falls back to
+        the generic path."""
         pos1 = self.pos + 1
         fill = pos1 % self.bs == 0
-        if not (np.array_equal(pos1 // self.bs - self.nh, fill) and np.array_equal(self.nh, self.reg)):
+        if not (np.array_equal(pos1 // self.bs - self.nh - self.queued, fill) and np.array_equal(self.nh, self.reg)):
             return None
         idx = np.flatnonzero(fill)
-        if idx.size and not self.nh[idx].all():
+        if (self.nh[(self.queued > 0) | fill] == 0).any():
             return None
         return idx
 
-    def add_hashes(self, idx: np.ndarray, new: np.ndarray) -> None:
-        self.last_hash[idx] = new
-        self.nh[idx] += 1
-        self.pending.append((idx, new))
+    def push(self, idx: np.ndarray) -> None:
+        """Queue the blocks rows ``idx`` just filled (their tokens are copied out of ``recent``)."""
+        self.q_rows = np.concatenate([self.q_rows, idx])
+        self.q_tokens = np.concatenate([self.q_tokens, self.recent[idx]])
+        self.queued[idx] += 1
+
+    def take(self, must: np.ndarray, hash_next) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Hash the queued blocks this step registers: every block of the rows where ``must``, and
+        up to ``cap`` others, oldest first. Returns (rows, hashes of each row in chain order);
+        ``hash_next(tokens, parents)`` is the client's ``hash_next_blocks``."""
+        q = self.q_rows
+        if not q.size:
+            return q, []
+        sel = must[q]
+        sel[np.flatnonzero(~sel)[:self.cap]] = True
+        rows, tokens = q[sel], self.q_tokens[sel]
+        self.q_rows, self.q_tokens = q[~sel], self.q_tokens[~sel]
+        out: dict[int, list] = {}
+        while rows.size:  # a row queued twice: its second block chains on its first
+            _, first = np.unique(rows, return_index=True)
+            now = np.zeros(rows.shape[0], bool)
+            now[first] = True
+            r = rows[now]
+            new = hash_next(tokens[now], self.last_hash[r])
+            self.last_hash[r] = new
+            self.nh[r] += 1
+            self.queued[r] -= 1
+            self.pending.append((r, new))
+            for i, h in zip(r.tolist(), new):
+                out.setdefault(i, []).append(h)
+            rows, tokens = rows[~now], tokens[~now]
+        done = np.fromiter(out, np.int64, len(out))
+        return done, [out[i] for i in done.tolist()]
 
     def flush(self) -> None:
-        """Append the hashes computed here to their requests' ``hashes``."""
+        """Append the hashes computed here to their requests' ``hashes`` (queued blocks not hashed
+        yet are left to the generic path, which hashes what is missing)."""
         if not self.pending:
             return
         extra: dict[int, list] = {}
@@ -117,8 +158,11 @@ class SteadyBatch:
     def compact(self, keep: np.ndarray) -> None:
         """Keep only the rows where ``keep`` (bool [B]) is true (requests that finished leave)."""
         self.flush()
+        new_index = np.cumsum(keep) - 1
+        q = keep[self.q_rows]  # a request leaving had its blocks taken (``must``) at its last step
+        self.q_rows, self.q_tokens = new_index[self.q_rows[q]], self.q_tokens[q]
         self.reqs = [r for r, k in zip(self.reqs, keep.tolist()) if k]
         self.rids = [r.rid for r in self.reqs]
-        for name in ("rows", "pos", "last", "left", "nh", "reg", "last_hash", "recent"):
+        for name in ("rows", "pos", "last", "left", "nh", "reg", "last_hash", "recent", "queued"):
             setattr(self, name, getattr(self, name)[keep])
         self._layout()
