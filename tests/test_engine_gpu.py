@@ -59,6 +59,7 @@ def test_graphs_through_a_gpu_daemon_match_hf(daemon_factory, overlap):
         g = eng.graphs
         assert 0 < g.replays < eng.forwards and g.captures == len(g.buckets)
         assert (eng.ahead_steps > 0) == overlap
+        assert (eng.steady_steps > 0) == overlap and (eng.prestaged_steps > 0) == overlap
         assert_matches_hf(model, eng, prompts, 12)
         assert c.stats()["num_requests"] == 0
 
@@ -72,4 +73,5 @@ def test_graphs_with_host_tables_match_hf():
                  graph_tokens=64, overlap=True)
     _drive(eng, prompts, 12)
     assert eng.graphs.replays == eng.forwards and eng.graphs.table_width > 0 and eng.ahead_steps > 0
+    assert eng.steady_steps > 0 and eng.prestaged_steps > 0
     assert_matches_hf(model, eng, prompts, 12)

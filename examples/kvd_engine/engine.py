@@ -42,7 +42,8 @@ class Engine(ForwardMixin, OverlapMixin):
     """One engine: a model, a kvd client (daemon ``kvd_client.Client`` or ``InProcClient``), a queue."""
 
     def __init__(self, client, model, *, kv: OwnedKv | None = None, max_tokens: int = 256, max_running: int = 64,
-                 device="cpu", keep_logits: bool = True, graph_tokens: int = 0, overlap: bool = False):
+                 device="cpu", keep_logits: bool = True, graph_tokens: int = 0, overlap: bool = False,
+                 prestage: bool = True):
         """``keep_logits``: keep every sampled row's logits (float32, on the host) in ``Request.logits``
         (the tests compare them with HF's); False: only the sampled token ids leave the device.
         ``graph_tokens``: on CUDA, steps of at most that many tokens replay CUDA graphs
@@ -52,7 +53,8 @@ class Engine(ForwardMixin, OverlapMixin):
         releases, or a fork's copy-on-write, would change blocks the running forward reads), no
         forks, and a client that confirms a step only once a later one is sent (``steps_in_flight``
         >= 1); slots then come from the block tables (kvd rewrites its slot buffer for the next step
-        while this forward may still read it)."""
+        while this forward may still read it). ``prestage``: with graphs and overlap, stage a steady
+        decode step's inputs while the previous forward runs (``graphs.Bucket.prestage``)."""
         self.c = client
         self.model = model
         self.device = torch.device(device)
@@ -82,6 +84,7 @@ class Engine(ForwardMixin, OverlapMixin):
         self.forward_s = 0.0
         self.kvd_s = 0.0   # kvd's share of the steps: the round trips ...
         self.meta_s = 0.0  # ... and building slots / table views / varlen layout from its answer
+        self.meta_exposed_s = 0.0  # the part of meta_s the GPU waited for (not done during a forward)
         # the last step's phases (seconds): plan (scheduling, hashing), rt (kvd round trip), inputs
         # (token ids), meta (kvd's metadata), model (the forward's launch), sample (waiting for the
         # device, sampling), total
@@ -105,6 +108,9 @@ class Engine(ForwardMixin, OverlapMixin):
         self._free_later: list[str] = []  # finished requests to free with the next message
         self.staging = Staging(self.device)
         self.graphs = None
+        self.prestage = prestage
+        self.prestaged_steps = 0
+        self._bucket = None  # the graph bucket of the last launch (None: eager)
         if graph_tokens > 0 and self.device.type == "cuda":
             host = isinstance(client.tables[0], np.ndarray) and getattr(client, "gpu_tables", None) is None
             self.graphs = GraphRunner(model, self.kv, self.groups, self.num_groups, self.bs, graph_tokens,

@@ -103,13 +103,14 @@ class ForwardMixin:
         self.kvd_slot_steps += kvd is not None and graphs is None
         timed = self.overlap and dev.type == "cuda"  # when the forward ends on the GPU (overlap figures)
         if graphs is not None:  # the graph computes the slots from the tables itself
-            bucket = graphs.prepare(ids, positions, keep, rep, rows, seq_lens, qsl, tables, layout)
+            bucket = self._bucket = graphs.prepare(ids, positions, keep, rep, rows, seq_lens, qsl, tables, layout)
             t_model = time.perf_counter()
             events = _record_start(timed)
             logits = graphs.replay(bucket, keep.shape[0])
             if kvd is not None and self.check_slots:
                 assert all(torch.equal(a, b[:total]) for a, b in zip(kvd, bucket.slots)), "kvd slot mapping differs"
         else:
+            self._bucket = None
             if host_tables:
                 tables = [t.to(dev) for t in tables]
             own = kvd is None or self.check_slots  # slots from the tables (too)
@@ -135,6 +136,7 @@ class ForwardMixin:
         if events is not None:
             events[1].record()
         self.meta_s += t_model - t_meta
+        self.meta_exposed_s += t_model - t_meta  # the GPU waits for it
         self.phases.update(inputs=t_meta - t0, meta=t_model - t_meta)
         return what, logits, t0, t_model, events
 
@@ -143,20 +145,23 @@ class ForwardMixin:
         round trip sent during this forward; the part after the GPU finished is exposed."""
         (sched, done), logits, t0, t_model, events = launched
         t_sample = time.perf_counter()
-        if done is None:
-            self._sample_steady(sched, logits)
-        else:
-            self._sample(sched, done, logits)
+        pre = self._sample_steady(sched, logits) if done is None else self._sample(sched, done, logits)
         self.forwards += 1
         t1 = time.perf_counter()
         self.forward_s += t1 - t0
         self.phases.update(model=t_sample - t_model, sample=t1 - t_sample)
+        # when the GPU finished the forward (an upper bound: its start counted from the launch);
+        # the CPU's forward has returned before anything after it starts
+        gpu_done = t_model + events[0].elapsed_time(events[1]) / 1e3 if events is not None else 0.0
         if ahead_rt is not None:
-            # the CPU's forward has returned before the round trip starts: all of it is exposed
-            gpu_done = t_model + events[0].elapsed_time(events[1]) / 1e3 if events is not None else ahead_rt[0]
             exposed = max(0.0, ahead_rt[1] - max(ahead_rt[0], gpu_done))
             self.kvd_exposed_s += exposed
             self.phases["rt_exposed"] = exposed
+        if pre is not None:  # the next step's inputs, staged during this forward: exposed after it
+            exposed = max(0.0, pre[1] - max(pre[0], gpu_done))
+            self.meta_s += pre[1] - pre[0]
+            self.meta_exposed_s += exposed
+            self.phases.update(prestage=pre[1] - pre[0], prestage_exposed=exposed)
 
     def _sample(self, sched, done, logits) -> None:
         """Greedy tokens (argmax on the model's device; only the ids come back) unless forced."""
@@ -177,9 +182,21 @@ class ForwardMixin:
             if r.first_token_step < 0:
                 r.first_token_step, r.first_token_at = self.steps, now
 
-    def _sample_steady(self, batch, logits) -> None:
-        """:meth:`_sample` for a steady decode batch: every row samples its next token."""
-        toks = torch.argmax(logits, dim=-1).cpu().numpy()  # the step's one device synchronization
+    def _sample_steady(self, batch, logits) -> tuple[float, float] | None:
+        """:meth:`_sample` for a steady decode batch: every row samples its next token. When the next
+        step is this batch again (sent ahead, no row finishes, no forced token) its graph inputs are
+        staged before waiting for the device (``Bucket.prestage``); returns that host (start, end)."""
+        best = torch.argmax(logits, dim=-1)
+        pre = None
+        ahead = self._ahead
+        if (self.prestage and self._bucket is not None and ahead is not None and ahead[6] is not None
+                and ahead[6][0] is batch and not batch.forced and (batch.left > 1).all()):
+            p0 = time.perf_counter()
+            pos1 = batch.pos + 1
+            self._bucket.prestage(batch.stamp, best, pos1, (pos1 + 1).astype(np.int32))
+            self.prestaged_steps += 1
+            pre = (p0, time.perf_counter())
+        toks = best.cpu().numpy()  # the step's one device synchronization
         kept = logits.float().cpu() if self.keep_logits else None
         if batch.forced:
             toks = toks.copy()
@@ -193,3 +210,4 @@ class ForwardMixin:
             for r, row in zip(batch.reqs, kept):
                 r.logits.append(row)
         batch.advance(toks)
+        return pre
