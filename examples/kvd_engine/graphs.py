@@ -6,8 +6,10 @@ tokens of B requests (T <= ``max_tokens``) instead replays the graph of its buck
 smallest powers of two >= T and >= B. Larger steps (long prefills) run eagerly.
 
 Each bucket owns fixed buffers (a graph replays on the addresses it was captured with). Device
-int64 words, laid out like ``inputs.Staging``'s with K = Bp and R = Tp, written by ONE copy from a
-host twin (pinned)::
+int64 words, laid out like ``inputs.Staging``'s with K = Bp and R = Tp, written by ONE copy from one
+of two pinned host twins, used in turn (so a steady decode step can be staged while the previous
+copy may still wait on the stream: ``Bucket.prestage``; a steady batch's later steps rewrite only
+ids, positions and seq_lens, ``Bucket.stage_moving``)::
 
     ids [Tp], positions [Tp], keep [Bp], rep [Tp], then int32 rows [Bp], seq_lens [Bp], qsl [Bp + 1]
 
