@@ -12,7 +12,8 @@ prefills N prompts, then times ``--steps`` decode steps. The engines (a) and (b)
 for steps of at most ``--graph-tokens`` tokens and send each steady decode step's round trip while
 the previous forward runs (``--no-overlap``: they wait for it). kvd's share = (step round trips +
 building slots, table views and the varlen layout) / decode step time; its exposed share counts only
-the part of the round trips after the overlapped forward had finished on the GPU. Tokens: the daemon run's tokens vs
+the part of the round trips, and of the next step's inputs staged during a forward (``prestage``),
+after that forward had finished on the GPU (all of the metadata built while the GPU waits). Tokens: the daemon run's tokens vs
 per-request HF generate (identity required in float32, agreement reported in bf16). TTFT: engine B
 (its own kvd session) admits a prompt sharing engine A's ``--prefix``-token system prompt after A
 confirmed it, vs A's cold prefill; both engines warm at their timed shapes first, median of 3 rounds,
@@ -60,7 +61,7 @@ def _decode_run(eng, prompts, steps, dev):
         eng.step()
     eng.step()  # the first decode step: its CUDA graph is captured here, not in the timed steps
     _sync(dev)
-    k0, m0, x0 = eng.kvd_s, eng.meta_s, eng.kvd_exposed_s
+    k0, m0, x0, mx0, s0 = eng.kvd_s, eng.meta_s, eng.kvd_exposed_s, eng.meta_exposed_s, eng.steady_steps
     phases = []
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -72,10 +73,12 @@ def _decode_run(eng, prompts, steps, dev):
     n = len(prompts)
     return {"step_ms": wall / steps * 1e3, "tokens_per_s": n * steps / wall,
             "kvd_share": (eng.kvd_s - k0 + eng.meta_s - m0) / wall,
-            "kvd_exposed_share": (eng.kvd_exposed_s - x0 + eng.meta_s - m0) / wall,
+            "kvd_exposed_share": (eng.kvd_exposed_s - x0 + eng.meta_exposed_s - mx0) / wall,
             "round_trip_ms": (eng.kvd_s - k0) / steps * 1e3, "meta_ms": (eng.meta_s - m0) / steps * 1e3,
             "round_trip_exposed_ms": (eng.kvd_exposed_s - x0) / steps * 1e3,
-            "steps_sent_ahead": eng.ahead_steps, "graph_replays": eng.graphs.replays if eng.graphs else 0,
+            "meta_exposed_ms": (eng.meta_exposed_s - mx0) / steps * 1e3,
+            "steps_sent_ahead": eng.ahead_steps, "steady_steps": eng.steady_steps - s0,
+            "graph_replays": eng.graphs.replays if eng.graphs else 0,
             "phases_p50_ms": {k: round(float(np.median([p.get(k, 0.0) for p in phases])) * 1e3, 3)
                               for k in sorted({k for p in phases for k in p})}}
 
@@ -152,6 +155,8 @@ def main(argv=None) -> int:
                     help="CUDA graphs for steps of at most this many tokens (default 512 on CUDA; 0: eager)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="decode steps wait for their round trip (default: sent during the previous forward)")
+    ap.add_argument("--prestage", action="store_true",
+                    help="stage a steady decode step's inputs during the previous forward (default: after it)")
     args = ap.parse_args(argv)
     cfg = dict(TINY if args.tiny else GPU)
     if args.dtype:
@@ -163,7 +168,7 @@ def main(argv=None) -> int:
     dev = torch.device(args.device or ("cpu" if args.tiny else "cuda:0"))
     dtype = getattr(torch, cfg["dtype"])
     gt = args.graph_tokens if args.graph_tokens is not None else (512 if dev.type == "cuda" else 0)
-    eng_opts = dict(keep_logits=False, graph_tokens=gt, overlap=not args.no_overlap)
+    eng_opts = dict(keep_logits=False, graph_tokens=gt, overlap=not args.no_overlap, prestage=args.prestage)
     torch.set_num_threads(1 if args.tiny else torch.get_num_threads())
     model = build_model(tiny_config("llama", layers=cfg["layers"], hidden=cfg["hidden"], heads=cfg["heads"],
                                     kv_heads=cfg["kv_heads"], vocab=cfg["vocab"], max_pos=4096),
@@ -214,7 +219,7 @@ def main(argv=None) -> int:
             print(f"N={n:4d}  daemon {daemon['tokens_per_s']:9.1f} tok/s {daemon['step_ms']:7.2f} ms/step "
                   f"(kvd {daemon['kvd_share'] * 100:5.2f} %: rt {daemon['round_trip_ms']:.3f} ms + meta "
                   f"{daemon['meta_ms']:.3f} ms; exposed {daemon['kvd_exposed_share'] * 100:5.2f} %: rt "
-                  f"{daemon['round_trip_exposed_ms']:.3f} ms + meta)  in-process {inproc['tokens_per_s']:9.1f} tok/s "
+                  f"{daemon['round_trip_exposed_ms']:.3f} ms + meta {daemon['meta_exposed_ms']:.3f} ms)  in-process {inproc['tokens_per_s']:9.1f} tok/s "
                   f"{inproc['step_ms']:7.2f} ms  HF generate {hf['tokens_per_s']:9.1f} tok/s {hf['step_ms']:7.2f} ms  "
                   f"agreement {rows[n]['token_agreement']:.3f}", flush=True)
         ttft = _ttft(d.endpoint, model, cfg, dev, rng, gt)
@@ -238,7 +243,7 @@ def main(argv=None) -> int:
               f"ms ({ttft_all['ttft_hit_ms'] / ttft_all['ttft_cold_ms']:.3f}x)")
     out = {"device": str(dev), "dtype": cfg["dtype"], "layers": cfg["layers"], "hidden": cfg["hidden"],
            "heads": [cfg["heads"], cfg["kv_heads"]], "prompt": cfg["prompt"], "decode_steps": cfg["steps"],
-           "graph_tokens": gt, "overlap": not args.no_overlap,
+           "graph_tokens": gt, "overlap": not args.no_overlap, "prestage": args.prestage,
            "batches": {str(k): v for k, v in rows.items()}, "ttft": ttft,
            "ttft_ratio": ttft["ttft_hit_ms"] / ttft["ttft_cold_ms"],
            "ttft_all_graphed": None if ttft_all is None else {

@@ -226,6 +226,7 @@ def test_overlap_sends_decode_steps_ahead_with_the_same_tokens_and_cache(daemon_
         runs[overlap] = _run_and_lookup(d, model, prompts, 21, overlap)
     eng, cached = runs[True]
     assert eng.ahead_steps >= 15 and runs[False][0].ahead_steps == 0
+    assert eng.steady_steps >= 14 and runs[False][0].steady_steps == 0  # steps on the arrays (steady.py)
     assert eng.kvd_exposed_s == eng.kvd_s  # on the CPU every round trip is exposed (the forward runs first)
     assert_matches_hf(model, eng, prompts, 21)
     written = {rid: (len(p) + 20) // BLOCK for rid, p in prompts.items()}

@@ -53,12 +53,13 @@ def test_graphs_through_a_gpu_daemon_match_hf(daemon_factory, overlap):
     # the daemon compiles its kernels before it serves: the hello may wait for that
     with Client(d.endpoint, name="gpu-engine", steps_in_flight=1, timeout_s=300.0) as c:
         # steps of up to 16 tokens replay graphs; prefills (chunks up to 48 tokens) run eagerly
-        eng = Engine(c, model, device="cuda", max_tokens=48, graph_tokens=16, overlap=overlap)
+        eng = Engine(c, model, device="cuda", max_tokens=48, graph_tokens=16, overlap=overlap, prestage=True)
         eng.check_slots = True
         _drive(eng, prompts, 12)
         g = eng.graphs
         assert 0 < g.replays < eng.forwards and g.captures == len(g.buckets)
         assert (eng.ahead_steps > 0) == overlap
+        assert (eng.steady_steps > 0) == overlap and (eng.prestaged_steps > 0) == overlap
         assert_matches_hf(model, eng, prompts, 12)
         assert c.stats()["num_requests"] == 0
 
@@ -69,7 +70,8 @@ def test_graphs_with_host_tables_match_hf():
     prompts = _prompts(13)
     c = InProcClient(400, BLOCK, max_num_reqs=32)
     eng = Engine(c, model, kv=OwnedKv(2, 400, BLOCK, 2, 16, torch.float32, "cuda"), device="cuda", max_tokens=48,
-                 graph_tokens=64, overlap=True)
+                 graph_tokens=64, overlap=True, prestage=True)
     _drive(eng, prompts, 12)
     assert eng.graphs.replays == eng.forwards and eng.graphs.table_width > 0 and eng.ahead_steps > 0
+    assert eng.steady_steps > 0 and eng.prestaged_steps > 0
     assert_matches_hf(model, eng, prompts, 12)

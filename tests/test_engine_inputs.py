@@ -75,3 +75,33 @@ def test_graph_bucket_pads_every_array():
     assert bk.keep.tolist() == [1, 7, 7, 7] and bk.rep.tolist() == [0] * 8
     assert bk.rows.tolist() == [6, 0, 0, 0] and bk.seq_lens.tolist() == [5, 0, 0, 0]
     assert bk.qsl.tolist() == [0, 2, 2, 2, 2]
+
+
+def test_steady_layout_stages_moving_arrays_then_prestages_the_next_step():
+    """A steady decode batch's layout: the first step stages every array, the next ones only ids,
+    positions and seq_lens; a step prestaged during the previous forward (``Bucket.prestage``: ids
+    from the device, positions and seq_lens from the host) stages nothing at ``prepare``."""
+    from kvd_engine.graphs import GraphRunner
+
+    g = GraphRunner(None, torch.zeros(1), [0], 1, 16, max_tokens=64)
+    ar = np.arange(3, dtype=np.int64)
+    qsl = np.arange(4, dtype=np.int32)
+    rows = np.array([7, 2, 5], np.int32)
+    bk = g.prepare([11, 12, 13], np.array([4, 9, 20]), ar, ar, rows, np.array([5, 10, 21], np.int32), qsl, [], 42)
+    assert bk.layout == 42 and bk.prestaged == 0
+    assert bk.ids.tolist() == [11, 12, 13, 0] and bk.rows.tolist() == [7, 2, 5, 0] and bk.qsl.tolist() == [0, 1, 2, 3, 3]
+    bk.rows[0] = 99  # a moving-only staging leaves the rest alone
+    assert g.prepare([21, 22, 23], np.array([5, 10, 21]), ar, ar, rows, np.array([6, 11, 22], np.int32), qsl,
+                     [], 42) is bk
+    assert bk.ids.tolist() == [21, 22, 23, 0] and bk.positions.tolist() == [5, 10, 21, 0]
+    assert bk.seq_lens.tolist() == [6, 11, 22, 0] and bk.rows.tolist() == [99, 2, 5, 0] and bk.keep.tolist() == [0, 1, 2, 3]
+    bk.prestage(42, torch.tensor([31, 32, 33]), np.array([6, 11, 22]), np.array([7, 12, 23], np.int32))
+    assert bk.prestaged == 42
+    assert bk.ids.tolist() == [31, 32, 33, 0] and bk.positions.tolist() == [6, 11, 22, 0]
+    assert bk.seq_lens.tolist() == [7, 12, 23, 0]
+    # the prepare of that step writes nothing (these arguments would be wrong on purpose)
+    g.prepare([0, 0, 0], np.array([0, 0, 0]), ar, ar, rows, np.array([1, 1, 1], np.int32), qsl, [], 42)
+    assert bk.prestaged == 0 and bk.ids.tolist() == [31, 32, 33, 0] and bk.seq_lens.tolist() == [7, 12, 23, 0]
+    # another layout (the batch compacted) stages everything again
+    g.prepare([1, 2, 3], np.array([7, 12, 23]), ar, ar, rows, np.array([8, 13, 24], np.int32), qsl, [], 43)
+    assert bk.layout == 43 and bk.rows.tolist() == [7, 2, 5, 0] and bk.ids.tolist() == [1, 2, 3, 0]

@@ -33,6 +33,7 @@ from .inputs import Staging
 from .model import layer_groups
 from .overlap import OverlapMixin
 from .state import DONE, PREFILL, RUNNING, SWAPPED, WAITING, OwnedKv, Request, daemon_kv
+from .steady import SteadyBatch
 
 __all__ = ["Engine", "OwnedKv", "Request", "daemon_kv", "WAITING", "PREFILL", "RUNNING", "SWAPPED", "DONE"]
 
@@ -41,7 +42,8 @@ class Engine(ForwardMixin, OverlapMixin):
     """One engine: a model, a kvd client (daemon ``kvd_client.Client`` or ``InProcClient``), a queue."""
 
     def __init__(self, client, model, *, kv: OwnedKv | None = None, max_tokens: int = 256, max_running: int = 64,
-                 device="cpu", keep_logits: bool = True, graph_tokens: int = 0, overlap: bool = False):
+                 device="cpu", keep_logits: bool = True, graph_tokens: int = 0, overlap: bool = False,
+                 prestage: bool = False):
         """``keep_logits``: keep every sampled row's logits (float32, on the host) in ``Request.logits``
         (the tests compare them with HF's); False: only the sampled token ids leave the device.
         ``graph_tokens``: on CUDA, steps of at most that many tokens replay CUDA graphs
@@ -51,7 +53,9 @@ class Engine(ForwardMixin, OverlapMixin):
         releases, or a fork's copy-on-write, would change blocks the running forward reads), no
         forks, and a client that confirms a step only once a later one is sent (``steps_in_flight``
         >= 1); slots then come from the block tables (kvd rewrites its slot buffer for the next step
-        while this forward may still read it)."""
+        while this forward may still read it). ``prestage``: with graphs and overlap, stage a steady
+        decode step's inputs while the previous forward runs (``graphs.Bucket.prestage``; off by
+        default until measured on a GPU: tests/test_engine_gpu.py checks its tokens)."""
         self.c = client
         self.model = model
         self.device = torch.device(device)
@@ -81,6 +85,7 @@ class Engine(ForwardMixin, OverlapMixin):
         self.forward_s = 0.0
         self.kvd_s = 0.0   # kvd's share of the steps: the round trips ...
         self.meta_s = 0.0  # ... and building slots / table views / varlen layout from its answer
+        self.meta_exposed_s = 0.0  # the part of meta_s the GPU waited for (not done during a forward)
         # the last step's phases (seconds): plan (scheduling, hashing), rt (kvd round trip), inputs
         # (token ids), meta (kvd's metadata), model (the forward's launch), sample (waiting for the
         # device, sampling), total
@@ -91,8 +96,12 @@ class Engine(ForwardMixin, OverlapMixin):
         if overlap and (self.num_groups != 1 or max(self.groups) > 0 or (ticks is not None and ticks.maxlen < 2)):
             raise ValueError("overlap needs one full-attention KV-cache group and a client with steps_in_flight >= 1")
         self.overlap = overlap
-        self._ahead = None  # (ids, decode count, hash counts, StepResult, plan s, rt s) of the step sent ahead
+        # (ids, decode count, hash counts, StepResult, plan s, rt s, (SteadyBatch, its row order) or
+        # None) of the step sent ahead
+        self._ahead = None
+        self._batch: SteadyBatch | None = None  # overlap: the steady decode batch's arrays
         self.ahead_steps = 0
+        self.steady_steps = 0  # steps that ran on the steady batch's arrays
         # the step round trips' time on the critical path: all of a round trip the engine waits for,
         # the part of one sent ahead after the forward it overlapped had finished on the GPU (on the
         # CPU the forward is done before it starts: all of it)
@@ -100,6 +109,9 @@ class Engine(ForwardMixin, OverlapMixin):
         self._free_later: list[str] = []  # finished requests to free with the next message
         self.staging = Staging(self.device)
         self.graphs = None
+        self.prestage = prestage
+        self.prestaged_steps = 0
+        self._bucket = None  # the graph bucket of the last launch (None: eager)
         if graph_tokens > 0 and self.device.type == "cuda":
             host = isinstance(client.tables[0], np.ndarray) and getattr(client, "gpu_tables", None) is None
             self.graphs = GraphRunner(model, self.kv, self.groups, self.num_groups, self.bs, graph_tokens,
@@ -141,6 +153,7 @@ class Engine(ForwardMixin, OverlapMixin):
         self.phases = {}
         if self._ahead is not None:  # this step's round trip went out during the last forward
             return self._step_ahead(t_start)
+        self._drop_batch()
         self._swap_in_some()
         free = self._retire() + self._free_later
         self._free_later = []
@@ -207,9 +220,20 @@ class Engine(ForwardMixin, OverlapMixin):
         """The step's forward; with ``overlap``, the next step's round trip while it runs."""
         if sched:
             launched = self._launch(sched, res)
-            rt = self._send_ahead() if self._steady(sched, res) else None
+            rt = None
+            if self._steady(sched, res):  # from now on the steps run on arrays (steady.py)
+                batch = self._batch = SteadyBatch([r for r, _, _ in sched], self.c.rows_of([r.rid for r, _, _ in sched]),
+                                                  self.bs, self.hashes_dtype)
+                launched = ((batch, None),) + launched[1:]
+                rt = self._send_ahead_steady(batch)
             self._finish(launched, rt)
         self._preempt(decode, res)  # after the forward: a victim's KV of this step is written
+
+    def _drop_batch(self) -> None:
+        """Leave the steady batch (its hashes go to their requests first)."""
+        if self._batch is not None:
+            self._batch.flush()
+            self._batch = None
 
     def _extend_hashes(self, r: Request, n_tokens: int) -> None:
         """Hash the full blocks among ``r``'s first ``n_tokens`` tokens that have no hash yet."""

@@ -60,7 +60,6 @@ class ForwardMixin:
         """Build the step's inputs and metadata and launch its forward (a CUDA graph's replay for a
         small step when graphs are on); returns what :meth:`_finish` needs."""
         t0 = time.perf_counter()
-        dev = self.device
         n = len(sched)
         starts = np.fromiter((s for _, s, _ in sched), np.int64, n)
         counts = np.fromiter((k for _, _, k in sched), np.int64, n)
@@ -71,6 +70,26 @@ class ForwardMixin:
         rows = np.asarray(self.c.rows_of([r.rid for r, _, _ in sched]), np.int32)
         qsl, seq_lens, positions = varlen_layout(starts, counts)
         keep = qsl[1:][done] - 1
+        return self._dispatch((sched, done), res, t0, t_meta, ids, positions, keep, None, rows, seq_lens, qsl,
+                              (starts, counts))
+
+    def _launch_steady(self, batch):
+        """:meth:`_launch` for a steady decode batch (``steady.SteadyBatch``): its arrays as they are,
+        one token per row, every row sampling."""
+        t0 = time.perf_counter()
+        pos = batch.pos
+        return self._dispatch((batch, None), None, t0, t0, batch.last, pos, batch.keep, batch.keep, batch.rows,
+                              (pos + 1).astype(np.int32), batch.qsl, None, layout=batch.stamp)
+
+    def _dispatch(self, what, res, t0, t_meta, ids, positions, keep, rep, rows, seq_lens, qsl, spans, layout=0):
+        """Tables, slots and the forward's launch from the step's arrays. ``spans``: (starts,
+        counts) of the requests, for ``rep`` (each token's request) when None and for the comparison
+        with kvd's slot mapping; None: one token per request, not compared. ``layout``: see
+        ``GraphRunner.prepare``."""
+        dev = self.device
+        n, total = rows.shape[0], positions.shape[0]
+        if rep is None:
+            rep = np.repeat(np.arange(n, dtype=np.int64), spans[1])
         tables = self._tables()
         host_tables = tables[0].device.type != dev.type
         if host_tables:  # host tables, device model: only the scheduled rows' used columns move
@@ -79,24 +98,23 @@ class ForwardMixin:
             rows = np.arange(n, dtype=np.int32)
         graphs = self.graphs if self.graphs is not None and self.graphs.fits(total) else None
         # kvd's slot mapping: the eager forward's when it is this step's (a graph computes its own)
-        wanted = not host_tables and not self.overlap and (graphs is None or self.check_slots)
-        kvd = self._kvd_slots(res, rows, starts, counts) if wanted else None
+        wanted = spans is not None and not host_tables and not self.overlap and (graphs is None or self.check_slots)
+        kvd = self._kvd_slots(res, rows, *spans) if wanted else None
         self.kvd_slot_steps += kvd is not None and graphs is None
         timed = self.overlap and dev.type == "cuda"  # when the forward ends on the GPU (overlap figures)
         if graphs is not None:  # the graph computes the slots from the tables itself
-            bucket = graphs.prepare(ids, positions, keep, np.repeat(np.arange(n, dtype=np.int64), counts), rows,
-                                    seq_lens, qsl, tables)
+            bucket = self._bucket = graphs.prepare(ids, positions, keep, rep, rows, seq_lens, qsl, tables, layout)
             t_model = time.perf_counter()
             events = _record_start(timed)
-            logits = graphs.replay(bucket, len(done))
+            logits = graphs.replay(bucket, keep.shape[0])
             if kvd is not None and self.check_slots:
                 assert all(torch.equal(a, b[:total]) for a, b in zip(kvd, bucket.slots)), "kvd slot mapping differs"
         else:
+            self._bucket = None
             if host_tables:
                 tables = [t.to(dev) for t in tables]
             own = kvd is None or self.check_slots  # slots from the tables (too)
-            rep = np.repeat(np.arange(n, dtype=np.int64), counts) if own else None
-            x = self.staging.pack(ids, positions, keep, rep, rows, seq_lens, qsl)
+            x = self.staging.pack(ids, positions, keep, rep if own else None, rows, seq_lens, qsl)
             slots = kvd
             if own:  # slot = block_id * block_size + position % block_size
                 mine = [t[x.rows[x.rep].long(), x.positions // self.bs].long() * self.bs + x.positions % self.bs
@@ -118,25 +136,32 @@ class ForwardMixin:
         if events is not None:
             events[1].record()
         self.meta_s += t_model - t_meta
+        self.meta_exposed_s += t_model - t_meta  # the GPU waits for it
         self.phases.update(inputs=t_meta - t0, meta=t_model - t_meta)
-        return sched, done, logits, t0, t_model, events
+        return what, logits, t0, t_model, events
 
     def _finish(self, launched, ahead_rt: tuple[float, float] | None = None) -> None:
         """Wait for the launched forward, sample, account. ``ahead_rt``: host (start, end) of the
         round trip sent during this forward; the part after the GPU finished is exposed."""
-        sched, done, logits, t0, t_model, events = launched
+        (sched, done), logits, t0, t_model, events = launched
         t_sample = time.perf_counter()
-        self._sample(sched, done, logits)
+        pre = self._sample_steady(sched, logits) if done is None else self._sample(sched, done, logits)
         self.forwards += 1
         t1 = time.perf_counter()
         self.forward_s += t1 - t0
         self.phases.update(model=t_sample - t_model, sample=t1 - t_sample)
+        # when the GPU finished the forward (an upper bound: its start counted from the launch);
+        # the CPU's forward has returned before anything after it starts
+        gpu_done = t_model + events[0].elapsed_time(events[1]) / 1e3 if events is not None else 0.0
         if ahead_rt is not None:
-            # the CPU's forward has returned before the round trip starts: all of it is exposed
-            gpu_done = t_model + events[0].elapsed_time(events[1]) / 1e3 if events is not None else ahead_rt[0]
             exposed = max(0.0, ahead_rt[1] - max(ahead_rt[0], gpu_done))
             self.kvd_exposed_s += exposed
             self.phases["rt_exposed"] = exposed
+        if pre is not None:  # the next step's inputs, staged during this forward: exposed after it
+            exposed = max(0.0, pre[1] - max(pre[0], gpu_done))
+            self.meta_s += pre[1] - pre[0]
+            self.meta_exposed_s += exposed
+            self.phases.update(prestage=pre[1] - pre[0], prestage_exposed=exposed)
 
     def _sample(self, sched, done, logits) -> None:
         """Greedy tokens (argmax on the model's device; only the ids come back) unless forced."""
@@ -156,3 +181,33 @@ class ForwardMixin:
                 r.logits.append(kept[j])
             if r.first_token_step < 0:
                 r.first_token_step, r.first_token_at = self.steps, now
+
+    def _sample_steady(self, batch, logits) -> tuple[float, float] | None:
+        """:meth:`_sample` for a steady decode batch: every row samples its next token. When the next
+        step is this batch again (sent ahead, no row finishes, no forced token) its graph inputs are
+        staged before waiting for the device (``Bucket.prestage``); returns that host (start, end)."""
+        best = torch.argmax(logits, dim=-1)
+        pre = None
+        ahead = self._ahead
+        if (self.prestage and self._bucket is not None and ahead is not None and ahead[6] is not None
+                and ahead[6][0] is batch and not batch.forced and (batch.left > 1).all()):
+            p0 = time.perf_counter()
+            pos1 = batch.pos + 1
+            self._bucket.prestage(batch.stamp, best, pos1, (pos1 + 1).astype(np.int32))
+            self.prestaged_steps += 1
+            pre = (p0, time.perf_counter())
+        toks = best.cpu().numpy()  # the step's one device synchronization
+        kept = logits.float().cpu() if self.keep_logits else None
+        if batch.forced:
+            toks = toks.copy()
+            for j, r in enumerate(batch.reqs):
+                if r.forced:
+                    toks[j] = r.forced.get(len(r.output), toks[j])
+        for r, t in zip(batch.reqs, toks.tolist()):
+            r.output.append(t)
+            r.computed += 1
+        if kept is not None:
+            for r, row in zip(batch.reqs, kept):
+                r.logits.append(row)
+        batch.advance(toks)
+        return pre

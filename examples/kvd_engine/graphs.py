@@ -6,8 +6,10 @@ tokens of B requests (T <= ``max_tokens``) instead replays the graph of its buck
 smallest powers of two >= T and >= B. Larger steps (long prefills) run eagerly.
 
 Each bucket owns fixed buffers (a graph replays on the addresses it was captured with). Device
-int64 words, laid out like ``inputs.Staging``'s with K = Bp and R = Tp, written by ONE copy from a
-host twin (pinned)::
+int64 words, laid out like ``inputs.Staging``'s with K = Bp and R = Tp, written by ONE copy from one
+of two pinned host twins, used in turn (so a steady decode step can be staged while the previous
+copy may still wait on the stream: ``Bucket.prestage``; a steady batch's later steps rewrite only
+ids, positions and seq_lens, ``Bucket.stage_moving``)::
 
     ids [Tp], positions [Tp], keep [Bp], rep [Tp], then int32 rows [Bp], seq_lens [Bp], qsl [Bp + 1]
 
@@ -48,7 +50,12 @@ class Bucket:
         self.tp, self.bp = tp, bp
         self.words = 3 * tp + bp + (3 * bp + 2) // 2
         cuda = device.type == "cuda"
-        self.host = torch.zeros(self.words, dtype=torch.int64, pin_memory=cuda)
+        # two pinned host twins, used in turn: a step's inputs can be staged (``prestage``) while the
+        # copy of the previous ones may still wait on the stream (without CUDA: one buffer, the "device" one)
+        self.hosts = [torch.zeros(self.words, dtype=torch.int64, pin_memory=cuda) for _ in range(2 if cuda else 1)]
+        self.hosts *= 2 if not cuda else 1
+        self.cur = 0
+        self.host = self.hosts[0]
         self.h = self.host.numpy()
         self.dev = torch.zeros(self.words, dtype=torch.int64, device=device) if cuda else self.host
         d = self.dev
@@ -64,10 +71,19 @@ class Bucket:
         self.graph = None
         self.out = None
         self.key = None
+        self.layout = 0  # the steady batch layout (``SteadyBatch.stamp``) last staged in full; 0: none
+        self.prestaged = 0  # that layout's next step is on the device already (``prestage``); 0: none
+
+    def _flip(self) -> None:
+        self.cur ^= 1
+        self.host = self.hosts[self.cur]
+        self.h = self.host.numpy()
+        self.prestaged = 0
 
     def stage(self, ids, positions: np.ndarray, keep: np.ndarray, rep: np.ndarray, rows: np.ndarray,
               seq_lens: np.ndarray, qsl: np.ndarray) -> None:
         """Write one step's inputs, padded to the bucket, and copy them to the device."""
+        self._flip()
         tp, bp, h = self.tp, self.bp, self.h
         t, k, b = positions.shape[0], keep.shape[0], rows.shape[0]
         h[:t] = ids
@@ -85,8 +101,32 @@ class Bucket:
         small[bp + b:2 * bp] = 0
         small[2 * bp:2 * bp + b + 1] = qsl
         small[2 * bp + b + 1:3 * bp + 1] = qsl[-1]
+        self.hosts[self.cur ^ 1].numpy()[:] = h  # the twin holds the layout too (``stage_moving``)
         if self.dev is not self.host:
             self.dev.copy_(self.host, non_blocking=True)
+
+    def stage_moving(self, ids, positions: np.ndarray, seq_lens: np.ndarray) -> None:
+        """Rewrite only what moves between two steps of one steady decode batch (ids, positions,
+        seq_lens; the rest is staged already), and copy the buffer to the device."""
+        self._flip()
+        tp, bp, h = self.tp, self.bp, self.h
+        t, b = positions.shape[0], seq_lens.shape[0]
+        if ids is not None:
+            h[:t] = ids
+        h[tp:tp + t] = positions
+        h[3 * tp + bp:].view(np.int32)[bp:bp + b] = seq_lens
+        if self.dev is not self.host:
+            self.dev.copy_(self.host, non_blocking=True)
+
+    def prestage(self, layout: int, ids: torch.Tensor, positions: np.ndarray, seq_lens: np.ndarray) -> None:
+        """Stage the next step of the steady batch ``layout`` while this one's forward runs: its
+        positions and seq_lens from the host, its input ids (this step's sampled tokens, on the
+        device) copied on the device; both are queued behind the running forward on the stream, so
+        they land once it has read this step's. The next :meth:`GraphRunner.prepare` of that
+        layout then stages nothing."""
+        self.stage_moving(None, positions, seq_lens)
+        self.ids[:ids.shape[0]].copy_(ids)
+        self.prestaged = layout
 
 
 class GraphRunner:
@@ -110,16 +150,24 @@ class GraphRunner:
     def fits(self, num_tokens: int) -> bool:
         return self.device.type == "cuda" and 0 < num_tokens <= self.max_tokens
 
-    def prepare(self, ids, positions, keep, rep, rows, seq_lens, qsl, tables) -> Bucket:
+    def prepare(self, ids, positions, keep, rep, rows, seq_lens, qsl, tables, layout: int = 0) -> Bucket:
         """Stage a step into its bucket: inputs and, with host tables, the scheduled rows.
         ``tables``: device tables (fixed addresses) or, with ``table_width``, host rows [B, width]
-        in step order (then ``rows`` must be 0..B-1)."""
+        in step order (then ``rows`` must be 0..B-1). ``layout``: a steady decode batch's stamp
+        (``SteadyBatch.stamp``; 0: none): when the bucket's last full staging had it, only the
+        moving arrays are written."""
         t, b = positions.shape[0], rows.shape[0]
         key = (pow2(t), min(pow2(b), pow2(t)))
         bk = self.buckets.get(key)
         if bk is None:
             bk = self.buckets[key] = Bucket(*key, self.G, self.device, self.table_width)
-        bk.stage(ids, positions, keep, rep, rows, seq_lens, qsl)
+        if layout and bk.prestaged == layout:
+            bk.prestaged = 0  # staged during the last forward (``Bucket.prestage``)
+        elif layout and bk.layout == layout:
+            bk.stage_moving(ids, positions, seq_lens)
+        else:
+            bk.stage(ids, positions, keep, rep, rows, seq_lens, qsl)
+            bk.layout = layout
         if self.table_width:
             for dst, src in zip(bk.tables, tables):
                 dst[:b, :src.shape[1]].copy_(src, non_blocking=False)

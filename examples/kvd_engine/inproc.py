@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 
 from kvd.api import GroupSpec, ManagerConfig
-from kvd.hashing import hash_prompt
+from kvd.hashing import hash_next_blocks, hash_prompt
 from kvd.manager import BlockManager
 
 
 class InProcClient:
     """What ``Engine`` uses of ``kvd_client.Client``: step, swap_out/swap_in, row_of, tables,
-    block_sizes, hash_prompt; ``kv_cache`` is None (the engine owns its KV memory)."""
+    block_sizes, hash_prompt, hash_next_blocks; ``kv_cache`` is None (the engine owns its KV memory)."""
 
     kv_cache = None
     gpu_tables = None
@@ -41,6 +41,9 @@ class InProcClient:
     def hash_prompt(self, token_ids, group: int = 0, **kw) -> np.ndarray:
         kw.setdefault("algo", self.algo)
         return hash_prompt(token_ids, self.block_sizes[group], **kw)
+
+    def hash_next_blocks(self, token_blocks, parents) -> np.ndarray:
+        return hash_next_blocks(token_blocks, parents, algo=self.algo)
 
     def step(self, batch):
         res = self.m.step(batch)

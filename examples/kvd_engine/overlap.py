@@ -20,7 +20,7 @@ import numpy as np
 
 from kvd.api import STATUS_OK, StepBatch
 
-from .state import RUNNING
+from .state import DONE, RUNNING
 
 
 class OverlapMixin:
@@ -46,7 +46,7 @@ class OverlapMixin:
         nxt = [r for r in live if len(r.output) + 1 < r.max_new_tokens]
         # requests this forward finishes register their last written blocks with a 0-token append
         fin = [r for r in live if len(r.output) + 1 >= r.max_new_tokens and self._lagging(r)]
-        if not nxt:
+        if not nxt and not fin:
             return
         reqs = nxt + fin
         regs = [self._unregistered(r, r.computed + 1) if self._lagging(r) else [] for r in reqs]
@@ -65,14 +65,63 @@ class OverlapMixin:
         t2 = time.perf_counter()
         self.kvd_s += t2 - t1
         self.ahead_steps += 1
-        self._ahead = (ids, len(nxt), counts, res, t1 - t0, t2 - t1)
+        self._ahead = (ids, len(nxt), counts, res, t1 - t0, t2 - t1, None)
+        return t1, t2
+
+    def _send_ahead_steady(self, batch):
+        """:meth:`_send_ahead` from a steady batch's arrays (falls back to it, dropping the batch,
+        when the hash bookkeeping is not the steady one)."""
+        if self.waiting or self.swapped or self.pending_forks:
+            return None
+        t0 = time.perf_counter()
+        idx = batch.filled()
+        if idx is None:
+            self._drop_batch()
+            return self._send_ahead()
+        if idx.size:  # the blocks this forward completes wait in the batch's queue
+            batch.push(idx)
+        nxt = batch.left > 1
+        hrows, hashes = batch.take(~nxt, self.c.hash_next_blocks)  # in one call (a few, if chained)
+        fill = np.zeros(len(batch), np.int32)
+        fill[hrows] = [len(h) for h in hashes]
+        fin = ~nxt & (fill > 0)  # finishing with a block to register: a 0-token append
+        n_next = int(np.count_nonzero(nxt))
+        if not n_next and not fin.any():
+            return None
+        ntok = 1
+        if n_next == len(batch):
+            order, ids, counts, rows = None, batch.rids, fill, batch.rows
+        else:
+            order = np.concatenate([np.flatnonzero(nxt), np.flatnonzero(fin)])
+            ids, counts, rows = [batch.rids[i] for i in order.tolist()], fill[order], batch.rows[order]
+            if len(order) > n_next:
+                ntok = np.zeros(len(order), np.int32)
+                ntok[:n_next] = 1
+        hs = cnt = ()
+        if hrows.size:  # in message order: each row's hashes in chain order
+            by_row = dict(zip(hrows.tolist(), hashes))
+            seq = np.flatnonzero(counts) if order is None else order[counts > 0]
+            hv = np.array([h for i in seq.tolist() for h in by_row[i]], self.hashes_dtype)
+            hs, cnt = [hv] * self.num_groups, [counts] * self.num_groups
+        msg = StepBatch(free=self._free_later, append_rows=rows, append_num_tokens=ntok, append_hashes=hs,
+                        append_hash_counts=cnt)
+        self._free_later = []
+        t1 = time.perf_counter()
+        res = self.c.step(msg)
+        t2 = time.perf_counter()
+        self.kvd_s += t2 - t1
+        self.ahead_steps += 1
+        self._ahead = (ids, n_next, counts, res, t1 - t0, t2 - t1, (batch, order))
         return t1, t2
 
     def _step_ahead(self, t_start: float) -> None:
         """A step whose round trip went out during the last forward: retire what that forward
         finished (freed with the next message), run the granted appends."""
-        ids, n_decode, counts, res, plan_s, rt_s = self._ahead
+        ids, n_decode, counts, res, plan_s, rt_s, fast = self._ahead
         self._ahead = None
+        if fast is not None and fast[0] is self._batch and not (res.append_status != STATUS_OK).any():
+            return self._step_ahead_steady(t_start, fast[1], counts, res, plan_s, rt_s)
+        self._drop_batch()
         self._free_later += self._retire()
         self.phases.update(plan=plan_s, rt=rt_s)
         self._took_reply(res)
@@ -84,4 +133,27 @@ class OverlapMixin:
                 if i < n_decode:
                     sched.append((r, r.computed, 1))
         self._run_forward(sched, res, ids[:n_decode])
+        self.phases["total"] = time.perf_counter() - t_start
+
+    def _step_ahead_steady(self, t_start: float, order, counts, res, plan_s: float, rt_s: float) -> None:
+        """:meth:`_step_ahead` of a steady batch whose every append kvd granted."""
+        batch = self._batch
+        self.steady_steps += 1
+        batch.registered(order, counts)
+        gone = batch.left == 0  # finished by the last forward: freed with the next message
+        if gone.any():
+            out = [r for r, g in zip(batch.reqs, gone.tolist()) if g]
+            for r in out:
+                r.state = DONE
+            self.order = [rid for rid in self.order if self.reqs[rid].state != DONE]
+            self._free_later += [r.rid for r in out]
+            self.freed_since_preempt = True
+            batch.compact(~gone)
+        self.phases.update(plan=plan_s, rt=rt_s)
+        self._took_reply(res)
+        if len(batch):
+            launched = self._launch_steady(batch)
+            self._finish(launched, self._send_ahead_steady(batch))
+        else:
+            self._drop_batch()
         self.phases["total"] = time.perf_counter() - t_start

@@ -1,0 +1,168 @@
+"""A steady decode batch as arrays: the per-step host work of overlapped decode without a Python
+loop per request (but the one that appends each sampled token to its request's output).
+
+In steady decode (every running request decodes, nothing else happens) a step differs from the
+last only by one token per request: positions and ``seq_lens`` move by 1, the input ids are the
+tokens just sampled, rows, ``query_start_loc`` and the logits rows stay. ``SteadyBatch`` keeps what a
+step needs in numpy arrays indexed by the request's row in the forward (its index in ``reqs``):
+
+    rows      int32 [B]   kvd session rows
+    pos       int64 [B]   the position the next forward computes (= ``Request.computed``)
+    last      int64 [B]   that position's token (the last sampled one)
+    left      int64 [B]   tokens still to sample
+    nh, reg   int64 [B]   block hashes known / registered in kvd
+    last_hash S{w}  [B]   the newest known block hash (the parent of the next one)
+    recent    int64 [B, block_size]  the tokens of the block being filled, column position % block_size
+
+so the blocks a step fills are hashed in one ``hash_next_blocks`` call from ``recent`` and
+``last_hash``. Filled blocks queue (FIFO) and at most ``cap`` of them are hashed and registered per
+message (a finishing request's all at once): a batch that fills its blocks in lockstep (equal prompt
+lengths) would otherwise put every request's hash and registration into one step's message, longer
+than the forward it should hide behind. The ``Request`` objects stay the truth for everything else in the engine, with one
+exception: the hashes computed here are appended to ``Request.hashes`` only by :meth:`flush`
+(``Engine`` flushes before any step that is not a steady one, and when requests leave the batch),
+because a concatenation per request and block would cost more than the hashing. ``output``,
+``computed`` and ``registered`` are updated as they change.
+"""
+
+from __future__ import annotations
+
+from itertools import count
+
+import numpy as np
+
+_stamps = count(1)
+
+
+class SteadyBatch:
+    """The arrays of one steady decode batch (see the module docstring)."""
+
+    def __init__(self, reqs, rows: np.ndarray, block_size: int, hashes_dtype: str):
+        self.bs = block_size
+        self.reqs = list(reqs)
+        self.rids = [r.rid for r in self.reqs]
+        self.rows = np.ascontiguousarray(rows, np.int32)
+        n = len(self.reqs)
+        self.pos = np.fromiter((r.computed for r in self.reqs), np.int64, n)
+        self.last = np.fromiter((r.output[-1] for r in self.reqs), np.int64, n)
+        self.left = np.fromiter((r.max_new_tokens - len(r.output) for r in self.reqs), np.int64, n)
+        self.nh = np.fromiter((len(r.hashes) for r in self.reqs), np.int64, n)
+        self.reg = np.fromiter((r.registered for r in self.reqs), np.int64, n)
+        self.last_hash = np.zeros(n, hashes_dtype)
+        has = self.nh > 0
+        if has.any():
+            self.last_hash[has] = [r.hashes[-1] for r, h in zip(self.reqs, has) if h]
+        self.recent = np.zeros((n, block_size), np.int64)
+        for i, r in enumerate(self.reqs):  # the tokens of the block each request is filling
+            base = r.computed - r.computed % block_size
+            self.recent[i, :r.computed - base + 1] = r.tokens(base, r.computed - base + 1)
+        self.forced = any(r.forced for r in self.reqs)
+        self.pending: list[tuple[np.ndarray, np.ndarray]] = []  # (rows, hashes) not in Request.hashes yet
+        # filled blocks waiting for their hash and registration (FIFO): rows, tokens [Q, block_size]
+        self.q_rows = np.zeros(0, np.int64)
+        self.q_tokens = np.zeros((0, block_size), np.int64)
+        self.queued = np.zeros(n, np.int64)
+        self._layout()
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def _layout(self) -> None:
+        n = len(self.reqs)
+        self.keep = np.arange(n, dtype=np.int64)  # every row samples; also each token's request
+        self.qsl = np.arange(n + 1, dtype=np.int32)
+        self.stamp = next(_stamps)  # a new layout: a graph bucket staged with another stages it all
+        # blocks registered per message besides a finishing request's: twice the mean fill rate
+        # (n / block_size a step), so a batch filling its blocks in lockstep spreads their hashing and
+        # registration over block_size / 2 steps instead of one long message
+        self.cap = max(16, -(-2 * n // self.bs))
+
+    # ---- hashing ---------------------------------------------------------------------------------------
+    def filled(self) -> np.ndarray | None:
+        """Rows whose block the running forward completes (position ``pos`` ends it), or None when
+        the hash bookkeeping is not the steady one (a block without hash besides those queued and
+        this step's, a hash not registered, a first block with no parent): the caller falls back to
+        the generic path."""
+        pos1 = self.pos + 1
+        fill = pos1 % self.bs == 0
+        if not (np.array_equal(pos1 // self.bs - self.nh - self.queued, fill) and np.array_equal(self.nh, self.reg)):
+            return None
+        idx = np.flatnonzero(fill)
+        if (self.nh[(self.queued > 0) | fill] == 0).any():
+            return None
+        return idx
+
+    def push(self, idx: np.ndarray) -> None:
+        """Queue the blocks rows ``idx`` just filled (their tokens are copied out of ``recent``)."""
+        self.q_rows = np.concatenate([self.q_rows, idx])
+        self.q_tokens = np.concatenate([self.q_tokens, self.recent[idx]])
+        self.queued[idx] += 1
+
+    def take(self, must: np.ndarray, hash_next) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Hash the queued blocks this step registers: every block of the rows where ``must``, and
+        up to ``cap`` others, oldest first. Returns (rows, hashes of each row in chain order);
+        ``hash_next(tokens, parents)`` is the client's ``hash_next_blocks``."""
+        q = self.q_rows
+        if not q.size:
+            return q, []
+        sel = must[q]
+        sel[np.flatnonzero(~sel)[:self.cap]] = True
+        rows, tokens = q[sel], self.q_tokens[sel]
+        self.q_rows, self.q_tokens = q[~sel], self.q_tokens[~sel]
+        out: dict[int, list] = {}
+        while rows.size:  # a row queued twice: its second block chains on its first
+            _, first = np.unique(rows, return_index=True)
+            now = np.zeros(rows.shape[0], bool)
+            now[first] = True
+            r = rows[now]
+            new = hash_next(tokens[now], self.last_hash[r])
+            self.last_hash[r] = new
+            self.nh[r] += 1
+            self.queued[r] -= 1
+            self.pending.append((r, new))
+            for i, h in zip(r.tolist(), new):
+                out.setdefault(i, []).append(h)
+            rows, tokens = rows[~now], tokens[~now]
+        done = np.fromiter(out, np.int64, len(out))
+        return done, [out[i] for i in done.tolist()]
+
+    def flush(self) -> None:
+        """Append the hashes computed here to their requests' ``hashes`` (queued blocks not hashed
+        yet are left to the generic path, which hashes what is missing)."""
+        if not self.pending:
+            return
+        extra: dict[int, list] = {}
+        for idx, new in self.pending:
+            for i, h in zip(idx.tolist(), new):
+                extra.setdefault(i, []).append(h)
+        self.pending = []
+        for i, hs in extra.items():
+            r = self.reqs[i]
+            r.hashes = np.concatenate([r.hashes, np.array(hs, r.hashes.dtype if len(r.hashes) else hs[0].dtype)])
+
+    # ---- a step ----------------------------------------------------------------------------------------
+    def registered(self, order: np.ndarray | None, counts: np.ndarray) -> None:
+        """kvd registered ``counts[j]`` more blocks of row ``order[j]`` (``order`` None: every row)."""
+        sel = np.arange(len(self.reqs)) if order is None else order
+        self.reg[sel] += counts
+        for i, c in zip(sel[counts > 0].tolist(), counts[counts > 0].tolist()):
+            self.reqs[i].registered += c
+
+    def advance(self, toks: np.ndarray) -> None:
+        """The forward computed ``pos`` and sampled ``toks`` (int64 [B]), one per row."""
+        self.recent[self.keep, (self.pos + 1) % self.bs] = toks
+        self.pos += 1
+        self.last = toks
+        self.left -= 1
+
+    def compact(self, keep: np.ndarray) -> None:
+        """Keep only the rows where ``keep`` (bool [B]) is true (requests that finished leave)."""
+        self.flush()
+        new_index = np.cumsum(keep) - 1
+        q = keep[self.q_rows]  # a request leaving had its blocks taken (``must``) at its last step
+        self.q_rows, self.q_tokens = new_index[self.q_rows[q]], self.q_tokens[q]
+        self.reqs = [r for r, k in zip(self.reqs, keep.tolist()) if k]
+        self.rids = [r.rid for r in self.reqs]
+        for name in ("rows", "pos", "last", "left", "nh", "reg", "last_hash", "recent", "queued"):
+            setattr(self, name, getattr(self, name)[keep])
+        self._layout()

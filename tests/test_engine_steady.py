@@ -1,0 +1,193 @@
+"""The steady decode batch (examples/kvd_engine/steady.py): its arrays exactly, and an overlapped
+engine whose requests leave the batch at different steps (compaction, 0-token appends that register
+a finishing request's last block) giving HF's tokens and caching every written block."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from tests.conftest_daemon import daemon_factory, short_tmp  # noqa: F401
+from tests.engine_common import BLOCK, DAEMON, LLAMA, model_of
+from kvd.hashing import hash_next_blocks, hash_prompt
+
+from kvd_client import Client  # noqa: E402
+from kvd_engine import Engine, hf_generate  # noqa: E402
+from kvd_engine.state import RUNNING, Request  # noqa: E402
+from kvd_engine.steady import SteadyBatch  # noqa: E402
+
+
+def _decoding(rid, prompt, output, max_new, bs):
+    """A request in steady decode: its last sampled token's position is the next to compute, its
+    full blocks hashed and registered."""
+    r = Request(rid, prompt, max_new, output=list(output), state=RUNNING)
+    r.computed = r.seq_len - 1
+    r.hashes = hash_prompt(np.array(r.seq[: r.computed // bs * bs]), bs)
+    r.registered = len(r.hashes)
+    return r
+
+
+def _sample(batch, toks):
+    """What the engine does with a step's sampled tokens (forward.ForwardMixin._sample_steady)."""
+    for r, t in zip(batch.reqs, toks):
+        r.output.append(t)
+        r.computed += 1
+    batch.advance(np.array(toks, np.int64))
+
+
+def test_steady_batch_arrays_hashing_and_compaction():
+    bs = 4
+    r0 = _decoding("a", [1, 2, 3, 4, 5, 6], [7], 5, bs)           # computes position 6
+    r1 = _decoding("b", [11, 12, 13], [14, 15, 16], 6, bs)        # computes position 5
+    b = SteadyBatch([r0, r1], np.array([5, 9]), bs, "S16")
+    assert b.rows.dtype == np.int32 and b.rows.tolist() == [5, 9]
+    assert b.pos.tolist() == [6, 5] and b.last.tolist() == [7, 16] and b.left.tolist() == [4, 3]
+    assert b.nh.tolist() == [1, 1] and b.reg.tolist() == [1, 1]
+    assert b.last_hash.tolist() == [r0.hashes[0], r1.hashes[0]]
+    assert b.recent.tolist() == [[5, 6, 7, 0], [15, 16, 0, 0]]  # the blocks being filled, by position % bs
+    assert b.keep.tolist() == [0, 1] and b.qsl.tolist() == [0, 1, 2] and not b.forced
+    assert b.filled().tolist() == []  # positions 6 and 5 end no block
+    stamp = b.stamp
+
+    _sample(b, [8, 17])
+    assert b.pos.tolist() == [7, 6] and b.last.tolist() == [8, 17] and b.left.tolist() == [3, 2]
+    assert b.recent.tolist() == [[5, 6, 7, 8], [15, 16, 17, 0]]
+    idx = b.filled()  # position 7 ends r0's second block
+    assert idx.tolist() == [0]
+    b.push(idx)
+    assert b.queued.tolist() == [1, 0] and b.q_rows.tolist() == [0] and b.q_tokens.tolist() == [[5, 6, 7, 8]]
+    rows, hashes = b.take(np.array([False, False]), hash_next_blocks)
+    want = hash_prompt(np.array(r0.seq[:8]), bs)[1]
+    assert rows.tolist() == [0] and hashes == [[want]] and b.q_rows.size == 0
+    assert b.nh.tolist() == [2, 1] and b.queued.tolist() == [0, 0] and b.last_hash[0] == want
+    assert len(r0.hashes) == 1  # not flushed yet
+    assert b.filled() is None  # a known hash kvd has not registered: not the steady bookkeeping
+    b.registered(None, np.array([1, 0], np.int32))
+    assert b.reg.tolist() == [2, 1] and (r0.registered, r1.registered) == (2, 1)
+
+    _sample(b, [9, 18])
+    b.compact(np.array([False, True]))  # r0 leaves: every hash reaches its request first
+    assert r0.hashes.tolist() == hash_prompt(np.array(r0.seq[:8]), bs).tolist()
+    assert b.reqs == [r1] and b.rids == ["b"] and b.rows.tolist() == [9] and b.pos.tolist() == [7]
+    assert b.recent.tolist() == [[15, 16, 17, 18]] and b.keep.tolist() == [0] and b.qsl.tolist() == [0, 1]
+    assert b.stamp != stamp  # a new layout: graph buckets stage it in full
+    idx = b.filled()
+    assert idx.tolist() == [0]
+    b.push(idx)
+    b.take(np.array([True]), hash_next_blocks)
+    b.flush()
+    assert r1.hashes.tolist() == hash_prompt(np.array(r1.seq[:8]), bs).tolist() and b.pending == []
+
+
+def test_lockstep_fills_spread_over_steps_and_a_finishing_row_drains_its_chain():
+    """40 rows fill a block at the same step: at most ``cap`` (16) are hashed per message, oldest
+    first; a row that must finish takes every queued block, two chained blocks in order."""
+    bs = 4
+    reqs = [_decoding(f"r{i}", [i + 1] * 5, [100 + i, 200 + i, 300 + i], 30, bs) for i in range(40)]  # position 7
+    b = SteadyBatch(reqs, np.arange(40), bs, "S16")
+    assert b.cap == 20 and b.filled().tolist() == list(range(40))
+    b.cap = 16
+    b.push(np.arange(40))
+    rows, hashes = b.take(np.zeros(40, bool), hash_next_blocks)
+    assert rows.tolist() == list(range(16)) and b.q_rows.tolist() == list(range(16, 40))
+    assert all(h == [hash_prompt(np.array(reqs[i].seq[:8]), bs)[1]] for i, h in zip(rows.tolist(), hashes))
+    must = np.zeros(40, bool)
+    must[39] = True
+    rows, hashes = b.take(must, hash_next_blocks)
+    assert rows.tolist() == list(range(16, 32)) + [39]
+    b.registered(None, np.bincount(rows, minlength=40))  # kvd granted them
+    b.registered(None, np.isin(np.arange(40), range(16)).astype(np.int64))
+    assert b.queued.tolist() == [0] * 32 + [1] * 7 + [0]
+    for _ in range(4):  # positions 8..11: the next block of every row
+        _sample(b, [7] * 40)
+    assert b.filled().tolist() == list(range(40))  # position 11 ends a block (queued ones counted)
+    b.push(np.arange(40))  # rows 32..38 now queue two blocks each
+    must = np.zeros(40, bool)
+    must[35] = True
+    rows, hashes = b.take(must, hash_next_blocks)
+    # row 35 takes both of its blocks, chained; 16 others, oldest first
+    assert rows.tolist() == list(range(32, 39)) + list(range(10))
+    by_row = dict(zip(rows.tolist(), hashes))
+    seq = reqs[35].seq  # the tokens were copied out of ``recent`` at push
+    chain = hash_prompt(np.array(seq[:12]), bs)
+    assert by_row[35] == [chain[1], chain[2]] and by_row[0] == [hash_prompt(np.array(reqs[0].seq[:12]), bs)[2]]
+    assert by_row[32] == [hash_prompt(np.array(reqs[32].seq[:8]), bs)[1]]
+    assert b.queued[35] == 0 and b.nh[35] == 3 and b.queued[32] == 1
+
+
+def test_steady_batch_refuses_a_first_block_without_parent():
+    r = _decoding("a", [1, 2], [3, 4], 8, 4)  # position 3 ends the first block: no parent hash
+    assert len(r.hashes) == 0
+    assert SteadyBatch([r], np.array([0]), 4, "S16").filled() is None
+
+
+def _lookup_after(d, model, prompts, max_new, overlap):
+    with Client(d.endpoint, tenant="t", name="e", steps_in_flight=1) as c:
+        eng = Engine(c, model, overlap=overlap)
+        for rid, p in prompts.items():
+            eng.add(rid, p, max_new[rid])
+        eng.run()
+        c.mark_computed()
+        assert c.stats()["num_requests"] == 0
+        with Client(d.endpoint, tenant="t", name="reader") as rd:
+            cached = {rid: rd.lookup(c.hash_prompt(np.array(p + eng.reqs[rid].output[:-1])))
+                      for rid, p in prompts.items()}
+    return eng, cached
+
+
+@pytest.mark.parametrize("cap", [None, 1], ids=["cap", "one_block_a_step"])
+def test_overlap_requests_leaving_a_steady_batch_one_by_one(daemon_factory, monkeypatch, cap):
+    """Requests finish at different steps: the batch compacts, a finishing request registers its
+    last blocks with a 0-token append; tokens equal HF's and every written full block is cached,
+    exactly as without overlap; the hashes kept in the batch reached every request. With one block
+    registered a step, the queue lags and drains (a finishing request's all at once)."""
+    if cap is not None:
+        layout = SteadyBatch._layout
+
+        def capped(self):
+            layout(self)
+            self.cap = cap
+
+        monkeypatch.setattr(SteadyBatch, "_layout", capped)
+    model = model_of(LLAMA)
+    rng = np.random.default_rng(5)
+    prompts = {f"r{i}": rng.integers(0, 512, int(rng.integers(6, 30))).tolist() for i in range(6)}
+    max_new = {rid: 9 + 3 * i for i, rid in enumerate(prompts)}  # leave at 6 different steps
+    runs = {}
+    for overlap in (False, True):
+        d = daemon_factory(**DAEMON, tenants="t=uid:" + str(os.getuid()))
+        runs[overlap] = _lookup_after(d, model, prompts, max_new, overlap)
+    eng, cached = runs[True]
+    assert eng.steady_steps >= 15 and eng._batch is None
+    for rid, p in prompts.items():
+        r = eng.reqs[rid]
+        assert r.output == hf_generate(model, p, max_new[rid])[0], rid
+        written = len(p) + max_new[rid] - 1
+        assert r.hashes.tolist() == hash_prompt(np.array((p + r.output)[:written // BLOCK * BLOCK]),
+                                                BLOCK).tolist(), rid
+    assert cached == runs[False][1] == {rid: (len(p) + max_new[rid] - 1) // BLOCK for rid, p in prompts.items()}
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_in_process_overlap_with_forced_tokens_on_the_arrays(forced):
+    """The in-process manager drives the same steady path; forced tokens (a test hook) win over the
+    sampled ones there too."""
+    import torch
+
+    from kvd_engine import InProcClient, OwnedKv
+
+    model = model_of(LLAMA)
+    rng = np.random.default_rng(9)
+    prompts = {f"r{i}": rng.integers(0, 512, int(rng.integers(6, 20))).tolist() for i in range(3)}
+    force = {"r1": {5: 77, 9: 3}} if forced else {}
+    eng = Engine(InProcClient(256, BLOCK), model, kv=OwnedKv(2, 257, BLOCK, 2, 16, torch.float32, "cpu"), overlap=True)
+    for rid, p in prompts.items():
+        eng.add(rid, p, 14, force.get(rid))
+    eng.run()
+    assert eng.steady_steps >= 8
+    for rid, p in prompts.items():
+        assert eng.reqs[rid].output == hf_generate(model, p, 14, force.get(rid, {}))[0], rid
+    if forced:
+        assert [eng.reqs["r1"].output[i] for i in (5, 9)] == [77, 3]
