@@ -276,6 +276,34 @@ def decode_slots(table, block_size, rows, pos, pad, pad_end, out):
         out[i] = pad
 
 
+@_jit
+def confirm_in_place(blocks, sizes, regs, keys, block_reg, unconfirmed_by, cache_key):
+    """Confirm registrations whose blocks sit in their shared map: entry e is ``sizes[e]`` blocks
+    of ``blocks`` (in order), registered as ``regs[e]`` by side key ``keys[e]``. A block still cached
+    by that very registration (``block_reg``) and still unconfirmed by that key becomes confirmed
+    (``unconfirmed_by`` 0). Returns how many, or DECLINED, having changed nothing, when one of them
+    lives in the side map instead (moving it is the pool's business)."""
+    pos = 0
+    for e in range(sizes.size):
+        reg, key = regs[e], keys[e]
+        for j in range(pos, pos + sizes[e]):
+            b = blocks[j]
+            if block_reg[b] == reg and unconfirmed_by[b] == key and cache_key[b] == key:
+                return DECLINED
+        pos += sizes[e]
+    n = 0
+    pos = 0
+    for e in range(sizes.size):
+        reg, key = regs[e], keys[e]
+        for j in range(pos, pos + sizes[e]):
+            b = blocks[j]
+            if block_reg[b] == reg and unconfirmed_by[b] == key:
+                unconfirmed_by[b] = 0
+                n += 1
+        pos += sizes[e]
+    return n
+
+
 def warm_up() -> None:
     """Compile (or load from the disk cache) every loop for the manager's array types now, so that
     the first step a daemon serves does not pay for it."""
@@ -293,3 +321,5 @@ def warm_up() -> None:
     drop_refs(i32[:0], i32, flags.copy())
     sync_appended_rows(i32, i64, i32, 1, table, i32, table.copy(), i32.copy(), i32[:0], i32[:0], i32.copy())
     decode_slots(table, 1, i32, i32, -1, 1, i64.copy())
+    u16 = np.zeros(1, np.uint16)
+    confirm_in_place(i32, i64, i64, u16, i64, u16.copy(), u16)

@@ -163,3 +163,21 @@ def test_sync_appended_rows_copies_only_new_entries_of_owned_rows_and_widens_dir
     assert out_table[1].tolist() == [-5] * 6  # unchanged count: nothing copied
     assert out_counts.tolist() == [5, 6, 1]
     assert start.tolist() == [4, 1000, 1000] and end.tolist() == [5, 0, 0]
+
+
+def test_confirm_in_place_confirms_only_blocks_still_held_by_their_registration_or_declines():
+    block_reg = np.array([0, 5, 5, 6, 5, 7], np.int64)  # block -> its latest registration
+    unconfirmed_by = np.array([0, 2, 2, 2, 3, 2], np.uint16)
+    cache_key = np.array([0, 1, 1, 1, 1, 1], np.uint16)  # all in shared map 1
+    blocks = np.array([1, 2, 3, 4, 5], np.int32)
+    sizes = np.array([4, 1], np.int64)  # entry 0: reg 5 by key 2 (blocks 1-4), entry 1: reg 7 by 2 (block 5)
+    n = rowloops.confirm_in_place(blocks, sizes, np.array([5, 7], np.int64), np.array([2, 2], np.uint16),
+                                  block_reg, unconfirmed_by, cache_key)
+    # block 3 was registered again (reg 6), block 4 is another writer's: both stay as they were
+    assert n == 3 and unconfirmed_by.tolist() == [0, 0, 0, 2, 3, 0]
+    cache_key[3] = 2  # block 3 now in writer 2's side map, still its reg 6: moving it is the pool's
+    before = unconfirmed_by.copy()
+    unconfirmed_by[3] = 2
+    assert rowloops.confirm_in_place(np.array([3], np.int32), np.array([1], np.int64), np.array([6], np.int64),
+                                     np.array([2], np.uint16), block_reg, unconfirmed_by, cache_key) == rowloops.DECLINED
+    assert unconfirmed_by.tolist() == before.tolist()
