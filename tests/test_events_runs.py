@@ -73,18 +73,25 @@ def test_a_batched_admission_and_a_decode_step_log_one_run_per_request_with_pare
     assert _entries(log) == [(new[0].tolist(), h[0][-1], fill[0]), (new[1].tolist(), h[1][-1], fill[1])]
 
 
-def test_a_decode_step_the_daemon_defers_logs_its_runs_at_the_flush():
+def _deferred_decode_step(p):
+    """A manager deferring like a daemon's, requests admitted with prompts ``p`` (7 tokens each),
+    then a decode step filling each one's second block: (manager, log, prompt hashes, new hashes)."""
     m = _manager(defer_cache_registration=True, debug_checks=False)  # the heavy check would flush
     log = m.enable_kv_events()
-    p = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3]]
     h = [_chain(x[:4]) for x in p]
     r = m.step(StepBatch(admit=[AdmitRequest(i, 7, hs) for i, hs in enumerate(h)]))
     _entries(log)
     rows = r.admit_rows.astype(np.int32)
     new = [_chain(x[4:] + [0], hs[0], 1) for x, hs in zip(p, h)]
     m.step(StepBatch(append_rows=rows, append_num_tokens=1, append_hashes=(np.concatenate(new),),
-                     append_hash_counts=(np.array([1, 1], np.int32),),
+                     append_hash_counts=(np.ones(len(p), np.int32),),
                      append_token_ids=(np.array([x[4:] + [0] for x in p], np.int32),)))
+    return m, log, h, new
+
+
+def test_a_decode_step_the_daemon_defers_logs_its_runs_at_the_flush():
+    p = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3]]
+    m, log, h, new = _deferred_decode_step(p)
     assert log == []  # registered after the reply
     m.flush_deferred()
     assert _entries(log) == [(new[i].tolist(), h[i][0], p[i][4:] + [0]) for i in range(2)]
@@ -92,17 +99,8 @@ def test_a_decode_step_the_daemon_defers_logs_its_runs_at_the_flush():
 
 
 def test_a_deferred_registration_flushed_in_slices_registers_requests_in_order_and_keeps_the_rest():
-    m = _manager(defer_cache_registration=True, debug_checks=False)  # the heavy check would flush
-    log = m.enable_kv_events()
     p = [[i * 10 + t for t in range(7)] for i in range(3)]
-    h = [_chain(x[:4]) for x in p]
-    r = m.step(StepBatch(admit=[AdmitRequest(i, 7, hs) for i, hs in enumerate(h)]))
-    _entries(log)
-    rows = r.admit_rows.astype(np.int32)
-    new = [_chain(x[4:] + [0], hs[0], 1) for x, hs in zip(p, h)]
-    m.step(StepBatch(append_rows=rows, append_num_tokens=1, append_hashes=(np.concatenate(new),),
-                     append_hash_counts=(np.array([1, 1, 1], np.int32),),
-                     append_token_ids=(np.array([x[4:] + [0] for x in p], np.int32),)))
+    m, log, h, new = _deferred_decode_step(p)
     m.flush_deferred(max_rows=2)  # the first two requests' blocks; the third stays queued
     assert _entries(log) == [(new[i].tolist(), h[i][0], p[i][4:] + [0]) for i in range(2)]
     assert m.num_deferred == 1

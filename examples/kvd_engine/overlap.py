@@ -57,15 +57,20 @@ class OverlapMixin:
             cnt = [np.array(counts, np.int32)] * self.num_groups
         ids = [r.rid for r in reqs]
         ntok = np.array([1] * len(nxt) + [0] * len(fin), np.int32) if fin else 1
-        batch = StepBatch(free=self._free_later, append_rows=np.asarray(self.c.rows_of(ids), np.int32),
-                          append_num_tokens=ntok, append_hashes=hs, append_hash_counts=cnt)
+        return self._send(np.asarray(self.c.rows_of(ids), np.int32), ntok, hs, cnt, (ids, len(nxt), counts), t0)
+
+    def _send(self, rows, ntok, hs, cnt, ahead: tuple, t0: float, steady=None):
+        """Send the next step's message (with the frees waiting for it) and keep its reply for the
+        next step: ``self._ahead`` = (*ahead, reply, plan time, round trip, steady)."""
+        msg = StepBatch(free=self._free_later, append_rows=rows, append_num_tokens=ntok, append_hashes=hs,
+                        append_hash_counts=cnt)
         self._free_later = []
         t1 = time.perf_counter()
-        res = self.c.step(batch)
+        res = self.c.step(msg)
         t2 = time.perf_counter()
         self.kvd_s += t2 - t1
         self.ahead_steps += 1
-        self._ahead = (ids, len(nxt), counts, res, t1 - t0, t2 - t1, None)
+        self._ahead = (*ahead, res, t1 - t0, t2 - t1, steady)
         return t1, t2
 
     def _send_ahead_steady(self, batch):
@@ -103,16 +108,7 @@ class OverlapMixin:
             seq = np.flatnonzero(counts) if order is None else order[counts > 0]
             hv = np.array([h for i in seq.tolist() for h in by_row[i]], self.hashes_dtype)
             hs, cnt = [hv] * self.num_groups, [counts] * self.num_groups
-        msg = StepBatch(free=self._free_later, append_rows=rows, append_num_tokens=ntok, append_hashes=hs,
-                        append_hash_counts=cnt)
-        self._free_later = []
-        t1 = time.perf_counter()
-        res = self.c.step(msg)
-        t2 = time.perf_counter()
-        self.kvd_s += t2 - t1
-        self.ahead_steps += 1
-        self._ahead = (ids, n_next, counts, res, t1 - t0, t2 - t1, (batch, order))
-        return t1, t2
+        return self._send(rows, ntok, hs, cnt, (ids, n_next, counts), t0, (batch, order))
 
     def _step_ahead(self, t_start: float) -> None:
         """A step whose round trip went out during the last forward: retire what that forward
