@@ -384,9 +384,10 @@ class BlockManager:
         sizes = [e[2].size for e in taken]
         blocks = taken[0][2] if len(taken) == 1 else np.concatenate([e[2] for e in taken])
         if pool.event_log is None and rowloops.HAVE_NUMBA:  # the usual case, in one loop
-            n = rowloops.confirm_in_place(blocks.astype(np.int32, copy=False), np.array(sizes, np.int64), np.array([e[0] for e in taken], np.int64),
-                                          np.array([e[1] for e in taken], np.uint16), self._block_reg,
-                                          pool.unconfirmed_by, pool.cache_key)
+            n = rowloops.confirm_in_place(
+                blocks.astype(np.int32, copy=False), np.array(sizes, np.int64),
+                np.array([e[0] for e in taken], np.int64), np.array([e[1] for e in taken], np.uint16),
+                self._block_reg, pool.unconfirmed_by, pool.cache_key)
             if n != rowloops.DECLINED:
                 pool.num_unconfirmed -= n
                 return
