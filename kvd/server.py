@@ -66,6 +66,7 @@ from kvd.errors import (
 )
 from kvd.hashing import VLLM_NONE_HASH_SEED, VLLM_SCHEME, hash_dtype, hash_width
 from kvd.memory import available_memory
+from kvd.pacing import IdlePacer
 from kvd.shm import SessionBuffers, segment_name, sweep_stale
 from kvd.tenancy import Peer, parse_tenants, peer_of, tenant_for
 from kvd_kernels import slot_mapping_from_ranges_ref
@@ -116,46 +117,6 @@ class Session:
         self.slots_written = [0] * num_groups
         self.base = sid << SID_SHIFT
         self.gpu = None  # kvd.gpu_session.GpuSession with a GPU pool
-
-
-class IdlePacer:
-    """When a busy-polling daemon runs, between messages, the prefix-cache work that decode steps
-    left for after their replies (``BlockManager.flush_deferred`` in slices of _IDLE_FLUSH_ROWS).
-
-    A slice that is still running when the next message arrives delays that message. So after each
-    reply one slice always runs (the work cannot fall behind the messages that make it), and more
-    only while they fit before the next message is expected (the mean gap between a reply and the
-    next message), or once the socket has stayed idle for twice that gap. With back-to-back steps
-    the work of a step that registers 4,096 blocks is spread over the next steps' gaps instead of
-    landing on the step after it; with an engine's forward pass between steps it all runs at once.
-    (Slices of 64 requests cost twice the CPU in all at R = 4,096: each slice pays ~15 numpy calls.)
-    """
-
-    EWMA = 0.2
-    MAX_GAP_S = 0.002  # one long pause must not make every later gap look long
-
-    def __init__(self, gap_s: float = 100e-6, slice_s: float = 50e-6):
-        self.gap_s = gap_s
-        self.slice_s = slice_s
-        self.replied_at = 0.0
-        self.owed = False
-
-    def arrived(self, now: float) -> None:
-        if self.replied_at:
-            gap = min(now - self.replied_at, self.MAX_GAP_S)
-            self.gap_s += (gap - self.gap_s) * self.EWMA
-
-    def replied(self, now: float) -> None:
-        self.replied_at = now
-        self.owed = True
-
-    def may_run(self, now: float) -> bool:
-        since = now - self.replied_at
-        return self.owed or since + self.slice_s <= self.gap_s or since > 2 * self.gap_s
-
-    def ran(self, seconds: float) -> None:
-        self.slice_s += (seconds - self.slice_s) * self.EWMA
-        self.owed = False
 
 
 def _peer(identity_frame: Any) -> Peer | None:

@@ -421,7 +421,7 @@ def test_systemd_notifications(daemon_factory, short_tmp):
 
 
 def test_idle_pacer_runs_one_slice_per_reply_and_more_only_where_they_fit_the_expected_gap():
-    from kvd.server import IdlePacer
+    from kvd.pacing import IdlePacer
 
     p = IdlePacer(gap_s=100e-6, slice_s=50e-6)
     p.replied(1.0)
