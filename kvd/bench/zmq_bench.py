@@ -1113,7 +1113,8 @@ def main(argv=None) -> int:
                                "P": spec.prompt_len, "S": spec.system_len, "shared": spec.shared,
                                "D": spec.decode_steps, "hash": spec.hash_algo, "seed": spec.seed, "events": args.events,
                                "event_token_ids": args.events and args.event_token_ids,
-                               "clients": args.clients, "repeat": args.repeat}}
+                               "clients": args.clients, "repeat": args.repeat,
+                               "client_busy_poll_us": args.client_busy_poll_us, "daemon_args": args.daemon_arg}}
     honest: dict = {}
     try:
         if args.endpoint:
