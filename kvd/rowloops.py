@@ -277,6 +277,22 @@ def decode_slots(table, block_size, rows, pos, pad, pad_end, out):
 
 
 @_jit
+def range_slots(table, block_size, rows, start, lens, pad, pad_end, out):
+    """The slots of ``lens[i]`` tokens from position ``start[i]`` of each request (table row
+    ``rows[i]``), laid out in request order in ``out``, then ``pad`` up to ``pad_end``: kvd_kernels'
+    ``slot_mapping_from_ranges_ref`` for one group, in one call. Returns the number of tokens."""
+    t = 0
+    for i in range(rows.size):
+        row = rows[i]
+        for p in range(start[i], start[i] + lens[i]):
+            out[t] = np.int64(table[row, p // block_size]) * block_size + p % block_size
+            t += 1
+    for j in range(t, pad_end):
+        out[j] = pad
+    return t
+
+
+@_jit
 def confirm_in_place(blocks, sizes, regs, keys, block_reg, unconfirmed_by, cache_key):
     """Confirm registrations whose blocks sit in their shared map: entry e is ``sizes[e]`` blocks
     of ``blocks`` (in order), registered as ``regs[e]`` by side key ``keys[e]``. A block still cached
@@ -321,5 +337,6 @@ def warm_up() -> None:
     drop_refs(i32[:0], i32, flags.copy())
     sync_appended_rows(i32, i64, i32, 1, table, i32, table.copy(), i32.copy(), i32[:0], i32[:0], i32.copy())
     decode_slots(table, 1, i32, i32, -1, 1, i64.copy())
+    range_slots(table, 1, i32, i32, i32, -1, 1, i64.copy())
     u16 = np.zeros(1, np.uint16)
     confirm_in_place(i32, i64, i64, u16, i64, u16.copy(), u16)

@@ -234,6 +234,10 @@ class Daemon:
         # a window; the numpy path does the rest, and everything without numba.
         self._compiled_decode = rowloops.HAVE_NUMBA and self.G == 1 and not self.windowed[0]
         self._srows_buf = np.empty(self.max_reqs, np.int32)
+        # the largest value of each admission column (kvd.protocol ADMIT_COLS): row, tokens, lookahead,
+        # priority, encoder tokens, max new tokens
+        self._admit_max = np.array([self.max_reqs - 1, P.MAX_COUNT, P.MAX_COUNT, 100, P.MAX_COUNT, P.MAX_COUNT],
+                                   np.int64)
         self.sessions: dict[int, Session] = {}
         self.by_nonce: dict[str, int] = {}
         self.namespaces: dict[str, int] = {}  # tenant -> its shared namespace
@@ -497,9 +501,14 @@ class Daemon:
         if sess.gpu is not None:
             sess.gpu.stage_slots(self.owner_srow[rows], start, lens)
         total = rows.shape[0] if uniform == 1 else int(lens.sum())
-        if uniform == 1 and self._compiled_decode and total <= self.max_tokens:
-            rowloops.decode_slots(m.tables[0], self.block_sizes[0], rows, start, PAD_SLOT_ID,
-                                  max(total, sess.slots_written[0]), shm.slot_array[0])
+        if self._compiled_decode and total <= self.max_tokens:
+            pad_end = max(total, sess.slots_written[0])
+            if uniform == 1:
+                rowloops.decode_slots(m.tables[0], self.block_sizes[0], rows, start, PAD_SLOT_ID, pad_end,
+                                      shm.slot_array[0])
+            else:
+                rowloops.range_slots(m.tables[0], self.block_sizes[0], rows, start, lens, PAD_SLOT_ID, pad_end,
+                                     shm.slot_array[0])
         elif total <= self.max_tokens:
             slot_mapping_from_ranges_ref(m.tables, self.block_sizes, rows, start, 1 if uniform == 1 else lens,
                                          shm.slot_array, prev_tokens=max(sess.slots_written))
@@ -955,12 +964,10 @@ class Daemon:
         admits = []
         if nd:
             cols = adm[:, :6]
-            if (cols[:, 0] < 0).any() or (cols[:, 0] >= R).any():
-                raise InvalidArgument("admission row out of range")
-            if (cols[:, 1:3] < 0).any() or (cols[:, 1:3] > P.MAX_COUNT).any() or (cols[:, 4:6] < 0).any() \
-                    or (cols[:, 4:6] > P.MAX_COUNT).any() or (cols[:, 3] < 0).any() or (cols[:, 3] > 100).any():
-                raise InvalidArgument("admission field out of range")
-            if np.unique(cols[:, 0]).size != nd:
+            bad = (cols < 0) | (cols > self._admit_max)
+            if bad.any():
+                raise InvalidArgument("admission row out of range" if bad[:, 0].any() else "admission field out of range")
+            if nd > 1 and np.unique(cols[:, 0]).size != nd:
                 raise InvalidArgument("two admissions in one row")
             for i, (row, nt, l, pri, net, mnt) in enumerate(cols.tolist()):
                 hs = [adm_hashes[g][i] for g in range(G)]

@@ -181,3 +181,20 @@ def test_confirm_in_place_confirms_only_blocks_still_held_by_their_registration_
     assert rowloops.confirm_in_place(np.array([3], np.int32), np.array([1], np.int64), np.array([6], np.int64),
                                      np.array([2], np.uint16), block_reg, unconfirmed_by, cache_key) == rowloops.DECLINED
     assert unconfirmed_by.tolist() == before.tolist()
+
+
+def test_range_slots_equals_the_kernels_reference_for_ranges_of_any_length():
+    from kvd_kernels import slot_mapping_from_ranges_ref
+
+    rng = np.random.default_rng(4)
+    table = rng.integers(1, 1 << 20, (8, 10)).astype(np.int32)
+    rows = np.array([3, 0, 6, 1], np.int32)
+    start = np.array([5, 0, 17, 30], np.int32)
+    lens = np.array([7, 0, 3, 9], np.int32)  # a request with no token takes no slot
+    want = np.full((1, 32), 77, np.int64)
+    slot_mapping_from_ranges_ref([table], [4], rows, start, lens, want, prev_tokens=24)
+    got = np.full(32, 77, np.int64)
+    assert rowloops.range_slots(table, 4, rows, start, lens, -1, 24, got) == 19
+    assert got.tolist() == want[0].tolist()
+    assert got[:2].tolist() == [table[3, 1] * 4 + 1, table[3, 1] * 4 + 2]
+    assert got[19:25].tolist() == [-1] * 5 + [77]  # padded up to what the last step wrote, no further

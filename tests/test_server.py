@@ -18,7 +18,7 @@ import zmq
 from conftest_daemon import REPO, daemon, daemon_factory, shm_segments, short_tmp  # noqa: F401
 from kvd import protocol as P
 from kvd.api import AdmitRequest, StepBatch
-from kvd.errors import DaemonRestarted, ProtocolError, SessionError, UnknownRequest
+from kvd.errors import DaemonRestarted, InvalidArgument, ProtocolError, SessionError, UnknownRequest
 from kvd_client import Client
 
 BS = 16
@@ -337,6 +337,38 @@ def test_fuzz_malformed_messages_pool_unchanged(daemon_factory):
         raw.close(0)
         ctx.term()
         good.close()
+
+
+def test_admission_fields_out_of_range_get_typed_errors_and_change_nothing(daemon):
+    c = Client(daemon.endpoint, tenant="x")
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(daemon.endpoint)
+    try:
+        c.allocate("keep", 40)
+        before = c.stats()
+        spec = c._req_step(StepBatch(admit=[AdmitRequest("n1", 20), AdmitRequest("n2", 30)]))
+        spec[4]()  # the client does not track rows the daemon will refuse
+        fields, frames = spec[1], spec[2]
+        k = 5 + 2 * len(c.block_sizes)  # the admissions frame (kvd.protocol)
+        for col, value, why in ((0, c.info["max_reqs"], "admission row out of range"),
+                                (0, -1, "admission row out of range"), (3, 101, "admission field out of range"),
+                                (1, -2, "admission field out of range"), (5, P.MAX_COUNT + 1, "admission field out of range")):
+            adm = np.frombuffer(frames[k], np.int64).reshape(2, P.ADMIT_COLS).copy()
+            adm[1, col] = value
+            bad = list(frames)
+            bad[k] = adm.tobytes()
+            c._seq += 1
+            raw.send_multipart([P.request(P.STEP, c.sid, c._seq, **fields), *bad])
+            assert raw.poll(2000)
+            rep = P.parse_reply(raw.recv_multipart()[0])
+            assert rep["err"] == InvalidArgument.code and rep["msg"] == why, rep
+        assert c.stats() == before and c.request_ids == ["keep"]
+    finally:
+        raw.close(0)
+        ctx.term()
+        c.close()
 
 
 # ---- daemon lifecycle -----------------------------------------------------------------------------
