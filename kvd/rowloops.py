@@ -264,19 +264,6 @@ def sync_appended_rows(mrows, owner_sid, owner_srow, sid, table, counts, out_tab
 
 
 @_jit
-def decode_slots(table, block_size, rows, pos, pad, pad_end, out):
-    """The slot of one token per request (request i's token at ``pos[i]``, table row ``rows[i]``)
-    into ``out[:n]``, then ``pad`` into ``out[n:pad_end]``: kvd_kernels'
-    ``slot_mapping_from_ranges_ref`` for a decode step, in one call."""
-    n = rows.size
-    for i in range(n):
-        p = pos[i]
-        out[i] = np.int64(table[rows[i], p // block_size]) * block_size + p % block_size
-    for i in range(n, pad_end):
-        out[i] = pad
-
-
-@_jit
 def range_slots(table, block_size, rows, start, lens, pad, pad_end, out):
     """The slots of ``lens[i]`` tokens from position ``start[i]`` of each request (table row
     ``rows[i]``), laid out in request order in ``out``, then ``pad`` up to ``pad_end``: kvd_kernels'
@@ -336,7 +323,6 @@ def warm_up() -> None:
     share_blocks(i32, i32[:0], table, i32, i32, i32, i32, i64, 1)
     drop_refs(i32[:0], i32, flags.copy())
     sync_appended_rows(i32, i64, i32, 1, table, i32, table.copy(), i32.copy(), i32[:0], i32[:0], i32.copy())
-    decode_slots(table, 1, i32, i32, -1, 1, i64.copy())
     range_slots(table, 1, i32, i32, i32, -1, 1, i64.copy())
     u16 = np.zeros(1, np.uint16)
     confirm_in_place(i32, i64, i64, u16, i64, u16.copy(), u16)

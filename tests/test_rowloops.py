@@ -130,22 +130,6 @@ def test_fork_rows_copies_row_state_and_shares_blocks_up_to_the_last_token():
     assert s["forked"].tolist() == [True, True, True, False, True, True]
 
 
-def test_decode_slots_equals_the_kernels_reference_and_pads_what_the_last_step_wrote():
-    from kvd_kernels import slot_mapping_from_ranges_ref
-
-    rng = np.random.default_rng(3)
-    table = rng.integers(1, 1 << 20, (8, 6)).astype(np.int32)
-    rows = np.array([5, 0, 7, 2], np.int32)
-    pos = np.array([0, 23, 9, 15], np.int32)
-    want = np.full((1, 10), 77, np.int64)
-    slot_mapping_from_ranges_ref([table], [4], rows, pos, 1, want, prev_tokens=7)
-    got = np.full(10, 77, np.int64)
-    rowloops.decode_slots(table, 4, rows, pos, -1, 7, got)
-    assert got.tolist() == want[0].tolist()
-    assert got[:7].tolist() == [table[5, 0] * 4, table[0, 5] * 4 + 3, table[7, 2] * 4 + 1, table[2, 3] * 4 + 3,
-                                -1, -1, -1]
-
-
 def test_sync_appended_rows_copies_only_new_entries_of_owned_rows_and_widens_dirty_ranges():
     table = np.arange(1, 25, dtype=np.int32).reshape(4, 6)  # manager rows
     counts = np.array([3, 5, 2, 6], np.int32)
