@@ -230,9 +230,9 @@ class Daemon:
         n = int(config.max_num_reqs)
         self.owner_sid = np.zeros(n, np.int64)  # manager row -> session id (0: none)
         self.owner_srow = np.full(n, -1, np.int32)  # manager row -> session row
-        # The compiled publish of a decode step's rows and slots (kvd.rowloops): one group without
+        # Steps publish rows and slots through compiled loops (kvd.rowloops) with one group without
         # a window; the numpy path does the rest, and everything without numba.
-        self._compiled_decode = rowloops.HAVE_NUMBA and self.G == 1 and not self.windowed[0]
+        self._compiled_publish = rowloops.HAVE_NUMBA and self.G == 1 and not self.windowed[0]
         self._srows_buf = np.empty(self.max_reqs, np.int32)
         # the largest value of each admission column (kvd.protocol ADMIT_COLS): row, tokens, lookahead,
         # priority, encoder tokens, max new tokens
@@ -420,7 +420,7 @@ class Daemon:
         count did not change are skipped."""
         if mrows.size == 0:
             return _EMPTY_I32
-        if not full and self._compiled_decode:
+        if not full and self._compiled_publish:
             return self._sync_appended(sess, mrows)
         own = self.owner_sid[mrows] == sess.sid
         if not own.all():
@@ -493,15 +493,15 @@ class Daemon:
 
     def _write_slots(self, sess: Session, rows: np.ndarray, start: np.ndarray, lens: np.ndarray,
                      uniform: int = 0) -> list[int]:
-        """The step's slot mapping into the session's buffer, padded with PAD_SLOT_ID (the
-        kernels' numpy reference). A step that schedules more tokens than the buffer holds gets
+        """The step's slot mapping into the session's buffer, padded with PAD_SLOT_ID
+        (``rowloops.range_slots``, else the kernels' numpy reference). A step that schedules more tokens than the buffer holds gets
         its first ``max_num_batched_tokens`` slots; the reply says how many were written."""
         m = self.manager
         shm = sess.shm
         if sess.gpu is not None:
             sess.gpu.stage_slots(self.owner_srow[rows], start, lens)
         total = rows.shape[0] if uniform == 1 else int(lens.sum())
-        if self._compiled_decode and total <= self.max_tokens:
+        if self._compiled_publish and total <= self.max_tokens:
             rowloops.range_slots(m.tables[0], self.block_sizes[0], rows, start, lens, PAD_SLOT_ID,
                                  max(total, sess.slots_written[0]), shm.slot_array[0])
         elif total <= self.max_tokens:

@@ -52,8 +52,8 @@ class Bucket:
         cuda = device.type == "cuda"
         # two pinned host twins, used in turn: a step's inputs can be staged (``prestage``) while the
         # copy of the previous ones may still wait on the stream (without CUDA: one buffer, the "device" one)
-        self.hosts = [torch.zeros(self.words, dtype=torch.int64, pin_memory=cuda) for _ in range(2 if cuda else 1)]
-        self.hosts *= 2 if not cuda else 1
+        first = torch.zeros(self.words, dtype=torch.int64, pin_memory=cuda)
+        self.hosts = [first, torch.zeros(self.words, dtype=torch.int64, pin_memory=True)] if cuda else [first, first]
         self.cur = 0
         self.host = self.hosts[0]
         self.h = self.host.numpy()

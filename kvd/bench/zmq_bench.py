@@ -404,13 +404,12 @@ def drive(stepper, work, spec: WorkloadSpec, sync=None, progress=None, warmup: i
         th = time.perf_counter()
         num_tokens += 1
         if num_tokens % bs == 0 and n:  # every request fills a block at the same step
-            if last_hash is None:
+            if last_hash is None:  # prompts shorter than a block: this is every request's first
                 flat = np.concatenate([hash_prompt(work.tokens[i, :bs], bs, algo=spec.hash_algo) for i in live.tolist()])
+                last_hash = np.empty(R, flat.dtype)
             else:
                 flat = hash_next_blocks(work.tokens[live, num_tokens - bs: num_tokens], last_hash[live],
                                         algo=spec.hash_algo)
-            if last_hash is None:
-                last_hash = np.empty(R, flat.dtype)
             last_hash[live] = flat
             counts = np.ones(n, np.int32)
             ids_of_blocks = ()
