@@ -2004,7 +2004,9 @@ class _BatchAdmission:
         cache_get = self.cache.get
         ref = pool.ref_cnt
         check_revived = pool.num_evictable > 0
-        revived: set[int] = set()
+        # blocks the batch's headroom already pays for: revived cached ones, and (hit by later
+        # requests of the batch) its own new ones, which still read ref 0 until _apply takes them
+        counted: set[int] = set()
         headroom = mgr._admission_headroom()
         # The batch's blocks, in the order take() will hand them out.
         stack_top = pool.num_fresh
@@ -2056,7 +2058,7 @@ class _BatchAdmission:
             new = total_blocks - nhit
             extra = 0
             if check_revived:
-                extra = sum(1 for b in hits if ref[b] == 0 and b not in revived)
+                extra = sum(1 for b in hits if ref[b] == 0 and b not in counted)
             if not free_rows or new + extra > headroom:
                 status[i] = STATUS_NO_SPACE
                 done = i + 1
@@ -2068,7 +2070,8 @@ class _BatchAdmission:
                 self.raced = True
                 break
             if check_revived:
-                revived.update(b for b in hits if ref[b] == 0)
+                counted.update(b for b in hits if ref[b] == 0)
+                counted.update(upcoming[offset : offset + new].tolist())
             seen.add(req.req_id)
             free_rows -= 1
             headroom -= new + extra

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvd import errors
-from kvd.api import STATUS_NO_SPACE, STATUS_OK, AdmitRequest, AllocStatus, ManagerConfig, StepBatch
+from kvd.api import STATUS_NO_SPACE, STATUS_OK, AdmitRequest, AllocStatus, GroupSpec, ManagerConfig, StepBatch
 from kvd.hashing import hash_prompt
 from kvd.manager import BlockManager
 
@@ -113,6 +113,28 @@ def test_never_when_bigger_than_the_pool_or_the_model():
     # a step's admissions answer the same, batched or one by one
     res = m.step(StepBatch(admit=[AdmitRequest("n", 81), AdmitRequest("o", 80), AdmitRequest("p", 16)]))
     assert res.admit_status.tolist() == [AllocStatus.NEVER, AllocStatus.OK, AllocStatus.LATER]
+
+
+def test_batched_admission_hits_its_own_new_blocks_without_paying_for_them_twice():
+    """A request of a step that hits blocks an earlier request of the same step registered owes no
+    block for them: they are that earlier request's new blocks, not cached ones it revives. With an
+    evictable block in the pool the batch used to count them as revived and refuse (found by the
+    sharing machine)."""
+    m = make(num_blocks=10, max_model_len=40, groups=(GroupSpec(4),))
+    x = prompt(4)
+    m.allocate("x", 4, hash_prompt(x, 4))
+    m.free("x")  # block 1: cached, evictable; 8 fresh blocks
+    a, b = prompt(5), prompt(17, 100)
+    res = m.step(StepBatch(admit=[AdmitRequest("a", 5, hash_prompt(a, 4)),  # hits block 1, takes 1 more
+                                  AdmitRequest("b", 9, hash_prompt(b[:9], 4)),  # 3 new, registers 2
+                                  AdmitRequest("c", 17, hash_prompt(b, 4))]))  # hits b's 2, 3 new
+    assert res.admit_status.tolist() == [STATUS_OK] * 3
+    assert res.admit_cached_tokens.tolist() == [4, 0, 8]
+    assert m.block_table("a").tolist() == [1, 2]
+    assert m.block_table("b").tolist() == [3, 4, 5]
+    assert m.block_table("c").tolist() == [3, 4, 6, 7, 8]
+    assert m.pool.ref_cnt[1:10].tolist() == [1, 1, 2, 2, 1, 1, 1, 1, 0]
+    assert m.num_free_blocks == 1 and m.pool.free_queue_order().tolist() == [9]
 
 
 def test_watermark_makes_admission_wait_but_not_appends():
