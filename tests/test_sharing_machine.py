@@ -157,9 +157,13 @@ class Model:
             self.pool.release(src)
         r["blocks"] += self.pool.take(grow)
         r["tokens"] = new
+        self.register_filled(rid, hashes)
+        return STATUS_OK
+
+    def register_filled(self, rid, hashes):
+        r = self.reqs[rid]
         self.register(r["writer"], hashes, r["blocks"][r["reg"]: r["reg"] + len(hashes)])
         r["reg"] += len(hashes)
-        return STATUS_OK
 
     def free(self, rid):
         for b in reversed(self.reqs.pop(rid)["blocks"]):
@@ -316,7 +320,8 @@ class SharingMachine(RuleBasedStateMachine):
     def decode_step_that_registers(self, k, data):
         """A daemon's decode step whose requests fill blocks: their registration waits for the
         reply (no debug check flushes it here), then an idle daemon runs a slice of it; the
-        invariant's flush does the rest."""
+        invariant's flush does the rest. Every request's blocks are taken before any is registered
+        (a block the step evicts frees its hash for a registration of the same step)."""
         live = sorted(self.model.reqs)
         rids = data.draw(st.lists(st.sampled_from(live), unique=True, max_size=4)) if live else []
         if any(self.model.reqs[r]["tokens"] + k > MAX_LEN for r in rids) or not self.model.decode_fits(rids, k):
@@ -339,8 +344,10 @@ class SharingMachine(RuleBasedStateMachine):
             del self.mgr._debug_check
         self._ticked()
         assert res.append_status.tolist() == [0] * len(rids)
+        for rid in rids:
+            assert self.model.append(rid, k, []) == STATUS_OK
         for rid, h in zip(rids, hashes):
-            assert self.model.append(rid, k, h.tolist()) == STATUS_OK
+            self.model.register_filled(rid, h.tolist())
         self.mgr.take_copies()
 
     @rule(rid=consumes(reqs))
@@ -403,3 +410,32 @@ class SharingMachine(RuleBasedStateMachine):
 SharingMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None, database=None,
                                             suppress_health_check=[HealthCheck.too_slow])
 TestSharingMachine = SharingMachine.TestCase
+
+
+def test_a_block_the_decode_step_evicts_frees_its_hash_for_that_steps_registration():
+    """Found by the machine: request 1 fills a block whose hash a cached, evictable block holds;
+    request 0's growth in the same step evicts that block. The step takes every request's blocks
+    before it registers any, so the filled block takes the hash over."""
+    mgr = BlockManager(ManagerConfig(num_gpu_blocks=NUM_BLOCKS, max_model_len=MAX_LEN, groups=(GroupSpec(BS),),
+                                     max_num_reqs=MAX_REQS, defer_cache_registration=True, debug_checks=True))
+
+    def h(toks):
+        return hash_prompt(np.array(toks, np.int32), BS)
+
+    prompts = {0: [0, 0], 1: [0], 2: [0, 0, 1, 1], 3: [0] * 10}
+    for rid, p in prompts.items():
+        assert mgr.allocate(rid, len(p), h(p[: len(p) // BS * BS]), writer=0).ok
+    mgr.fork(3, 4)
+    mgr.free(2)  # block 3: cached as h(0011), evictable
+    mgr.fork(1, 5)
+    assert mgr.pool.free_queue_order().tolist() == [7, 8, 9, 3]
+    filled = {3: h([0] * 12)[2:], 1: h([0, 0, 1, 1]), 0: h([0] * 4)}
+    rows = np.array([mgr.row_of(r) for r in filled], np.int32)
+    res = mgr.step(StepBatch(append_rows=rows, append_num_tokens=3, append_hashes=(np.concatenate(list(filled.values())),),
+                             append_hash_counts=(np.array([1, 1, 1], np.int32),)))
+    assert res.append_status.tolist() == [STATUS_OK] * 3
+    mgr.flush_deferred()
+    # 3 copies its shared last block to 7 and grows 8; 1 copies its shared block to 9; 0 grows 3
+    assert {r: mgr.block_table(r).tolist() for r in (3, 1, 0, 5)} == {3: [4, 5, 7, 8], 1: [9], 0: [1, 3], 5: [2]}
+    cache = mgr.pool.caches[mgr._cache_keys[(mgr._spaces[(0, 0)], 0)]]
+    assert cache == {h([0] * 4)[0]: 4, h([0] * 8)[1]: 5, h([0] * 12)[2]: 7, h([0, 0, 1, 1])[0]: 9}
