@@ -155,8 +155,8 @@ def main(argv=None) -> int:
                     help="CUDA graphs for steps of at most this many tokens (default 512 on CUDA; 0: eager)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="decode steps wait for their round trip (default: sent during the previous forward)")
-    ap.add_argument("--prestage", action="store_true",
-                    help="stage a steady decode step's inputs during the previous forward (default: after it)")
+    ap.add_argument("--no-prestage", action="store_true",
+                    help="stage a steady decode step's inputs after the previous forward (default: during it)")
     args = ap.parse_args(argv)
     cfg = dict(TINY if args.tiny else GPU)
     if args.dtype:
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     dev = torch.device(args.device or ("cpu" if args.tiny else "cuda:0"))
     dtype = getattr(torch, cfg["dtype"])
     gt = args.graph_tokens if args.graph_tokens is not None else (512 if dev.type == "cuda" else 0)
-    eng_opts = dict(keep_logits=False, graph_tokens=gt, overlap=not args.no_overlap, prestage=args.prestage)
+    eng_opts = dict(keep_logits=False, graph_tokens=gt, overlap=not args.no_overlap, prestage=not args.no_prestage)
     torch.set_num_threads(1 if args.tiny else torch.get_num_threads())
     model = build_model(tiny_config("llama", layers=cfg["layers"], hidden=cfg["hidden"], heads=cfg["heads"],
                                     kv_heads=cfg["kv_heads"], vocab=cfg["vocab"], max_pos=4096),
@@ -243,7 +243,7 @@ def main(argv=None) -> int:
               f"ms ({ttft_all['ttft_hit_ms'] / ttft_all['ttft_cold_ms']:.3f}x)")
     out = {"device": str(dev), "dtype": cfg["dtype"], "layers": cfg["layers"], "hidden": cfg["hidden"],
            "heads": [cfg["heads"], cfg["kv_heads"]], "prompt": cfg["prompt"], "decode_steps": cfg["steps"],
-           "graph_tokens": gt, "overlap": not args.no_overlap, "prestage": args.prestage,
+           "graph_tokens": gt, "overlap": not args.no_overlap, "prestage": not args.no_prestage,
            "batches": {str(k): v for k, v in rows.items()}, "ttft": ttft,
            "ttft_ratio": ttft["ttft_hit_ms"] / ttft["ttft_cold_ms"],
            "ttft_all_graphed": None if ttft_all is None else {

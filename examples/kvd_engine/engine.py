@@ -43,7 +43,7 @@ class Engine(ForwardMixin, OverlapMixin):
 
     def __init__(self, client, model, *, kv: OwnedKv | None = None, max_tokens: int = 256, max_running: int = 64,
                  device="cpu", keep_logits: bool = True, graph_tokens: int = 0, overlap: bool = False,
-                 prestage: bool = False):
+                 prestage: bool = True):
         """``keep_logits``: keep every sampled row's logits (float32, on the host) in ``Request.logits``
         (the tests compare them with HF's); False: only the sampled token ids leave the device.
         ``graph_tokens``: on CUDA, steps of at most that many tokens replay CUDA graphs
@@ -54,8 +54,8 @@ class Engine(ForwardMixin, OverlapMixin):
         forks, and a client that confirms a step only once a later one is sent (``steps_in_flight``
         >= 1); slots then come from the block tables (kvd rewrites its slot buffer for the next step
         while this forward may still read it). ``prestage``: with graphs and overlap, stage a steady
-        decode step's inputs while the previous forward runs (``graphs.Bucket.prestage``; off by
-        default until measured on a GPU: tests/test_engine_gpu.py checks its tokens)."""
+        decode step's inputs while the previous forward runs (``graphs.Bucket.prestage``; its tokens
+        are checked by tests/test_engine_gpu.py, its speed by scripts/bench_engine.py --no-prestage)."""
         self.c = client
         self.model = model
         self.device = torch.device(device)
