@@ -1268,33 +1268,36 @@ class BlockManager:
         its socket is idle; every call that reads the prefix cache runs it first)."""
         return len(self._deferred)
 
-    def flush_deferred(self, max_rows: int | None = None) -> None:
+    def flush_deferred(self, max_rows: int | None = None) -> int:
         """Finish prefix-cache registrations a decode step left for later (see
         ``ManagerConfig.defer_cache_registration``). ``max_rows``: register about that many
         requests' blocks and keep the rest queued, in order (an idle daemon works in slices, so that
         a message arriving meanwhile waits for one slice only). Confirmations run PROMOTE_BATCH
-        blocks per call either way."""
+        blocks per call either way. Returns how many requests' registrations ran."""
         if not self._deferred:
-            return
+            return 0
         unfinished = []
         budget: int | None = PROMOTE_BATCH  # for the whole flush
         items = self._deferred
+        done = 0
         for i, item in enumerate(items):
             if item[0] is _APPENDS:
                 if max_rows is not None:
-                    if max_rows <= 0:
+                    if max_rows <= done:
                         unfinished += items[i:]
                         break
-                    if max_rows < item[1].size:
-                        head, rest = _split_appends(item, max_rows)
+                    if max_rows - done < item[1].size:
+                        head, rest = _split_appends(item, max_rows - done)
                         self._register_deferred(head)
+                        done = max_rows
                         unfinished += [rest, *items[i + 1:]]
                         break
-                    max_rows -= item[1].size
                 self._register_deferred(item)
+                done += item[1].size
             elif budget is None or (budget := self._promote(item[1], item[2], budget)) is None:
                 unfinished.append(item)  # the next call (or reply) goes on with it
         self._deferred[:] = unfinished
+        return done
 
     def _register_deferred(self, item: tuple) -> None:
         _, rows, hashes, counts, tick, tokens = item

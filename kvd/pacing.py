@@ -1,34 +1,43 @@
-"""When a busy-polling daemon runs the work decode steps left for after their replies.
+"""When, and how much of, the work decode steps left for after their replies a busy-polling daemon runs.
 
-The daemon's loop (kvd.server) asks ``IdlePacer.may_run`` before each slice of deferred prefix-cache
-work (``BlockManager.flush_deferred(max_rows)``) while its socket is idle, and tells it when a
-message arrived, when it replied and how long a slice took. Pure bookkeeping over timestamps: no I/O,
-no clock of its own (the caller passes ``time.perf_counter()`` values), so it is tested exactly.
+The daemon's loop (kvd.server) asks ``IdlePacer.rows`` how many requests' deferred prefix-cache
+registrations (``BlockManager.flush_deferred(max_rows)``) to run while its socket is idle, and tells
+it when a message arrived, when it replied and what a slice cost. Pure bookkeeping over timestamps:
+no I/O, no clock of its own (the caller passes ``time.perf_counter()`` values), so it is tested
+exactly.
 """
 
 from __future__ import annotations
 
 
 class IdlePacer:
-    """When a busy-polling daemon runs, between messages, the prefix-cache work that decode steps
-    left for after their replies (``BlockManager.flush_deferred`` in slices of kvd.server's
-    _IDLE_FLUSH_ROWS requests).
+    """Slices of deferred registration sized to the gap the daemon expects before the next message.
 
-    A slice that is still running when the next message arrives delays that message. So after each
-    reply one slice always runs (the work cannot fall behind the messages that make it), and more
-    only while they fit before the next message is expected (the mean gap between a reply and the
-    next message), or once the socket has stayed idle for twice that gap. With back-to-back steps
-    the work of a step that registers 4,096 blocks is spread over the next steps' gaps instead of
-    landing on the step after it; with an engine's forward pass between steps it all runs at once.
-    (Slices of 64 requests cost twice the CPU in all at R = 4,096: each slice pays ~15 numpy calls.)
+    A slice still running when the next message arrives delays that message. So a slice is as
+    large as fits in the first ``FILL`` of the gap expected before the next message (the mean gap
+    between a reply and the next message), at the measured cost per request. After each reply one slice runs
+    however little fits (at least ``MIN_ROWS``: the work cannot fall behind the messages that make
+    it); later ones only where at least ``MIN_ROWS`` fit, or once the socket has stayed idle for
+    twice the gap (then ``IDLE_ROWS``). With back-to-back steps (a client that sends the next step
+    as soon as the reply is in) the registrations of a step that filled 256 blocks are spread over
+    the next steps' gaps instead of landing on the step after it; with an engine's forward pass
+    between steps they all run at once.
+
+    The cost per request is an average of seconds per request over the slices run, fixed costs
+    included. Its slice size converges to the one that fills the time G it may use: a slice of k
+    requests costs a + b*k, so the estimate a/k + b gives the next slice (G - a)/b requests once k
+    is there, and the map k -> G/(a/k + b) has slope a/G < 1 there.
     """
 
     EWMA = 0.2
     MAX_GAP_S = 0.002  # one long pause must not make every later gap look long
+    MIN_ROWS = 16
+    IDLE_ROWS = 256
+    FILL = 0.5  # of the expected gap: gaps vary, and a slice's first blocks are the coldest
 
-    def __init__(self, gap_s: float = 100e-6, slice_s: float = 50e-6):
+    def __init__(self, gap_s: float = 100e-6, row_s: float = 1e-6):
         self.gap_s = gap_s
-        self.slice_s = slice_s
+        self.row_s = row_s
         self.replied_at = 0.0
         self.owed = False
 
@@ -41,10 +50,19 @@ class IdlePacer:
         self.replied_at = now
         self.owed = True
 
-    def may_run(self, now: float) -> bool:
+    def rows(self, now: float) -> int:
+        """How many requests' registrations to run now; 0: none (wait for the message)."""
         since = now - self.replied_at
-        return self.owed or since + self.slice_s <= self.gap_s or since > 2 * self.gap_s
+        if since > 2 * self.gap_s:
+            return self.IDLE_ROWS
+        fit = max(int((self.gap_s * self.FILL - since) / self.row_s), 0)
+        if self.owed:
+            return max(fit, self.MIN_ROWS)
+        return fit if fit >= self.MIN_ROWS else 0
 
-    def ran(self, seconds: float) -> None:
-        self.slice_s += (seconds - self.slice_s) * self.EWMA
+    def ran(self, seconds: float, rows: int) -> None:
+        """A slice took ``seconds`` and registered ``rows`` requests' blocks (0: only confirmations,
+        which say nothing about the cost per request)."""
         self.owed = False
+        if rows:
+            self.row_s += (seconds / rows - self.row_s) * self.EWMA

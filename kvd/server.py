@@ -87,7 +87,7 @@ _EMPTY_I32 = np.empty(0, np.int32)
 _PROF = [] if os.environ.get("KVDSRV_PROF") else None
 _MAX_DRAIN_S = 0.02  # the longest one socket callback runs (busy polling included) before timers run
 _MAX_DEFERRED = 64  # deferred prefix-cache items a daemon lets pile up while messages keep coming
-_IDLE_FLUSH_ROWS = 256  # requests whose registrations an idle daemon runs between two looks at its socket
+_IDLE_FLUSH_ROWS = 256  # requests whose registrations a daemon that sleeps when idle runs per look at its socket
 
 
 # ---- sessions -----------------------------------------------------------------------------------
@@ -1320,10 +1320,11 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                 if not has_input(s):  # ZMQ_EVENTS re-arms the edge-triggered FD without an EAGAIN
                     if m.num_deferred:  # idle: the prefix-cache work steps left for later
                         now = pc()
-                        if not poll_s or pacer.may_run(now):
-                            m.flush_deferred(_IDLE_FLUSH_ROWS)
+                        rows = pacer.rows(now) if poll_s else _IDLE_FLUSH_ROWS
+                        if rows:
+                            done = m.flush_deferred(rows)
                             last = pc()
-                            pacer.ran(last - now)
+                            pacer.ran(last - now, done)
                             continue
                     d.publish_events()  # KV events once no message waits: several messages' at once
                     if not poll_s:

@@ -101,10 +101,11 @@ def test_a_decode_step_the_daemon_defers_logs_its_runs_at_the_flush():
 def test_a_deferred_registration_flushed_in_slices_registers_requests_in_order_and_keeps_the_rest():
     p = [[i * 10 + t for t in range(7)] for i in range(3)]
     m, log, h, new = _deferred_decode_step(p)
-    m.flush_deferred(max_rows=2)  # the first two requests' blocks; the third stays queued
+    assert m.flush_deferred(max_rows=2) == 2  # the first two requests' blocks; the third stays queued
     assert _entries(log) == [(new[i].tolist(), h[i][0], p[i][4:] + [0]) for i in range(2)]
     assert m.num_deferred == 1
-    m.flush_deferred(max_rows=2)
+    assert m.flush_deferred(max_rows=2) == 1
+    assert m.flush_deferred(max_rows=2) == 0
     assert _entries(log) == [(new[2].tolist(), h[2][0], p[2][4:] + [0])] and m.num_deferred == 0
     assert [m.lookup(np.r_[h[i], new[i]]) for i in range(3)] == [2, 2, 2]
     m.check_invariants(heavy=True)

@@ -452,20 +452,37 @@ def test_systemd_notifications(daemon_factory, short_tmp):
         s.close()
 
 
-def test_idle_pacer_runs_one_slice_per_reply_and_more_only_where_they_fit_the_expected_gap():
+def test_idle_pacer_sizes_slices_to_the_expected_gap_and_runs_one_per_reply():
     from kvd.pacing import IdlePacer
 
-    p = IdlePacer(gap_s=100e-6, slice_s=50e-6)
+    gap = 100.5e-6 / IdlePacer.FILL  # slices fill 100.5 µs of it (half a request over: no rounding at the edge)
+    p = IdlePacer(gap_s=gap, row_s=1e-6)
     p.replied(1.0)
-    assert p.may_run(1.0 + 90e-6)  # the slice owed to this reply, whatever the gap
-    p.ran(50e-6)
-    assert p.may_run(1.0 + 10e-6)  # 10 + 50 <= 100 µs: it ends before the next message is due
-    assert not p.may_run(1.0 + 60e-6)  # it would not: wait for the message
-    assert p.may_run(1.0 + 201e-6)  # idle for twice the gap: the client is not coming soon
+    assert p.rows(1.0 + 10e-6) == 90  # what fits before the next message is due
+    assert p.rows(1.0 + 95e-6) == IdlePacer.MIN_ROWS  # the slice owed to this reply, however little fits
+    p.ran(40e-6, 20)  # 2 µs a request
+    assert p.row_s == pytest.approx(1e-6 + 1e-6 * IdlePacer.EWMA)
+    assert p.rows(1.0 + 40e-6) == 50  # 60.5 µs / 1.2 µs  # more only where it fits ...
+    assert p.rows(1.0 + 90e-6) == 0  # ... and where at least MIN_ROWS fit: else wait for the message
+    assert p.rows(1.0 + 2 * gap + 1e-6) == IdlePacer.IDLE_ROWS  # idle for twice the gap: the client is not coming soon
+    p.ran(30e-6, 0)  # only confirmations: the cost per request stays
+    assert p.row_s == pytest.approx(1.2e-6)
     p.arrived(1.0 + 600e-6)
-    assert p.gap_s == pytest.approx(200e-6)  # the mean gap follows the clients' pace
+    after = gap + (600e-6 - gap) * IdlePacer.EWMA
+    assert p.gap_s == pytest.approx(after)  # the mean gap follows the clients' pace
     p.replied(2.0)
     p.arrived(3.0)  # one long pause counts as MAX_GAP_S
-    assert p.gap_s == pytest.approx(200e-6 + (IdlePacer.MAX_GAP_S - 200e-6) * IdlePacer.EWMA)
-    p.ran(150e-6)
-    assert p.slice_s == pytest.approx(50e-6 + 100e-6 * IdlePacer.EWMA)
+    assert p.gap_s == pytest.approx(after + (IdlePacer.MAX_GAP_S - after) * IdlePacer.EWMA)
+
+
+def test_idle_pacer_slices_converge_to_the_size_that_fills_the_gap():
+    """A slice of k requests costing a + b*k: the slices settle at (FILL * gap - a) / b requests."""
+    from kvd.pacing import IdlePacer
+
+    a, b, gap = 15e-6, 0.5e-6, 230e-6
+    p = IdlePacer(gap_s=gap, row_s=5e-6)
+    for i in range(60):
+        p.replied(float(i))
+        k = p.rows(float(i))
+        p.ran(a + b * k, k)
+    assert k == pytest.approx((IdlePacer.FILL * gap - a) / b, abs=2)
