@@ -11,13 +11,13 @@ the manager and the model agree on every reference count, the whole free-queue o
 from collections import deque
 
 import numpy as np
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
 from kvd.api import STATUS_NO_SPACE, STATUS_OK, AdmitRequest, GroupSpec, ManagerConfig, StepBatch
 from kvd.hashing import hash_prompt
 from kvd.manager import BlockManager
+from machine_settings import machine_settings
 
 BS = 4
 NUM_BLOCKS = 10
@@ -407,8 +407,7 @@ class SharingMachine(RuleBasedStateMachine):
             assert mgr.lookup(probe, writer=w) == len(model.lookup(w, probe))
 
 
-SharingMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None, database=None,
-                                            suppress_health_check=[HealthCheck.too_slow])
+SharingMachine.TestCase.settings = machine_settings(200, 40)
 TestSharingMachine = SharingMachine.TestCase
 
 

@@ -7,7 +7,6 @@ whole free-queue order, the prefix-cache map, and the CPU pool.
 """
 
 import numpy as np
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
@@ -15,6 +14,7 @@ from kvd import errors
 from kvd.api import STATUS_NO_SPACE, STATUS_OK, AdmitRequest, GroupSpec, ManagerConfig, StepBatch
 from kvd.hashing import hash_prompt
 from kvd.manager import BlockManager
+from machine_settings import machine_settings
 
 BS = 4
 NUM_BLOCKS = 20
@@ -438,8 +438,7 @@ class WindowMachine(ManagerMachine):
 
 
 # Generation speed is not what these check, and a loaded 2-core CI machine is slow: no too_slow.
-_QUIET = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-ManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, **_QUIET)
-WindowMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, **_QUIET)
+ManagerMachine.TestCase.settings = machine_settings(150, 30)
+WindowMachine.TestCase.settings = machine_settings(100, 30)
 TestManagerMachine = ManagerMachine.TestCase
 TestWindowMachine = WindowMachine.TestCase
