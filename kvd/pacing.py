@@ -15,10 +15,10 @@ class IdlePacer:
 
     A slice still running when the next message arrives delays that message. So a slice is as
     large as fits in the first ``FILL`` of the gap expected before the next message (the mean gap
-    between a reply and the next message), at the measured cost per request. After each reply one slice runs
-    however little fits (at least ``MIN_ROWS``: the work cannot fall behind the messages that make
-    it); later ones only where at least ``MIN_ROWS`` fit, or once the socket has stayed idle for
-    twice the gap (then ``IDLE_ROWS``). With back-to-back steps (a client that sends the next step
+    between a reply and the next message), at the measured cost per request. After each reply one
+    slice runs however little fits (at least ``MIN_ROWS``: the work cannot fall behind the messages
+    that make it); later ones only where at least ``MIN_ROWS`` fit, or once the socket has stayed
+    idle for twice the gap (then ``IDLE_ROWS``). With back-to-back steps (a client that sends the next step
     as soon as the reply is in) the registrations of a step that filled 256 blocks are spread over
     the next steps' gaps instead of landing on the step after it; with an engine's forward pass
     between steps they all run at once.

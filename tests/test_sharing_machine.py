@@ -430,7 +430,8 @@ def test_a_block_the_decode_step_evicts_frees_its_hash_for_that_steps_registrati
     assert mgr.pool.free_queue_order().tolist() == [7, 8, 9, 3]
     filled = {3: h([0] * 12)[2:], 1: h([0, 0, 1, 1]), 0: h([0] * 4)}
     rows = np.array([mgr.row_of(r) for r in filled], np.int32)
-    res = mgr.step(StepBatch(append_rows=rows, append_num_tokens=3, append_hashes=(np.concatenate(list(filled.values())),),
+    res = mgr.step(StepBatch(append_rows=rows, append_num_tokens=3,
+                             append_hashes=(np.concatenate(list(filled.values())),),
                              append_hash_counts=(np.array([1, 1, 1], np.int32),)))
     assert res.append_status.tolist() == [STATUS_OK] * 3
     mgr.flush_deferred()
