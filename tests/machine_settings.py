@@ -14,5 +14,6 @@ EXPLORE = int(os.environ.get("KVD_HYPOTHESIS_EXPLORE") or 0)
 
 
 def machine_settings(max_examples: int, steps: int) -> settings:
+    # generation speed is not what these check, and a loaded 2-core CI machine is slow: no too_slow
     return settings(max_examples=max_examples * max(EXPLORE, 1), stateful_step_count=steps, deadline=None,
                     database=None, derandomize=not EXPLORE, suppress_health_check=[HealthCheck.too_slow])

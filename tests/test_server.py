@@ -455,16 +455,16 @@ def test_systemd_notifications(daemon_factory, short_tmp):
 def test_idle_pacer_sizes_slices_to_the_expected_gap_and_runs_one_per_reply():
     from kvd.pacing import IdlePacer
 
-    gap = 100.5e-6 / IdlePacer.FILL  # slices fill 100.5 µs of it (half a request over: no rounding at the edge)
+    gap = 100.5e-6 / IdlePacer.FILL  # slices fill 100.5 µs of it (half a request over: no rounding edge)
     p = IdlePacer(gap_s=gap, row_s=1e-6)
     p.replied(1.0)
     assert p.rows(1.0 + 10e-6) == 90  # what fits before the next message is due
     assert p.rows(1.0 + 95e-6) == IdlePacer.MIN_ROWS  # the slice owed to this reply, however little fits
     p.ran(40e-6, 20)  # 2 µs a request
     assert p.row_s == pytest.approx(1e-6 + 1e-6 * IdlePacer.EWMA)
-    assert p.rows(1.0 + 40e-6) == 50  # 60.5 µs / 1.2 µs  # more only where it fits ...
+    assert p.rows(1.0 + 40e-6) == 50  # more only where it fits (60.5 µs at 1.2 µs a request) ...
     assert p.rows(1.0 + 90e-6) == 0  # ... and where at least MIN_ROWS fit: else wait for the message
-    assert p.rows(1.0 + 2 * gap + 1e-6) == IdlePacer.IDLE_ROWS  # idle for twice the gap: the client is not coming soon
+    assert p.rows(1.0 + 2 * gap + 1e-6) == IdlePacer.IDLE_ROWS  # idle for twice the gap: no client is coming soon
     p.ran(30e-6, 0)  # only confirmations: the cost per request stays
     assert p.row_s == pytest.approx(1.2e-6)
     p.arrived(1.0 + 600e-6)

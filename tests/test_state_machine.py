@@ -437,7 +437,6 @@ class WindowMachine(ManagerMachine):
     WINDOW = 2 * BS
 
 
-# Generation speed is not what these check, and a loaded 2-core CI machine is slow: no too_slow.
 ManagerMachine.TestCase.settings = machine_settings(150, 30)
 WindowMachine.TestCase.settings = machine_settings(100, 30)
 TestManagerMachine = ManagerMachine.TestCase
