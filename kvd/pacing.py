@@ -32,7 +32,7 @@ class IdlePacer:
     EWMA = 0.2
     MAX_GAP_S = 0.002  # one long pause must not make every later gap look long
     MIN_ROWS = 16
-    IDLE_ROWS = 256
+    IDLE_ROWS = 256  # a slice once no message is expected soon (a daemon that does not poll: always)
     FILL = 0.5  # of the expected gap: gaps vary, and a slice's first blocks are the coldest
 
     def __init__(self, gap_s: float = 100e-6, row_s: float = 1e-6):

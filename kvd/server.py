@@ -87,7 +87,6 @@ _EMPTY_I32 = np.empty(0, np.int32)
 _PROF = [] if os.environ.get("KVDSRV_PROF") else None
 _MAX_DRAIN_S = 0.02  # the longest one socket callback runs (busy polling included) before timers run
 _MAX_DEFERRED = 64  # deferred prefix-cache items a daemon lets pile up while messages keep coming
-_IDLE_FLUSH_ROWS = 256  # requests whose registrations a daemon that sleeps when idle runs per look at its socket
 
 
 # ---- sessions -----------------------------------------------------------------------------------
@@ -1320,7 +1319,7 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                 if not has_input(s):  # ZMQ_EVENTS re-arms the edge-triggered FD without an EAGAIN
                     if m.num_deferred:  # idle: the prefix-cache work steps left for later
                         now = pc()
-                        rows = pacer.rows(now) if poll_s else _IDLE_FLUSH_ROWS
+                        rows = pacer.rows(now) if poll_s else IdlePacer.IDLE_ROWS  # not polling: the socket is idle
                         if rows:
                             done = m.flush_deferred(rows)
                             last = pc()
