@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvd import errors, rowloops
+from kvd import errors, prefixindex, rowloops
 from kvd.api import (
     DEFAULT_PRIORITY,
     MAX_PRIORITY,
@@ -132,12 +132,12 @@ class BlockManager:
     @staticmethod
     def estimate_bytes(config: ManagerConfig) -> int:
         """Memory the manager's arrays will take, from above by a few percent (per GPU block 42
-        bytes: the pool's 33 and a registration serial; per CPU block 36, per request row 120 + 16
-        per group, plus the block tables)."""
+        bytes: the pool's 33 and a registration serial, and the prefix-cache index; per CPU block 36,
+        per request row 120 + 16 per group, plus the block tables)."""
         R = config.max_num_reqs
         tables = sum(_cdiv(config.max_model_len + config.max_lookahead_tokens, g.block_size) for g in config.groups)
         cross = _cdiv(config.max_encoder_len, config.encoder_block_size)
-        return (42 * config.num_gpu_blocks + 36 * max(config.num_cpu_blocks, 1)
+        return (42 * config.num_gpu_blocks + prefixindex.nbytes(config.num_gpu_blocks) + 36 * max(config.num_cpu_blocks, 1)
                 + R * (120 + 16 * len(config.groups) + 4 * (tables + cross)))
 
     def __init__(self, config: ManagerConfig) -> None:
@@ -147,7 +147,7 @@ class BlockManager:
         self.hash_dtype = hash_dtype(config.hash_width)
         self._empty_hashes = np.empty(0, self.hash_dtype)
         self.pool = BlockPool(config.num_gpu_blocks, self.hash_dtype)
-        self.cpu_pool = BlockPool(max(config.num_cpu_blocks, 1), self.hash_dtype)
+        self.cpu_pool = BlockPool(max(config.num_cpu_blocks, 1), self.hash_dtype, prefix_cache=False)
         self._cpu_carry_key = np.zeros(self.cpu_pool.num_blocks, np.uint16)
         R = config.max_num_reqs
         self.max_lookahead = config.max_lookahead_tokens
@@ -596,7 +596,7 @@ class BlockManager:
         ]
         if G == 1 and not self.groups[0].window:
             key, side_key = self._lookup_keys(space, 0)
-            hits = self.pool.lookup(key, hash_lists[0][: limits[0]].tolist(), side_key)
+            hits = self.pool.lookup(key, hash_lists[0][: limits[0]], side_key)
             return hits.size * self.groups[0].block_size, [hits]
         found = [self._hit_mask(gi, hash_lists[gi][: limits[gi]], space) for gi in range(G)]
         length = min(lim * g.block_size for lim, g in zip(limits, self.groups))
@@ -616,7 +616,7 @@ class BlockManager:
     def _hit_mask(self, g: int, hashes: np.ndarray, space: int):
         """Per-block hit flags and block ids (every block looked up: windows need no leading run)."""
         key, side_key = self._lookup_keys(space, g)
-        blocks = self.pool.visible(key, hashes.tolist(), side_key)
+        blocks = self.pool.visible(key, hashes, side_key)
         if not self.groups[g].window:
             miss = np.flatnonzero(blocks < 0)
             if miss.size:
@@ -1062,6 +1062,8 @@ class BlockManager:
         """Registration when each request filled at most one block (a decode step): a few array
         operations. False when the requests span several registration spaces (the general path then)."""
         g = self.groups[gi]
+        if self._tails is None and self._register_decode_blocks(g, gi, rows, hashes, counts, tick):
+            return True
         sel = rows[counts.astype(bool)]
         ns = self.namespace[sel]
         if ns.min() != ns.max():
@@ -1078,6 +1080,27 @@ class BlockManager:
             runs = None if runs is None else runs.take(present)
         self._register_in(self._cache_key(int(ns[0]), gi), hashes, blocks, tick, runs)
         g.num_registered[sel] = reg + 1
+        return True
+
+    def _register_decode_blocks(self, g: _Group, gi: int, rows, hashes, counts, tick: int | None) -> bool:
+        """``_register_one_each``'s usual case in two compiled calls: every block new to the cache
+        and stored in the shared map (False, having changed nothing, otherwise)."""
+        blocks = np.empty(hashes.size, np.int32)
+        srows = np.empty(hashes.size, np.int32)
+        ns = rowloops.decode_blocks(rows, counts, self.namespace, g.table, g.num_registered, self.pool.cache_key,
+                                    blocks, srows)
+        if ns == rowloops.DECLINED:
+            return False
+        key = self._cache_key(int(ns), gi)
+        shared = self.pool.side_of.get(key)
+        if shared is None:
+            if not self.pool.register_new(key, hashes, blocks):
+                return False
+        elif self.pool.register_new(shared, hashes, blocks, key):
+            self._note_unconfirmed(self._key_writer[key], key, blocks, self.tick if tick is None else tick)
+        else:
+            return False
+        g.num_registered[srows] += 1
         return True
 
     def _register_appends(self, rows, status, hash_lists, hash_counts, tick: int | None = None,
@@ -1901,9 +1924,9 @@ class _BatchAdmission:
         self.writer = mgr._space_info[space][1]
         self.key, side_key = mgr._lookup_keys(space, 0)
         self.mark = side_key
-        self.cache = mgr.pool.cache_map(self.key)
-        self.side = mgr.pool.caches.get(side_key) or None
-        self.inserted: list[list[bytes]] = []
+        self.index = mgr.pool.index
+        self.has_side = mgr.pool.map_size(side_key) > 0 if side_key else False
+        self.inserted: list[np.ndarray] = []  # blocks the batch stored (undone if it fails)
         self.raced = False
         self.events = mgr._tails is not None
         # events on, per request that registers: (hashes, parent, token ids) of its run, or its
@@ -1918,31 +1941,33 @@ class _BatchAdmission:
         try:
             return self._run(admits, status, rows_out, cached_out, start)
         except BaseException:
-            for keys in self.inserted:
-                for h in keys:
-                    self.cache.pop(h, None)
+            pool = self.mgr.pool
+            for blocks in self.inserted:
+                self.index.remove(blocks)
+                pool.cache_key[blocks] = 0
             raise
 
-    def _visible_run(self, keys: list, hits: list) -> list:
-        """``hits`` (the shared map's leading run for ``keys``) cut to what this writer may see,
+    def _visible_run(self, hashes: np.ndarray, hits: np.ndarray) -> np.ndarray:
+        """``hits`` (the shared map's leading run for ``hashes``) cut to what this writer may see,
         then continued through its side map."""
         mgr_pool = self.mgr.pool
-        if hits and mgr_pool.num_unconfirmed:
-            hits = hits[: mgr_pool.visible_run(np.array(hits, np.int32), self.mark).size]
-        if self.side is not None and len(hits) < len(keys):
-            hits = mgr_pool.lookup_from(self.key, keys, self.mark, np.array(hits, np.int32)).tolist()
+        if hits.size and mgr_pool.num_unconfirmed:
+            hits = mgr_pool.visible_run(hits, self.mark)
+        if self.has_side and hits.size < hashes.size:
+            hits = mgr_pool.lookup_from(self.key, hashes, self.mark, hits)
         return hits
 
-    def _races(self, keys: list) -> bool:
-        """Whether registering ``keys`` meets another writer's unconfirmed entry or this writer's
+    def _races(self, hashes: np.ndarray) -> bool:
+        """Whether registering ``hashes`` meets another writer's unconfirmed entry or this writer's
         side map (``pool.register``'s rules, not the batch's, decide those)."""
-        if self.side is not None and not self.side.keys().isdisjoint(keys):
+        if self.has_side and (self.index.find(self.mark, hashes) >= 0).any():
             return True
         pool = self.mgr.pool
-        if not pool.num_unconfirmed or self.cache.keys().isdisjoint(keys):
+        if not pool.num_unconfirmed:
             return False
-        get, marks, mark = self.cache.get, pool.unconfirmed_by, self.mark
-        return any((b := get(h)) is not None and marks[b] not in (0, mark) for h in keys)
+        found = self.index.find(self.key, hashes)
+        found = found[found >= 0]
+        return bool(pool.hidden(found, self.mark).any())
 
     @staticmethod
     def _fast_valid(req, bs, max_len, max_la, known, seen, hdt) -> bool:
@@ -1964,28 +1989,21 @@ class _BatchAdmission:
             raise errors.DuplicateRequest(f"request {req.req_id!r} already exists")
         return mgr._hash_lists(req.block_hashes, req.num_tokens)[0]
 
-    def _register(self, keys: list, hashes: np.ndarray, blocks: np.ndarray, reg_hashes, reg_blocks) -> np.ndarray | None:
-        """Cache ``keys`` -> ``blocks`` unless a key is cached already (the first block keeps it).
-        Returns which were cached (None: all)."""
-        cache = self.cache
-        before = len(cache)
-        if cache.keys().isdisjoint(keys):
-            cache.update(zip(keys, blocks.tolist()))
-            if len(cache) - before == len(keys):
-                self.inserted.append(keys)
-                reg_hashes.append(hashes)
-                reg_blocks.append(blocks)
-                return None
-            for h in keys:  # a hash repeated within the request: redo it one by one
-                cache.pop(h, None)
-        mask = np.zeros(len(keys), bool)
-        mine = []
-        for j, (h, b) in enumerate(zip(keys, blocks.tolist())):
-            if h not in cache:
-                cache[h] = b
-                mine.append(h)
-                mask[j] = True
-        self.inserted.append(mine)
+    def _register(self, hashes: np.ndarray, blocks: np.ndarray, reg_hashes, reg_blocks) -> np.ndarray | None:
+        """Cache ``hashes`` -> ``blocks`` (still free: ``_apply`` takes them) unless a hash is cached
+        already (the first block keeps it). Returns which were cached (None: all)."""
+        index = self.index
+        blocks = np.ascontiguousarray(blocks, np.int32)
+        self.mgr.pool.known_keys.add(self.key)
+        if index.insert_new(self.key, hashes, blocks) < 0:
+            self.inserted.append(blocks)
+            reg_hashes.append(hashes)
+            reg_blocks.append(blocks)
+            return None
+        mask = np.zeros(hashes.size, bool)
+        for j, b in enumerate(blocks.tolist()):
+            mask[j] = index.insert_one(self.key, hashes, j, b)
+        self.inserted.append(blocks[mask])
         reg_hashes.append(hashes[mask])
         reg_blocks.append(blocks[mask])
         self.dups.append((hashes[~mask], blocks[~mask]))
@@ -2004,7 +2022,7 @@ class _BatchAdmission:
         caching = mgr.config.enable_prefix_caching
         max_len, max_la = mgr.config.max_model_len, mgr.max_lookahead
         max_blocks = pool.num_blocks - 1 - mgr._watermark_blocks
-        cache_get = self.cache.get
+        index = self.index
         ref = pool.ref_cnt
         check_revived = pool.num_evictable > 0
         # blocks the batch's headroom already pays for: revived cached ones, and (hit by later
@@ -2047,16 +2065,13 @@ class _BatchAdmission:
                 status[i] = AllocStatus.NEVER
                 done = i + 1
                 continue
-            keys = hashes.tolist() if (caching and hashes.size) else []
-            hits = []
-            lookup_keys = keys[: (n - 1) // bs]
-            for h in lookup_keys:
-                b = cache_get(h)
-                if b is None:
-                    break
-                hits.append(b)
-            if pool.num_unconfirmed or self.side is not None:
-                hits = self._visible_run(lookup_keys, hits)
+            if not caching:
+                hashes = hashes[:0]
+            lookup = hashes[: (n - 1) // bs]
+            hit_blocks = index.run(self.key, lookup)
+            if pool.num_unconfirmed or self.has_side:
+                hit_blocks = self._visible_run(lookup, hit_blocks)
+            hits = hit_blocks.tolist()
             nhit = len(hits)
             new = total_blocks - nhit
             extra = 0
@@ -2068,8 +2083,8 @@ class _BatchAdmission:
                 continue
             if offset + new > stack_top:
                 break  # would evict: the rest go one by one
-            reg_end = min(len(keys), n // bs)
-            if reg_end > nhit and (pool.num_unconfirmed or self.side is not None) and self._races(keys[nhit:reg_end]):
+            reg_end = min(hashes.size, n // bs)
+            if reg_end > nhit and (pool.num_unconfirmed or self.has_side) and self._races(hashes[nhit:reg_end]):
                 self.raced = True
                 break
             if check_revived:
@@ -2079,8 +2094,8 @@ class _BatchAdmission:
             free_rows -= 1
             headroom -= new + extra
             if reg_end > nhit:
-                mask = self._register(keys[nhit:reg_end], hashes[nhit:reg_end],
-                                      upcoming[offset : offset + reg_end - nhit], reg_hashes, reg_blocks)
+                mask = self._register(hashes[nhit:reg_end], upcoming[offset : offset + reg_end - nhit],
+                                      reg_hashes, reg_blocks)
                 if self.events:
                     run = (hashes[nhit:reg_end], hashes[nhit - 1] if nhit else NO_PARENT,
                            None if tokens is None else tokens[nhit:reg_end])

@@ -25,7 +25,8 @@ This is the order vLLM's doubly linked free list gives (uncached blocks at the h
 appended at the tail), but every operation works on arrays of blocks at once: popping k blocks is a
 slice, not k pointer hops. Block 0 is the null block: never free, never handed out, never counted.
 
-Prefix-cache maps (``caches``, hash -> block, one per cache key) come in two kinds. A *shared* map
+Prefix-cache maps (hash -> block, one per cache key; ``kvd.prefixindex`` finds their entries, which
+are the blocks' own ``block_hash`` and ``cache_key``) come in two kinds. A *shared* map
 is what lookups of a namespace see. Several writers may fill one shared map; a block whose KV its
 writer has not yet confirmed as written is *unconfirmed*: ``unconfirmed_by[block]`` names the writer
 (by the cache key of its side map, below; 0 = confirmed) and only that writer's lookups may hit it.
@@ -48,6 +49,7 @@ import numpy as np
 from kvd import rowloops
 from kvd.api import DEFAULT_PRIORITY, MAX_PRIORITY, NULL_BLOCK
 from kvd.hashing import HASH_DTYPE
+from kvd.prefixindex import PrefixIndex
 from kvd.runs import Runs
 
 NO_CACHE_KEY = 0
@@ -134,7 +136,7 @@ class _EvictionQueue:
 class BlockPool:
     """Reference counts, prefix-cache maps and the free queue of one pool (GPU or CPU)."""
 
-    def __init__(self, num_blocks: int, hash_dtype: np.dtype = HASH_DTYPE) -> None:
+    def __init__(self, num_blocks: int, hash_dtype: np.dtype = HASH_DTYPE, prefix_cache: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError("a pool needs at least the null block")
         self.num_blocks = num_blocks
@@ -150,7 +152,9 @@ class BlockPool:
         self._queue_order: list[int] = []
         self.unconfirmed_by = np.zeros(num_blocks, np.uint16)
         self.num_unconfirmed = 0
-        self.caches: dict[int, dict[bytes, int]] = {}
+        # (kvd.prefixindex) None for a pool that caches nothing (the CPU pool: swapped blocks)
+        self.index = PrefixIndex(self.block_hash, self.cache_key) if prefix_cache else None
+        self.known_keys: set[int] = set()  # maps ever stored into since their last reset (events)
         self.side_of: dict[int, int] = {}  # a writer's side key -> its shared map's key
         self.num_evictions = 0
         # Prefix-cache changes, recorded only when a KV events publisher (kvd.events) asks for them:
@@ -240,14 +244,12 @@ class BlockPool:
 
     def _uncache(self, blocks: np.ndarray) -> None:
         keys = self.cache_key[blocks]
-        pairs = list(zip(keys.tolist(), self.block_hash[blocks].tolist()))
-        for key, h in pairs:
-            del self.caches[key][h]
+        self.index.remove(blocks)
         self.cache_key[blocks] = NO_CACHE_KEY
         published = self._forget_unconfirmed(blocks)
         if self.event_log is not None:
             removed: dict[int, list[bytes]] = {}
-            for (key, h), pub in zip(pairs, published.tolist()):
+            for key, h, pub in zip(keys.tolist(), self.block_hash[blocks].tolist(), published.tolist()):
                 if pub and key not in self.side_of:
                     removed.setdefault(key, []).append(h)
             self.event_log.extend(("removed", key, hashes) for key, hashes in removed.items())
@@ -331,28 +333,26 @@ class BlockPool:
         return queue
 
     # ---------------------------------------------------------------- prefix cache
-    def cache_map(self, key: int) -> dict[bytes, int]:
-        cache = self.caches.get(key)
-        if cache is None:
-            cache = self.caches[key] = {}
-        return cache
+    @property
+    def caches(self) -> dict[int, dict[bytes, int]]:
+        """A snapshot of every map that holds a block, ``{key: {hash: block}}`` (introspection and
+        tests: it reads the whole pool)."""
+        cached = np.flatnonzero(self.cache_key)
+        out: dict[int, dict[bytes, int]] = {}
+        for key, h, b in zip(self.cache_key[cached].tolist(), self.block_hash[cached].tolist(), cached.tolist()):
+            out.setdefault(key, {})[h] = b
+        return out
 
-    def lookup(self, key: int, hashes: list[bytes], side_key: int = NO_CACHE_KEY) -> np.ndarray:
+    def map_size(self, key: int) -> int:
+        """How many blocks map ``key`` holds."""
+        return self.index.size_of(key) if self.index is not None else 0
+
+    def lookup(self, key: int, hashes: np.ndarray, side_key: int = NO_CACHE_KEY) -> np.ndarray:
         """Blocks of the leading run of ``hashes`` that the writer of side map ``side_key`` (0: a
         writer whose blocks are confirmed at once) sees in shared map ``key``: confirmed entries,
         its own unconfirmed ones, then its side map."""
-        cache = self.caches.get(key)
-        if not cache:
-            return self.lookup_from(key, hashes, side_key, _EMPTY_I32) if side_key else _EMPTY_I32.copy()
-        get = cache.get
-        hits = []
-        for h in hashes:
-            block = get(h)
-            if block is None:
-                break
-            hits.append(block)
-        run = self.visible_run(np.array(hits, np.int32), side_key)
-        if side_key and run.size < len(hashes) and self.caches.get(side_key):
+        run = self.visible_run(self.index.run(key, hashes), side_key)
+        if side_key and run.size < hashes.size and self.index.size_of(side_key):
             return self.lookup_from(key, hashes, side_key, run)
         return run
 
@@ -369,33 +369,29 @@ class BlockPool:
                 return run[: int(np.argmax(hidden))]
         return run
 
-    def lookup_from(self, key: int, hashes: list[bytes], side_key: int, head: np.ndarray) -> np.ndarray:
-        """``lookup`` going on after the blocks ``head`` found for ``hashes[:len(head)]``, one hash
-        at a time, the writer's side map behind the shared one."""
-        get = self.caches.get(key, {}).get
-        side_get = self.caches.get(side_key, {}).get
-        mark = self.unconfirmed_by
-        hits = head.tolist()
-        for h in hashes[head.size:]:
-            block = get(h)
-            if block is None or mark[block] not in (0, side_key):
-                block = side_get(h)
-                if block is None:
-                    break
-            hits.append(block)
-        return np.array(hits, np.int32)
+    def lookup_from(self, key: int, hashes: np.ndarray, side_key: int, head: np.ndarray) -> np.ndarray:
+        """``lookup`` going on after the blocks ``head`` found for ``hashes[:len(head)]``: per hash
+        the shared map's block where the writer may hit it, else its side map's, up to the first
+        hash neither holds."""
+        rest = hashes[head.size :]
+        blocks = self.index.find(key, rest)
+        seen = np.flatnonzero(blocks >= 0)
+        blocks[seen[self.hidden(blocks[seen], side_key)]] = -1
+        if self.index.size_of(side_key):
+            miss = np.flatnonzero(blocks < 0)
+            blocks[miss] = self.index.find(side_key, rest[miss])
+        miss = np.flatnonzero(blocks < 0)
+        return np.concatenate([head, blocks[: miss[0] if miss.size else blocks.size]]).astype(np.int32)
 
-    def visible(self, key: int, hashes: list[bytes], side_key: int = NO_CACHE_KEY) -> np.ndarray:
-        """Block per hash (or -1) that the writer of ``side_key`` sees, every hash looked up."""
-        get = self.caches.get(key, {}).get
-        blocks = np.array([get(h, -1) for h in hashes], np.int64)
+    def visible(self, key: int, hashes: np.ndarray, side_key: int = NO_CACHE_KEY) -> np.ndarray:
+        """Block per hash (or -1, int64) that the writer of ``side_key`` sees, every hash looked up."""
+        blocks = self.index.find(key, hashes).astype(np.int64)
         if self.num_unconfirmed and blocks.size:
             found = np.flatnonzero(blocks >= 0)
             blocks[found[self.hidden(blocks[found], side_key)]] = -1
-        if side_key and self.caches.get(side_key):
-            side_get = self.caches[side_key].get
-            for i in np.flatnonzero(blocks < 0).tolist():
-                blocks[i] = side_get(hashes[i], -1)
+        if side_key and self.index.size_of(side_key):
+            miss = np.flatnonzero(blocks < 0)
+            blocks[miss] = self.index.find(side_key, hashes[miss])
         return blocks
 
     def register(self, key: int, hashes: np.ndarray, blocks: np.ndarray, side_key: int = NO_CACHE_KEY,
@@ -420,59 +416,54 @@ class BlockPool:
                 sub = self.register(key, hashes[idx], blocks[idx], side_key, None if runs is None else runs.take(idx))
                 in_main[idx], in_side[idx] = (True, False) if sub is ALL_SHARED else sub
             return in_main, in_side
-        cache = self.cache_map(key)
-        side = self.caches.get(side_key) if side_key else None
-        keys = hashes.tolist()
-        before = len(cache)
-        if cache.keys().isdisjoint(keys) and not side:
-            cache.update(zip(keys, blocks.tolist()))
-            if len(cache) - before == len(keys):
-                self._mark_cached(key, blocks, hashes, side_key)
-                if not side_key:
-                    self.log_stored(key, hashes, runs)
-                return ALL_SHARED
-            for h in keys:  # a hash repeated within the batch: redo it one by one
-                cache.pop(h, None)
-        return self._register_each(key, keys, hashes, blocks, side_key, runs)
+        if self.register_new(key, hashes, blocks, side_key, runs):
+            return ALL_SHARED
+        return self._register_each(key, hashes, blocks, side_key, runs)
 
-    def _register_each(self, key, keys, hashes, blocks, side_key, runs):
-        cache = self.caches[key]
+    def register_new(self, key: int, hashes: np.ndarray, blocks: np.ndarray, side_key: int = NO_CACHE_KEY,
+                     runs: Runs | None = None) -> bool:
+        """``register`` of uncached blocks when every one goes into the shared map (no hash held,
+        none repeated, no side map to consult); False, having changed nothing, otherwise."""
+        if side_key and self.index.size_of(side_key) or self.index.insert_new(key, hashes, blocks) >= 0:
+            return False
+        self.known_keys.add(key)
+        self._mark_unconfirmed(blocks, side_key)
+        if not side_key:
+            self.log_stored(key, hashes, runs)
+        return True
+
+    def _register_each(self, key, hashes, blocks, side_key, runs):
+        index = self.index
         mark = self.unconfirmed_by
-        in_main, in_side, replaced = np.zeros(blocks.size, bool), np.zeros(blocks.size, bool), []
-        side = self.caches.get(side_key) if side_key else None
-        for i, (h, b) in enumerate(zip(keys, blocks.tolist())):
-            if self.cache_key[b] != NO_CACHE_KEY or (side and h in side):
-                continue  # repeated within the batch, or the writer's own side copy
-            old = cache.get(h)
+        in_main, in_side = np.zeros(blocks.size, bool), np.zeros(blocks.size, bool)
+        for i, b in enumerate(blocks.tolist()):
+            if self.cache_key[b] != NO_CACHE_KEY:
+                continue  # repeated within the batch
+            if side_key and index.get_at(side_key, hashes, i) is not None:
+                continue  # the writer's own side copy
+            old = index.get_at(key, hashes, i)
             if old is None or (not side_key and mark[old]):
                 if old is not None:
-                    replaced.append(old)
-                cache[h] = b
+                    self._forget(np.array([old], np.int32))
+                index.insert_one(key, hashes, i, b)
                 in_main[i] = True
-                self.cache_key[b] = key
             elif side_key and mark[old] not in (0, side_key):
-                side = side if side is not None else self.cache_map(side_key)
-                side[h] = b
+                self.known_keys.add(side_key)
+                index.insert_one(side_key, hashes, i, b)
                 in_side[i] = True
-                self.cache_key[b] = side_key
-        if replaced:
-            self._forget(np.array(replaced, np.int32))
         dup = ~(in_main | in_side) & (self.cache_key[blocks] == NO_CACHE_KEY)
         if dup.any():  # not cached, but its request's chain goes through it (kvd.runs: parents)
             self.block_hash[blocks[dup]] = hashes[dup]
-        self._mark_cached(key, blocks[in_main], hashes[in_main], side_key)
-        self._mark_cached(side_key, blocks[in_side], hashes[in_side], side_key)
+        self._mark_unconfirmed(blocks[in_main], side_key)
+        self._mark_unconfirmed(blocks[in_side], side_key)
         if not side_key and in_main.any():
             self.log_stored(key, hashes[in_main], None if runs is None else runs.take(in_main))
         return in_main, in_side
 
-    def _mark_cached(self, key: int, blocks: np.ndarray, hashes: np.ndarray, side_key: int) -> None:
-        if blocks.size:
-            self.block_hash[blocks] = hashes
-            self.cache_key[blocks] = key
-            if side_key:
-                self.unconfirmed_by[blocks] = side_key
-                self.num_unconfirmed += blocks.size
+    def _mark_unconfirmed(self, blocks: np.ndarray, side_key: int) -> None:
+        if side_key and blocks.size:
+            self.unconfirmed_by[blocks] = side_key
+            self.num_unconfirmed += blocks.size
 
     def log_stored(self, key: int, hashes: np.ndarray, runs: Runs | None = None) -> None:
         """Record blocks stored (confirmed) under shared map ``key``, in chain order: with ``runs``
@@ -495,29 +486,23 @@ class BlockPool:
         shared map holds confirmed keeps that block: the side copy stops being cached (a free one
         goes to the front of the free queue, like any uncached block); an unconfirmed one gives way
         to the side copy. Returns which of ``blocks`` moved (their KV events are the caller's)."""
-        side = self.caches[side_key]
         key = self.side_of[side_key]
-        shared = self.cache_map(key)
-        hashes = self.block_hash[blocks].tolist()
-        for h in hashes:
-            del side[h]
+        self.index.remove(blocks)  # out of the side map
         self.confirm(blocks)
-        mark = self.unconfirmed_by
-        keep, doomed = np.ones(blocks.size, bool), []
-        for i, h in enumerate(hashes):
-            old = shared.get(h)
-            if old is not None:
-                if mark[old]:
-                    doomed.append(old)
-                else:
-                    keep[i] = False
-        if doomed:
-            self._forget(np.array(doomed, np.int32))
+        hashes = self.block_hash[blocks]
+        old = self.index.find(key, hashes)
+        held = old >= 0
+        unconfirmed = np.zeros(blocks.size, bool)
+        unconfirmed[held] = self.unconfirmed_by[old[held]] != 0
+        keep = ~held | unconfirmed
+        self._forget(old[unconfirmed])
+        self.cache_key[blocks] = NO_CACHE_KEY  # (out of the index already)
         self._forget(blocks[~keep])
         moved = blocks[keep]
         if moved.size:
-            shared.update(zip(self.block_hash[moved].tolist(), moved.tolist()))
-            self.cache_key[moved] = key
+            self.known_keys.add(key)
+            stored = self.index.insert_new(key, hashes[keep], moved)
+            assert stored < 0, "a side map holds each hash once, and the shared map gave way"
         return keep
 
     def cached_in(self, key: int, hashes: np.ndarray) -> np.ndarray:
@@ -525,13 +510,14 @@ class BlockPool:
         key) would find: what swapped-in content may reuse."""
         shared = self.side_of.get(key)
         if shared is None:
-            return self.visible(key, hashes.tolist())
-        return self.visible(shared, hashes.tolist(), key)
+            return self.visible(key, hashes)
+        return self.visible(shared, hashes, key)
 
     def _forget(self, blocks: np.ndarray) -> None:
         """Uncache blocks no map holds any more; free ones leave their eviction queue."""
         if not blocks.size:
             return
+        self.index.remove(blocks)
         self.cache_key[blocks] = NO_CACHE_KEY
         self._forget_unconfirmed(blocks)
         free = blocks[self.ref_cnt[blocks] == 0]
@@ -554,14 +540,12 @@ class BlockPool:
         # In eviction order, so that pushing them makes the most recently freed the front.
         evictable = self.free_queue_order()[self._stack_top :]
         cached = evictable[np.isin(evictable, cached)]
-        dropped = set(keys) if keys is not None else set(self.caches)
-        for key, h in zip(self.cache_key[cached].tolist(), self.block_hash[cached].tolist()):
-            if key not in dropped:
-                del self.caches[key][h]  # another writer's shared map: only the unconfirmed entry
-        for key in dropped:
-            self.caches.pop(key, None)
-            if self.event_log is not None and key not in self.side_of:
-                self.event_log.append(("cleared", key, []))
+        # (with ``keys``, another writer's shared map loses only the entries the dropped unconfirmed)
+        dropped = set(keys) if keys is not None else set(self.known_keys)
+        self.known_keys -= dropped
+        if self.event_log is not None:
+            self.event_log.extend(("cleared", key, []) for key in sorted(dropped) if key not in self.side_of)
+        self.index.remove(cached)
         self.cache_key[cached] = NO_CACHE_KEY
         self._forget_unconfirmed(cached)
         self.queue_pos[cached] = -1
@@ -604,15 +588,18 @@ class BlockPool:
             assert np.all(self.evict_prio[members] == prio)
         in_queue = np.flatnonzero(self.queue_pos >= 0)
         assert np.array_equal(np.sort(in_queue), np.sort(evictable))
-        total = 0
-        for key, cache in self.caches.items():
-            for h, b in cache.items():
-                assert self.cache_key[b] == key and self.block_hash[b].tobytes().rstrip(b"\0") == h
-                if key in self.side_of:
-                    assert self.unconfirmed_by[b] == key, "a side entry is its writer's, unconfirmed"
-                elif self.unconfirmed_by[b]:
-                    assert self.side_of.get(int(self.unconfirmed_by[b])) == key
-            total += len(cache)
-        assert total == np.count_nonzero(self.cache_key)
+        cached = np.flatnonzero(self.cache_key)
+        if self.index is None:
+            assert not cached.size, "a pool without a prefix cache caches nothing"
+            return
+        self.index.check()
+        entries = set(zip(self.cache_key[cached].tolist(), self.block_hash[cached].tolist()))
+        assert len(entries) == cached.size, "a map holds one block per hash"
+        assert set(self.cache_key[cached].tolist()) <= self.known_keys
+        for key, b in zip(self.cache_key[cached].tolist(), cached.tolist()):
+            if key in self.side_of:
+                assert self.unconfirmed_by[b] == key, "a side entry is its writer's, unconfirmed"
+            elif self.unconfirmed_by[b]:
+                assert self.side_of.get(int(self.unconfirmed_by[b])) == key
         assert not np.any(self.unconfirmed_by[self.cache_key == NO_CACHE_KEY])
         assert self.num_unconfirmed == np.count_nonzero(self.unconfirmed_by)

@@ -7,7 +7,8 @@ overhead however small the batch: a fork of one request into 8 children took ~60
 each is one native loop, so a step costs a few calls whatever its shape.
 
 Only numbers and numpy arrays cross this boundary (the manager's and the pool's own arrays,
-written in place); the free queue's order and the prefix-cache maps stay in Python (``kvd.pool``).
+written in place); the free queue's order stays in Python (``kvd.pool``), and the prefix-cache
+index has its own loops (``kvd.prefixindex``).
 
 Functions are compiled on first use and cached on disk (``NUMBA_CACHE_DIR`` overrides where);
 ``warm_up`` loads them all, as the daemon does at start. Bounds are not checked: every index is
@@ -307,6 +308,32 @@ def confirm_in_place(blocks, sizes, regs, keys, block_reg, unconfirmed_by, cache
     return n
 
 
+@_jit
+def decode_blocks(rows, counts, namespace, table, num_registered, cache_key, out_blocks, out_rows):
+    """The blocks a decode step filled, when each request filled at most one (``counts`` 0 or 1),
+    all requests are of one namespace and none of those blocks is cached yet: per request of count 1,
+    in order, its next block to register and its row (exactly ``out_blocks.size`` of them). Returns
+    that namespace, or DECLINED, having changed nothing, when any of that does not hold (the
+    general path then decides block by block)."""
+    ns = -1
+    k = 0
+    for i in range(rows.size):
+        c = counts[i]
+        if c == 0:
+            continue
+        row = rows[i]
+        if c != 1 or k == out_blocks.size or (ns >= 0 and namespace[row] != ns):
+            return DECLINED
+        ns = namespace[row]
+        b = table[row, num_registered[row]]
+        if b == 0 or cache_key[b] != 0:
+            return DECLINED
+        out_blocks[k] = b
+        out_rows[k] = row
+        k += 1
+    return ns if k == out_blocks.size else DECLINED
+
+
 def warm_up() -> None:
     """Compile (or load from the disk cache) every loop for the manager's array types now, so that
     the first step a daemon serves does not pay for it."""
@@ -326,3 +353,4 @@ def warm_up() -> None:
     range_slots(table, 1, i32, i32, i32, -1, 1, i64.copy())
     u16 = np.zeros(1, np.uint16)
     confirm_in_place(i32, i64, i64, u16, i64, u16.copy(), u16)
+    decode_blocks(i32, i64, i64, table, i32, u16, i32.copy(), i32.copy())

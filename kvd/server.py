@@ -42,7 +42,7 @@ import numpy as np
 import zmq
 
 from kvd import protocol as P
-from kvd import rowloops
+from kvd import prefixindex, rowloops
 from kvd.api import (
     PAD_SLOT_ID,
     STATUS_NEVER,
@@ -189,6 +189,7 @@ class Daemon:
                                    "max_model_len")
         self.manager = BlockManager(self.mcfg)
         rowloops.warm_up()  # compile now, not on the first step served
+        prefixindex.warm_up()
         if not rowloops.HAVE_NUMBA:
             log.warning("numba is not installed: the per-request loops run as plain Python (decode "
                         "steps ~10x slower, see the README); pip install 'kvd[fast]'")

@@ -65,7 +65,7 @@ def test_confirmation_is_per_tick_and_per_writer(m):
     assert m.lookup(HASHES) == 3 and m.lookup(other) == 0
     m.mark_computed(2, 3)
     assert m.lookup(other) == 3  # writer 2's copy of `other`
-    assert m.block_table("y")[:3].tolist() == m.pool.lookup(m._cache_key(0, 0), other.tolist()).tolist()
+    assert m.block_table("y")[:3].tolist() == m.pool.lookup(m._cache_key(0, 0), other).tolist()
     m.mark_computed(1, 2)  # writer 1's copy now duplicates writer 2's: dropped
     assert m.pool.cache_key[m.block_table("x")[:3]].tolist() == [0, 0, 0]
 
@@ -84,7 +84,7 @@ def test_an_entry_evicted_and_stored_again_waits_for_the_later_tick():
     assert m.lookup(HASHES) == 0, "tick 1's confirmation must not promote tick 3's blocks"
     m.mark_computed(1, 3)
     assert m.lookup(HASHES) == 3 and m.block_table("a2")[:3].tolist() == m.pool.lookup(
-        m._cache_key(0, 0), HASHES.tolist()).tolist()
+        m._cache_key(0, 0), HASHES).tolist()
 
 
 def test_drop_writer_forgets_what_it_never_confirmed(m):
@@ -142,7 +142,7 @@ def test_a_daemon_promotes_a_large_confirmation_in_bounded_batches(monkeypatch):
     m.flush_deferred()  # two of the three blocks: the third waits for the next call
     assert m.pool.cache_key[1:4].tolist() == [1, 1, 1]  # one shared map (key 1) ...
     assert m.pool.unconfirmed_by[1:4].tolist() == [0, 0, 2]  # ... the third still writer 1's (side key 2)
-    assert m.pool.lookup(m._cache_key(0, 0), HASHES.tolist()).tolist() == [1, 2]
+    assert m.pool.lookup(m._cache_key(0, 0), HASHES).tolist() == [1, 2]
     assert m.lookup(HASHES) == 3  # the next call goes on with it first
     assert m.pool.unconfirmed_by[1:4].tolist() == [0, 0, 0] and m.stats()["num_pending_blocks"] == 0
 
@@ -155,9 +155,9 @@ def test_a_race_loser_keeps_its_copy_in_its_side_map_and_the_first_confirmed_cop
     assert m.pool.cache_key[1:9].tolist() == [shared] * 3 + [0] + [side_b] * 3 + [0]
     assert m.pool.unconfirmed_by[1:9].tolist() == [side_a] * 3 + [0] + [side_b] * 3 + [0]
     assert m.lookup(HASHES, writer=2) == 3 and m.block_table("b")[:3].tolist() == [5, 6, 7]
-    assert m.pool.lookup(shared, HASHES.tolist(), side_b).tolist() == [5, 6, 7]
+    assert m.pool.lookup(shared, HASHES, side_b).tolist() == [5, 6, 7]
     m.mark_computed(2, m.tick)  # B confirms first: its copies replace A's unconfirmed entries
-    assert m.pool.caches[shared] == dict(zip(HASHES.tolist(), [5, 6, 7])) and not m.pool.caches[side_b]
+    assert m.pool.caches[shared] == dict(zip(HASHES.tolist(), [5, 6, 7])) and not m.pool.caches.get(side_b)
     assert m.pool.cache_key[1:4].tolist() == [0, 0, 0] and m.stats()["num_pending_blocks"] == 0
     assert m.lookup(HASHES) == 3 and m.lookup(HASHES, writer=1) == 3  # A now sees B's blocks
     m.mark_computed(1, m.tick)  # nothing of A's is still cached unconfirmed: a no-op
@@ -171,7 +171,7 @@ def test_a_confirmed_registration_replaces_an_unconfirmed_entry(m):
     m.allocate("a", 13, HASHES, writer=1)
     z = m.allocate("z", 13, HASHES)  # writer 0: computed by the time anyone looks
     assert z.num_cached_tokens == 0 and z.block_ids.tolist() == [5, 6, 7, 8]
-    assert m.pool.lookup(m._cache_key(0, 0), HASHES.tolist()).tolist() == [5, 6, 7]
+    assert m.pool.lookup(m._cache_key(0, 0), HASHES).tolist() == [5, 6, 7]
     assert m.pool.cache_key[1:4].tolist() == [0, 0, 0] and m.stats()["num_pending_blocks"] == 0
     assert m.lookup(HASHES, writer=1) == 3
     m.check_invariants(heavy=True)

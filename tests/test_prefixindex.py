@@ -1,0 +1,136 @@
+"""The prefix-cache index (kvd.prefixindex) against a dict model: exact blocks, counts, slots."""
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvd import prefixindex as PI
+from kvd.prefixindex import EMPTY_SLOT, NOT_FOUND, PrefixIndex
+
+W = 16
+
+
+def hashes(*ids: int) -> np.ndarray:
+    return np.array([bytes([i]) * W for i in ids], f"S{W}")
+
+
+def make(num_blocks: int = 8):
+    bh = np.zeros(num_blocks, f"S{W}")
+    ck = np.zeros(num_blocks, np.uint16)
+    return PrefixIndex(bh, ck), bh, ck
+
+
+def test_the_table_is_a_power_of_two_at_least_twice_the_pool():
+    assert [PI.capacity(n) for n in (1, 8, 9, 65536)] == [16, 16, 32, 131072]
+    assert PI.nbytes(65536) == 8 * 131072 + 8 * 65536
+
+
+def test_insert_new_writes_the_blocks_identity_and_finds_them_by_map():
+    index, bh, ck = make()
+    assert index.insert_new(3, hashes(1, 2), np.array([5, 6], np.int32)) == -1
+    assert bh[5] == hashes(1)[0] and bh[6] == hashes(2)[0] and ck[5] == ck[6] == 3
+    assert index.find(3, hashes(2, 1, 9)).tolist() == [6, 5, NOT_FOUND]
+    assert index.find(4, hashes(1)).tolist() == [NOT_FOUND]  # another map: not there
+    assert index.run(3, hashes(1, 2, 9, 1)).tolist() == [5, 6]  # the leading run only
+    assert (index.size_of(3), index.size_of(4), len(index)) == (2, 0, 2)
+    assert index.get_at(3, hashes(9, 2), 1) == 6 and index.get_at(3, hashes(9), 0) is None
+    assert np.count_nonzero(index.slots) == 2
+    index.check()
+
+
+def test_insert_new_is_all_or_nothing():
+    index, bh, ck = make()
+    index.insert_new(1, hashes(1), np.array([1], np.int32))
+    before = index.slots.copy()
+    assert index.insert_new(1, hashes(2, 1), np.array([2, 3], np.int32)) == 1  # hash 1 is held
+    assert index.insert_new(1, hashes(2, 3, 2), np.array([2, 3, 4], np.int32)) == 2  # repeated hash
+    assert index.insert_new(1, hashes(2, 3), np.array([2, 2], np.int32)) == 1  # repeated block
+    assert np.array_equal(index.slots, before) and ck[2:].tolist() == [0] * 6 and len(index) == 1
+    index.check()
+    # the same hash in another map is no conflict
+    assert index.insert_new(2, hashes(1), np.array([2], np.int32)) == -1
+    assert index.find(1, hashes(1)).tolist() == [1] and index.find(2, hashes(1)).tolist() == [2]
+
+
+def test_insert_one_stores_only_an_absent_hash():
+    index, bh, ck = make()
+    h = hashes(1, 2)
+    assert index.insert_one(1, h, 0, 4) and not index.insert_one(1, h, 0, 5)
+    assert index.insert_one(1, h, 1, 5) and index.find(1, h).tolist() == [4, 5] and ck[5] == 1
+
+
+def test_remove_keeps_the_rest_of_a_cluster_reachable_and_ignores_absent_blocks():
+    # 15 blocks in 32 slots: clusters form; removing from their middles shifts entries back
+    index, bh, ck = make(16)
+    h = hashes(*range(1, 16))
+    blocks = np.arange(1, 16, dtype=np.int32)
+    assert index.insert_new(1, h, blocks) == -1
+    for gone in ([7], [1, 15], [3, 4, 5]):
+        index.remove(np.array(gone, np.int32))
+        ck[gone] = 0
+        index.check()
+    index.remove(np.array([7], np.int32))  # not there any more: nothing changes
+    left = [b for b in range(1, 16) if b not in (7, 1, 15, 3, 4, 5)]
+    assert index.find(1, h).tolist() == [b if b in left else NOT_FOUND for b in range(1, 16)]
+    assert len(index) == len(left) and np.count_nonzero(index.slots != EMPTY_SLOT) == len(left)
+
+
+def test_rebuild_indexes_exactly_the_cached_blocks():
+    index, bh, ck = make()
+    bh[2], ck[2] = hashes(7)[0], 5
+    bh[3], ck[3] = hashes(8)[0], 6
+    index.rebuild()
+    assert index.find(5, hashes(7, 8)).tolist() == [2, NOT_FOUND] and index.find(6, hashes(8)).tolist() == [3]
+    assert (index.size_of(5), index.size_of(6)) == (1, 1)
+    index.check()
+
+
+def test_two_processes_mix_hashes_differently():
+    a, _, _ = make()
+    b, _, _ = make()
+    assert a.seed != b.seed  # a client cannot aim its hashes at one cluster
+
+
+ops = st.lists(st.tuples(st.sampled_from(["insert", "one", "remove"]), st.integers(1, 2),
+                         st.lists(st.integers(0, 11), min_size=1, max_size=5)), max_size=40)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(ops)
+def test_the_index_agrees_with_a_dict_model(program):
+    """Random stores and removals on a 12-block pool (a 32-slot table, so clusters): after every
+    operation each map holds what a dict would, and the table is consistent."""
+    index, bh, ck = make(12)
+    model: dict[tuple[int, bytes], int] = {}
+    for op, key, ids in program:
+        free = [b for b in range(1, 12) if ck[b] == 0]
+        if op == "remove":
+            blocks = np.array(sorted({1 + i % 11 for i in ids}), np.int32)
+            index.remove(blocks)
+            for b in blocks.tolist():
+                if ck[b]:
+                    del model[(int(ck[b]), bytes(bh[b]))]
+                ck[b] = 0
+        elif op == "insert":
+            h = hashes(*ids)
+            blocks = np.array(free[: len(ids)], np.int32)
+            if blocks.size < len(ids):
+                continue
+            fresh = [(key, bytes(x)) for x in h.tolist()]
+            ok = len(set(fresh)) == len(fresh) and not any(f in model for f in fresh)
+            assert (index.insert_new(key, h, blocks) == -1) == ok
+            if ok:
+                model.update(zip(fresh, blocks.tolist()))
+        else:
+            h = hashes(ids[0])
+            if not free:
+                continue
+            ok = (key, bytes(h[0])) not in model
+            assert index.insert_one(key, h, 0, free[0]) == ok
+            if ok:
+                model[(key, bytes(h[0]))] = free[0]
+        index.check()
+        for k in (1, 2):
+            probe = hashes(*range(12))
+            assert index.find(k, probe).tolist() == [model.get((k, bytes(x)), NOT_FOUND) for x in probe.tolist()]
+            assert index.size_of(k) == sum(1 for (kk, _) in model if kk == k)
