@@ -433,6 +433,7 @@ class BlockPool:
         return True
 
     def _register_each(self, key, hashes, blocks, side_key, runs):
+        self.known_keys.add(key)
         index = self.index
         mark = self.unconfirmed_by
         in_main, in_side = np.zeros(blocks.size, bool), np.zeros(blocks.size, bool)

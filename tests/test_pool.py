@@ -145,3 +145,16 @@ def test_more_releases_than_references_is_a_bug_and_changes_no_count():
     with pytest.raises(AssertionError):
         pool.release(ids(1, 2, 3, 2, 2))  # block 2 is held twice, released three times
     assert pool.ref_cnt[1:4].tolist() == [1, 2, 1] and pool.num_free == 4
+
+
+def test_a_reset_clears_every_map_stored_into_even_through_the_one_by_one_path():
+    pool = BlockPool(8)
+    pool.event_log = []
+    blocks = pool.take(3)
+    in_main, _ = pool.register(KEY, h(1, 2, 1), blocks)  # a repeated hash: stored one by one
+    assert in_main.tolist() == [True, True, False] and pool.caches == {KEY: {bytes(h(1)[0]): 1, bytes(h(2)[0]): 2}}
+    pool.release(blocks)
+    assert pool.reset_cache() and pool.caches == {}
+    assert pool.event_log[-1] == ("cleared", KEY, [])
+    assert pool.free_queue_order().tolist() == [2, 1, 3, 4, 5, 6, 7]
+    pool.check_invariants(heavy=True)

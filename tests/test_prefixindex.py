@@ -1,11 +1,12 @@
 """The prefix-cache index (kvd.prefixindex) against a dict model: exact blocks, counts, slots."""
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from kvd import prefixindex as PI
 from kvd.prefixindex import EMPTY_SLOT, NOT_FOUND, PrefixIndex
+from machine_settings import machine_settings
 
 W = 16
 
@@ -95,7 +96,7 @@ ops = st.lists(st.tuples(st.sampled_from(["insert", "one", "remove"]), st.intege
                          st.lists(st.integers(0, 11), min_size=1, max_size=5)), max_size=40)
 
 
-@settings(max_examples=150, deadline=None, derandomize=True)
+@machine_settings(150, 1)
 @given(ops)
 def test_the_index_agrees_with_a_dict_model(program):
     """Random stores and removals on a 12-block pool (a 32-slot table, so clusters): after every
