@@ -364,3 +364,9 @@ def test_step_with_non_integer_inputs_is_a_typed_error_and_changes_nothing():
         m.step(StepBatch(free=["b"], append_rows=rows, append_hashes=(hash_prompt(prompt(16), 16),),
                          append_hash_counts=(["one"],)))
     assert snapshot(m) == before
+
+
+def test_a_hash_narrower_than_the_index_mixes_is_refused_with_a_typed_error():
+    with pytest.raises(errors.InvalidArgument, match="hash_width must be at least 16 bytes, got 8"):
+        BlockManager(ManagerConfig(num_gpu_blocks=16, hash_width=8))
+    assert BlockManager(ManagerConfig(num_gpu_blocks=16, hash_width=24)).hash_dtype == np.dtype("S24")
