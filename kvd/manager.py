@@ -1083,23 +1083,15 @@ class BlockManager:
         return True
 
     def _register_decode_blocks(self, g: _Group, gi: int, rows, hashes, counts, tick: int | None) -> bool:
-        """``_register_one_each``'s usual case in two compiled calls: every block new to the cache
-        and stored in the shared map (False, having changed nothing, otherwise)."""
+        """``_register_one_each``'s usual case: every request's block found by one compiled call
+        (False, having changed nothing, when any of them is unusual)."""
         blocks = np.empty(hashes.size, np.int32)
         srows = np.empty(hashes.size, np.int32)
         ns = rowloops.decode_blocks(rows, counts, self.namespace, g.table, g.num_registered, self.pool.cache_key,
                                     blocks, srows)
         if ns == rowloops.DECLINED:
             return False
-        key = self._cache_key(int(ns), gi)
-        shared = self.pool.side_of.get(key)
-        if shared is None:
-            if not self.pool.register_new(key, hashes, blocks):
-                return False
-        elif self.pool.register_new(shared, hashes, blocks, key):
-            self._note_unconfirmed(self._key_writer[key], key, blocks, self.tick if tick is None else tick)
-        else:
-            return False
+        self._register_in(self._cache_key(int(ns), gi), hashes, blocks, tick)
         g.num_registered[srows] += 1
         return True
 

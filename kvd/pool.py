@@ -373,13 +373,7 @@ class BlockPool:
         """``lookup`` going on after the blocks ``head`` found for ``hashes[:len(head)]``: per hash
         the shared map's block where the writer may hit it, else its side map's, up to the first
         hash neither holds."""
-        rest = hashes[head.size :]
-        blocks = self.index.find(key, rest)
-        seen = np.flatnonzero(blocks >= 0)
-        blocks[seen[self.hidden(blocks[seen], side_key)]] = -1
-        if self.index.size_of(side_key):
-            miss = np.flatnonzero(blocks < 0)
-            blocks[miss] = self.index.find(side_key, rest[miss])
+        blocks = self.visible(key, hashes[head.size :], side_key)
         miss = np.flatnonzero(blocks < 0)
         return np.concatenate([head, blocks[: miss[0] if miss.size else blocks.size]]).astype(np.int32)
 
@@ -416,12 +410,12 @@ class BlockPool:
                 sub = self.register(key, hashes[idx], blocks[idx], side_key, None if runs is None else runs.take(idx))
                 in_main[idx], in_side[idx] = (True, False) if sub is ALL_SHARED else sub
             return in_main, in_side
-        if self.register_new(key, hashes, blocks, side_key, runs):
+        if self._register_new(key, hashes, blocks, side_key, runs):
             return ALL_SHARED
         return self._register_each(key, hashes, blocks, side_key, runs)
 
-    def register_new(self, key: int, hashes: np.ndarray, blocks: np.ndarray, side_key: int = NO_CACHE_KEY,
-                     runs: Runs | None = None) -> bool:
+    def _register_new(self, key: int, hashes: np.ndarray, blocks: np.ndarray, side_key: int,
+                      runs: Runs | None) -> bool:
         """``register`` of uncached blocks when every one goes into the shared map (no hash held,
         none repeated, no side map to consult); False, having changed nothing, otherwise."""
         if side_key and self.index.size_of(side_key) or self.index.insert_new(key, hashes, blocks) >= 0:
