@@ -1123,10 +1123,12 @@ class BlockManager:
             if np.all(ns == ns[0]):
                 self._register_in(self._cache_key(int(ns[0]), gi), hashes[hash_idx][present], blocks[present], tick,
                                   None if runs is None else runs.take(present))
-            else:
-                for ns_value in np.unique(ns).tolist():
-                    m = present & (ns[rep] == ns_value)
-                    self._register_in(self._cache_key(ns_value, gi), hashes[hash_idx][m], blocks[m], tick,
+            else:  # in batch order: writers of one namespace compete for its shared entries
+                space = ns[rep]
+                cuts = [0, *(np.flatnonzero(space[1:] != space[:-1]) + 1).tolist(), space.size]
+                for lo, hi in zip(cuts[:-1], cuts[1:]):
+                    m = np.arange(lo, hi)[present[lo:hi]]
+                    self._register_in(self._cache_key(int(space[lo]), gi), hashes[hash_idx[m]], blocks[m], tick,
                                       None if runs is None else runs.take(m))
             g.num_registered[srows] += counts[sel]
 

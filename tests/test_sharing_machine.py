@@ -439,3 +439,29 @@ def test_a_block_the_decode_step_evicts_frees_its_hash_for_that_steps_registrati
     assert {r: mgr.block_table(r).tolist() for r in (3, 1, 0, 5)} == {3: [4, 5, 7, 8], 1: [9], 0: [1, 3], 5: [2]}
     cache = mgr.pool.caches[mgr._cache_keys[(mgr._spaces[(0, 0)], 0)]]
     assert cache == {h([0] * 4)[0]: 4, h([0] * 8)[1]: 5, h([0] * 12)[2]: 7, h([0, 0, 1, 1])[0]: 9}
+
+
+def test_a_decode_step_of_several_writers_registers_in_batch_order():
+    """Found by exploring: writers 2 and 1 fill blocks of one hash in one decode step, writer 2's
+    request first in the batch. Writer 2's block takes the shared entry (awaiting its
+    confirmation) and writer 1's goes to its side map: batch order decides, not which writer's
+    registration space was made first."""
+    mgr = BlockManager(ManagerConfig(num_gpu_blocks=NUM_BLOCKS, max_model_len=MAX_LEN, groups=(GroupSpec(BS),),
+                                     max_num_reqs=MAX_REQS, defer_cache_registration=True, debug_checks=True))
+    empty = np.empty(0, "S16")
+    assert mgr.allocate(0, 1, empty, writer=1).ok
+    for child in (1, 2, 3):
+        mgr.fork(0, child)
+    assert mgr.allocate(5, 1, empty, writer=2).ok
+    assert mgr.block_table(0).tolist() == [1] and mgr.block_table(5).tolist() == [2]
+    full = hash_prompt(np.zeros(BS, np.int32), BS)
+    rows = np.array([mgr.row_of(5), mgr.row_of(0)], np.int32)
+    res = mgr.step(StepBatch(append_rows=rows, append_num_tokens=3, append_hashes=(np.concatenate([full, full]),),
+                             append_hash_counts=(np.array([1, 1], np.int32),)))
+    assert res.append_status.tolist() == [STATUS_OK, STATUS_OK]
+    mgr.flush_deferred()
+    assert mgr.block_table(5).tolist() == [2] and mgr.block_table(0).tolist() == [3]  # 0 copied its shared block
+    key = {w: mgr._cache_keys[(mgr._spaces[(0, w)], 0)] for w in (0, 1, 2)}  # 0: the shared map, else a side map
+    assert mgr.pool.caches == {key[0]: {full[0]: 2}, key[1]: {full[0]: 3}}
+    assert mgr.pool.unconfirmed_by[[2, 3]].tolist() == [key[2], key[1]]
+    assert mgr.lookup(full, writer=2) == 1 and mgr.lookup(full, writer=1) == 1 and mgr.lookup(full, writer=0) == 0
