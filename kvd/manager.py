@@ -201,6 +201,10 @@ class BlockManager:
         """Counts the calls that may register blocks (step, allocate, append_slots, swap_in)."""
         self._copies: list[np.ndarray] = []
         self._deferred: list[tuple] = []  # (_APPENDS, rows, hashes, counts, tick, tokens) or (_CONFIRM, writer, tick)
+        # Confirmations a flush ran out of promotion budget for, writer -> through tick, in the
+        # order they first waited; they go before everything in _deferred. A writer's later ones
+        # merge into its waiting one: one entry per writer, however long a backlog lasts.
+        self._waiting: dict[int, int] = {}
         # With KV events on (enable_kv_events), per group and row the hash of the row's last
         # registered block (NO_PARENT: none yet): the parent of its next registration (kvd.runs).
         self._tails: list[np.ndarray] | None = None
@@ -343,7 +347,7 @@ class BlockManager:
         if type(through_tick) is not int and not isinstance(through_tick, np.integer) or not 0 <= through_tick <= self.tick:
             raise errors.InvalidArgument(f"computed tick must be in [0, {self.tick}], got {through_tick!r}")
         fifo = self._unconfirmed.get(writer)
-        if not self._deferred and (not fifo or fifo[0][0] > through_tick):
+        if not self._deferred and not self._waiting and (not fifo or fifo[0][0] > through_tick):
             return  # (deferred registrations join the queue when flushed, before this confirmation)
         if self.config.defer_cache_registration:
             # like a decode step's registrations: after the reply, before anything reads the cache
@@ -1283,7 +1287,7 @@ class BlockManager:
     def num_deferred(self) -> int:
         """Registrations and confirmations waiting for ``flush_deferred`` (a daemon runs it when
         its socket is idle; every call that reads the prefix cache runs it first)."""
-        return len(self._deferred)
+        return len(self._deferred) + len(self._waiting)
 
     def flush_deferred(self, max_rows: int | None = None) -> int:
         """Finish prefix-cache registrations a decode step left for later (see
@@ -1291,10 +1295,10 @@ class BlockManager:
         requests' blocks and keep the rest queued, in order (an idle daemon works in slices, so that
         a message arriving meanwhile waits for one slice only). Confirmations run PROMOTE_BATCH
         blocks per call either way. Returns how many requests' registrations ran."""
-        if not self._deferred:
+        if not self._deferred and not self._waiting:
             return 0
+        budget = self._promote_waiting(PROMOTE_BATCH)  # for the whole flush
         unfinished = []
-        budget: int | None = PROMOTE_BATCH  # for the whole flush
         items = self._deferred
         done = 0
         for i, item in enumerate(items):
@@ -1312,9 +1316,24 @@ class BlockManager:
                 self._register_deferred(item)
                 done += item[1].size
             elif budget is None or (budget := self._promote(item[1], item[2], budget)) is None:
-                unfinished.append(item)  # the next call (or reply) goes on with it
+                self._wait(item[1], item[2])  # the next call (or reply) goes on with it
         self._deferred[:] = unfinished
         return done
+
+    def _promote_waiting(self, budget: int) -> int | None:
+        """Run waiting confirmations in order while the budget lasts (the rest keep waiting)."""
+        waiting = self._waiting
+        while waiting:
+            writer, through = next(iter(waiting.items()))
+            budget = self._promote(writer, through, budget)
+            if budget is None:
+                return None
+            del waiting[writer]
+        return budget
+
+    def _wait(self, writer: int, through: int) -> None:
+        waiting = self._waiting
+        waiting[writer] = max(waiting.get(writer, through), through)
 
     def _register_deferred(self, item: tuple) -> None:
         _, rows, hashes, counts, tick, tokens = item
@@ -1534,7 +1553,7 @@ class BlockManager:
                   and not (batch.free or batch.forks or batch.admit or len(batch.append_ids)))
         # A decode step that registers nothing neither reads the prefix cache nor changes what
         # deferred work will do (it only grows tables at their ends): it may run before that work.
-        if self._deferred and not (decode and not len(batch.append_hashes)):
+        if (self._deferred or self._waiting) and not (decode and not len(batch.append_hashes)):
             self.flush_deferred()
         la = batch.num_lookahead_tokens
         if type(la) is not int and (not isinstance(la, np.integer) or isinstance(la, bool)) or not 0 <= la <= self.max_lookahead:
@@ -1542,7 +1561,7 @@ class BlockManager:
         space = self._space(namespace, writer) if batch.admit else 0
         if batch.computed_through is not None:
             self.mark_computed(writer, batch.computed_through)
-            if batch.admit and self._deferred:  # admissions see the free queue as confirmed
+            if batch.admit and (self._deferred or self._waiting):  # admissions see the free queue as confirmed
                 self.flush_deferred()
         self.tick += 1
         if decode:

@@ -147,6 +147,42 @@ def test_a_daemon_promotes_a_large_confirmation_in_bounded_batches(monkeypatch):
     assert m.pool.unconfirmed_by[1:4].tolist() == [0, 0, 0] and m.stats()["num_pending_blocks"] == 0
 
 
+def test_confirmations_waiting_for_promotion_budget_stay_one_per_writer(monkeypatch):
+    """A backlog longer than a flush's budget: confirmations wait in the order they first waited,
+    a writer's later ones merge into its waiting one (however many steps confirm meanwhile), and
+    every flush promotes exactly its budget's worth in that order."""
+    import kvd.manager as M
+
+    monkeypatch.setattr(M, "PROMOTE_BATCH", 2)
+    m = BlockManager(ManagerConfig(num_gpu_blocks=16, max_model_len=64, max_num_reqs=8, groups=(GroupSpec(BS),),
+                                   debug_checks=True, defer_cache_registration=True))
+    for rid, writer, shift in (("a", 1, 0), ("b", 2, 100), ("c", 1, 200)):  # ticks 1, 2, 3
+        assert m.allocate(rid, 13, hash_prompt(PROMPT + shift, BS), writer=writer).ok
+    assert [m.block_table(r).tolist() for r in "abc"] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+
+    def unconfirmed():
+        return np.flatnonzero(m.pool.unconfirmed_by).tolist()
+
+    m.mark_computed(1, 1)
+    m.mark_computed(2, 2)
+    m.mark_computed(1, 3)
+    assert m.num_deferred == 3
+    m.flush_deferred()
+    assert unconfirmed() == [3, 5, 6, 7, 9, 10, 11] and m._waiting == {1: 3, 2: 2} and m.num_deferred == 2
+    for _ in range(20):  # steps confirming while the backlog lasts
+        m.mark_computed(1, 3)
+    assert m.num_deferred == 22
+    m.flush_deferred()  # writer 1's merged confirmation first: its block 3, then its tick-3 blocks
+    assert unconfirmed() == [5, 6, 7, 10, 11] and m._waiting == {1: 3, 2: 2} and m.num_deferred == 2
+    m.flush_deferred()
+    assert unconfirmed() == [5, 6, 7] and m._waiting == {2: 2}
+    m.flush_deferred()
+    assert unconfirmed() == [7] and m._waiting == {2: 2}
+    m.flush_deferred()
+    assert unconfirmed() == [] and m._waiting == {} and m.num_deferred == 0
+    assert m.lookup(hash_prompt(PROMPT + 100, BS), writer=3) == 3
+
+
 def test_a_race_loser_keeps_its_copy_in_its_side_map_and_the_first_confirmed_copy_wins(m):
     m.allocate("a", 13, HASHES, writer=1)  # blocks 1-3 in the shared map, unconfirmed by writer 1
     b = m.allocate("b", 13, HASHES, writer=2)  # A's entries are hidden from B: B's copies, side map
