@@ -429,23 +429,16 @@ class BlockPool:
     def _register_each(self, key, hashes, blocks, side_key, runs):
         self.known_keys.add(key)
         index = self.index
-        mark = self.unconfirmed_by
         in_main, in_side = np.zeros(blocks.size, bool), np.zeros(blocks.size, bool)
-        for i, b in enumerate(blocks.tolist()):
-            if self.cache_key[b] != NO_CACHE_KEY:
-                continue  # repeated within the batch
-            if side_key and index.get_at(side_key, hashes, i) is not None:
-                continue  # the writer's own side copy
-            old = index.get_at(key, hashes, i)
-            if old is None or (not side_key and mark[old]):
-                if old is not None:
-                    self._forget(np.array([old], np.int32))
-                index.insert_one(key, hashes, i, b)
-                in_main[i] = True
-            elif side_key and mark[old] not in (0, side_key):
-                self.known_keys.add(side_key)
-                index.insert_one(side_key, hashes, i, b)
-                in_side[i] = True
+        blocks = np.ascontiguousarray(blocks, np.int32)
+        i = index.insert_each(key, side_key, hashes, blocks, self.unconfirmed_by, in_main, in_side)
+        while i >= 0:  # a confirmed registration replaces an unconfirmed entry (rare: not compiled)
+            self._forget(np.array([index.get_at(key, hashes, i)], np.int32))
+            index.insert_one(key, hashes, i, int(blocks[i]))
+            in_main[i] = True
+            i = index.insert_each(key, side_key, hashes, blocks, self.unconfirmed_by, in_main, in_side, i + 1)
+        if in_side.any():
+            self.known_keys.add(side_key)
         dup = ~(in_main | in_side) & (self.cache_key[blocks] == NO_CACHE_KEY)
         if dup.any():  # not cached, but its request's chain goes through it (kvd.runs: parents)
             self.block_hash[blocks[dup]] = hashes[dup]

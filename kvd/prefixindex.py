@@ -174,6 +174,34 @@ def insert_one(h, i, b, key, seed, slots, bh, cache_key, count):
 
 
 @_compiled
+def insert_each(h, blocks, start, key, side_key, mark, seed, slots, bh, cache_key, count, in_main, in_side):
+    """``kvd.pool.BlockPool.register``'s block-by-block rule, in order from ``start``: block
+    ``blocks[i]`` (skipped if cached, e.g. repeated in the batch) goes into map ``key`` when it has
+    no entry under ``h[i]`` (``in_main[i]``), into side map ``side_key`` when the entry awaits
+    another writer's confirmation (``in_side[i]``); nothing when the writer of ``side_key`` sees
+    that hash already (its own entry, or one confirmed). ``mark``: the pool's ``unconfirmed_by``.
+    Returns -1 when done, or the first ``i`` whose confirmed registration (``side_key`` 0) meets an
+    unconfirmed entry: the caller uncaches that entry, stores ``blocks[i]`` and goes on from i + 1."""
+    for i in range(start, h.shape[0]):
+        b = blocks[i]
+        if cache_key[b] != 0:
+            continue
+        if side_key and count[side_key] and _probe(h, i, side_key, seed, slots, bh, cache_key) != NOT_FOUND:
+            continue
+        old = _probe(h, i, key, seed, slots, bh, cache_key) if count[key] else NOT_FOUND
+        if old == NOT_FOUND:
+            _put(h, i, b, key, seed, slots, bh, cache_key, count)
+            in_main[i] = True
+        elif not side_key:
+            if mark[old]:
+                return i
+        elif mark[old] != 0 and mark[old] != side_key:
+            _put(h, i, b, side_key, seed, slots, bh, cache_key, count)
+            in_side[i] = True
+    return -1
+
+
+@_compiled
 def _remove(b, seed, slots, bh, cache_key, count):
     """Take block ``b`` out of the table, if it is there (its hash and key as when stored).
     Backward-shift deletion keeps every later member of the cluster reachable from its home."""
@@ -297,6 +325,13 @@ class PrefixIndex:
         """Store ``block`` under ``hashes[i]`` in map ``key`` unless it holds that hash already."""
         return bool(insert_one(self._rows(hashes), i, block, key, *self._args(), self.count))
 
+    def insert_each(self, key: int, side_key: int, hashes: np.ndarray, blocks: np.ndarray, mark: np.ndarray,
+                    in_main: np.ndarray, in_side: np.ndarray, start: int = 0) -> int:
+        """The compiled ``insert_each`` from ``start``: -1 when done, else where the caller must
+        replace an unconfirmed entry itself."""
+        return int(insert_each(self._rows(hashes), np.ascontiguousarray(blocks, np.int32), start, key, side_key, mark,
+                               *self._args(), self.count, in_main, in_side))
+
     def remove(self, blocks: np.ndarray) -> None:
         """Take cached ``blocks`` out of their maps' index; their ``cache_key`` is the caller's to
         clear (or to set to another map, followed by ``insert_new``)."""
@@ -336,6 +371,8 @@ def warm_up() -> None:
     h = np.array([b"w" * 16], "S16")
     index.insert_new(1, h, np.array([1], np.int32))
     index.insert_one(1, h, 0, 2)
+    flags = np.zeros(1, bool)
+    index.insert_each(1, 2, h, np.array([3], np.int32), np.zeros(4, np.uint16), flags, flags.copy())
     index.find(1, h)
     index.run(1, h)
     index.remove(np.array([1], np.int32))

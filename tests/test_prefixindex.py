@@ -53,6 +53,40 @@ def test_insert_new_is_all_or_nothing():
     assert index.find(1, hashes(1)).tolist() == [1] and index.find(2, hashes(1)).tolist() == [2]
 
 
+def test_insert_each_follows_the_pools_block_by_block_rule():
+    """Map 1 is shared, map 2 writer A's side map (A's blocks are marked 2), 3 writer B's mark."""
+    index, bh, ck = make(16)
+    mark = np.zeros(16, np.uint16)
+    index.insert_new(1, hashes(1, 2, 3), np.array([1, 2, 3], np.int32))
+    mark[2], mark[3] = 3, 2  # hash 2 awaits B's confirmation, hash 3 A's own
+    index.insert_new(2, hashes(4), np.array([4], np.int32))  # A's side copy of hash 4
+    # as writer A: 8 cached already (skipped), 4 A's side copy, 2 B's unconfirmed -> side, 3 A's own,
+    # 1 confirmed, 5 new -> shared, 5 again in the batch (its block 11 is then a duplicate: nothing)
+    index.insert_new(1, hashes(9), np.array([8], np.int32))
+    h = hashes(7, 4, 2, 3, 1, 5, 5)
+    blocks = np.array([8, 9, 10, 11, 12, 13, 14], np.int32)
+    in_main, in_side = np.zeros(7, bool), np.zeros(7, bool)
+    assert index.insert_each(1, 2, h, blocks, mark, in_main, in_side) == -1
+    assert np.flatnonzero(in_main).tolist() == [5] and np.flatnonzero(in_side).tolist() == [2]
+    assert index.find(1, hashes(5)).tolist() == [13] and index.find(2, hashes(2, 4)).tolist() == [10, 4]
+    assert ck[8:15].tolist() == [1, 0, 2, 0, 0, 1, 0] and (index.size_of(1), index.size_of(2)) == (5, 2)
+    index.check()
+
+
+def test_insert_each_stops_where_a_confirmed_block_meets_an_unconfirmed_entry():
+    index, bh, ck = make(16)
+    mark = np.zeros(16, np.uint16)
+    index.insert_new(1, hashes(1, 2), np.array([1, 2], np.int32))
+    mark[2] = 3
+    in_main, in_side = np.zeros(3, bool), np.zeros(3, bool)
+    h, blocks = hashes(6, 2, 7), np.array([5, 6, 7], np.int32)
+    assert index.insert_each(1, 0, h, blocks, mark, in_main, in_side) == 1  # writer 0 vs block 2
+    assert in_main.tolist() == [True, False, False] and ck[5:8].tolist() == [1, 0, 0]
+    assert index.insert_each(1, 0, h, blocks, mark, in_main, in_side, 2) == -1  # the caller goes on
+    assert in_main.tolist() == [True, False, True] and ck[5:8].tolist() == [1, 0, 1] and not in_side.any()
+    index.check()
+
+
 def test_insert_one_stores_only_an_absent_hash():
     index, bh, ck = make()
     h = hashes(1, 2)
