@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
 from kvd import errors
-from kvd.api import STATUS_NO_SPACE, STATUS_OK, AdmitRequest, GroupSpec, ManagerConfig, StepBatch
+from kvd.api import STATUS_NEVER, STATUS_NO_SPACE, STATUS_OK, AdmitRequest, GroupSpec, ManagerConfig, StepBatch
 from kvd.hashing import hash_prompt
 from kvd.manager import BlockManager
 from machine_settings import machine_settings
@@ -192,6 +192,8 @@ class Model:
     def swap_out(self, rid):
         r = self.reqs[rid]
         gpu = sorted(b for b in r["blocks"] if b)
+        if len(gpu) > NUM_CPU - 1:  # more than the whole CPU pool (block 0 is null)
+            return STATUS_NEVER
         if len(gpu) > self.cpu.num_free():
             return STATUS_NO_SPACE
         cpu = self.cpu.take(len(gpu))
@@ -441,3 +443,19 @@ ManagerMachine.TestCase.settings = machine_settings(150, 30)
 WindowMachine.TestCase.settings = machine_settings(100, 30)
 TestManagerMachine = ManagerMachine.TestCase
 TestWindowMachine = WindowMachine.TestCase
+
+
+def test_a_request_larger_than_the_whole_cpu_pool_can_never_be_swapped_out():
+    """Found by exploring: 42 tokens and 3 lookahead slots hold 12 blocks; the CPU pool has 11
+    (block 0 is null). Swapping out is NEVER (not NO_SPACE: no amount of waiting frees enough),
+    and the request stays resident, its blocks and the pools untouched."""
+    mgr = BlockManager(ManagerConfig(num_gpu_blocks=NUM_BLOCKS, num_cpu_blocks=NUM_CPU, max_model_len=MAX_LEN,
+                                     groups=(GroupSpec(BS),), max_num_reqs=MAX_REQS, max_lookahead_tokens=8,
+                                     debug_checks=True))
+    assert mgr.allocate(0, 37, hash_prompt(np.zeros(36, np.int32), BS), 0).ok
+    assert mgr.append_slots(0, 5, hash_prompt(np.zeros(40, np.int32), BS)[9:], 3).ok
+    table = mgr.block_table(0).tolist()
+    assert table == list(range(1, 13)) and mgr.cpu_pool.num_free == NUM_CPU - 1
+    assert mgr.swap_out(0).status == STATUS_NEVER
+    assert mgr.block_table(0).tolist() == table and mgr.cpu_pool.num_free == NUM_CPU - 1
+    assert mgr.pool.ref_cnt[1:13].tolist() == [1] * 12 and not mgr.swapped[mgr.row_of(0)]
