@@ -205,6 +205,7 @@ class BlockManager:
         # order they first waited; they go before everything in _deferred. A writer's later ones
         # merge into its waiting one: one entry per writer, however long a backlog lasts.
         self._waiting: dict[int, int] = {}
+        self._ns_out = np.zeros(1, np.int64)  # rowloops.next_blocks's namespace
         # With KV events on (enable_kv_events), per group and row the hash of the row's last
         # registered block (NO_PARENT: none yet): the parent of its next registration (kvd.runs).
         self._tails: list[np.ndarray] | None = None
@@ -1091,12 +1092,50 @@ class BlockManager:
         (False, having changed nothing, when any of them is unusual)."""
         blocks = np.empty(hashes.size, np.int32)
         srows = np.empty(hashes.size, np.int32)
-        ns = rowloops.decode_blocks(rows, counts, self.namespace, g.table, g.num_registered, self.pool.cache_key,
-                                    blocks, srows)
-        if ns == rowloops.DECLINED:
+        if rowloops.next_blocks(rows, counts, rows.size, self.namespace, g.table, g.num_registered,
+                                self.pool.cache_key, blocks, srows, self._ns_out) != hashes.size:
             return False
-        self._register_in(self._cache_key(int(ns), gi), hashes, blocks, tick)
+        self._register_in(self._cache_key(int(self._ns_out[0]), gi), hashes, blocks, tick)
         g.num_registered[srows] += 1
+        return True
+
+    def _register_head(self, item: tuple, k: int) -> tuple | None:
+        """Register the first ``k`` requests of a deferred registration; returns the rest of it
+        (None when nothing is left)."""
+        if self._tails is None and self._register_head_new(item, k):
+            return None if k >= item[1].size else _drop_appends(item, k)
+        if k >= item[1].size:
+            self._register_deferred(item)
+            return None
+        head, rest = _split_appends(item, k)
+        self._register_deferred(head)
+        return rest
+
+    def _register_head_new(self, item: tuple, k: int) -> bool:
+        """``_register_head``'s usual case, with as few calls as an idle slice of a few dozen
+        requests can afford: each request filled at most one uncached block, of one namespace, and
+        every hash is new to the map (the pool's ``register_new``). False, having changed nothing,
+        otherwise."""
+        _, rows, hashes, counts, tick, _ = item
+        g = self.groups[0]
+        k = min(k, rows.size)
+        blocks = np.empty(k, np.int32)
+        srows = np.empty(k, np.int32)
+        n = rowloops.next_blocks(rows, counts, k, self.namespace, g.table, g.num_registered, self.pool.cache_key,
+                                 blocks, srows, self._ns_out)
+        if n <= 0:
+            return n == 0
+        key = self._cache_key(int(self._ns_out[0]), 0)
+        shared = self.pool.side_of.get(key)
+        blocks = blocks[:n]
+        if shared is None:
+            if not self.pool.register_new(key, hashes[:n], blocks):
+                return False
+        elif self.pool.register_new(shared, hashes[:n], blocks, key):
+            self._note_unconfirmed(self._key_writer[key], key, blocks, tick)
+        else:
+            return False
+        g.num_registered[srows[:n]] += 1
         return True
 
     def _register_appends(self, rows, status, hash_lists, hash_counts, tick: int | None = None,
@@ -1303,17 +1342,15 @@ class BlockManager:
         done = 0
         for i, item in enumerate(items):
             if item[0] is _APPENDS:
-                if max_rows is not None:
-                    if max_rows <= done:
-                        unfinished += items[i:]
-                        break
-                    if max_rows - done < item[1].size:
-                        head, rest = _split_appends(item, max_rows - done)
-                        self._register_deferred(head)
-                        done = max_rows
-                        unfinished += [rest, *items[i + 1:]]
-                        break
-                self._register_deferred(item)
+                k = item[1].size if max_rows is None else max_rows - done
+                if k <= 0:
+                    unfinished += items[i:]
+                    break
+                rest = self._register_head(item, k)
+                if rest is not None:
+                    done += item[1].size - rest[1].size
+                    unfinished += [rest, *items[i + 1:]]
+                    break
                 done += item[1].size
             elif budget is None or (budget := self._promote(item[1], item[2], budget)) is None:
                 self._wait(item[1], item[2])  # the next call (or reply) goes on with it
@@ -1902,6 +1939,14 @@ _APPENDS = object()  # a decode step's deferred registration: (_APPENDS, rows, h
 # Blocks a daemon's flush promotes at most: a confirmation of a whole admission wave (tens of
 # thousands of prompt blocks) is spread over the next messages instead of pausing every client.
 PROMOTE_BATCH = 1024
+
+
+def _drop_appends(item: tuple, k: int) -> tuple:
+    """A deferred registration of appends without its first ``k`` requests, which filled one block
+    each or none (``_register_head_new``: the hashes of those that did come first)."""
+    kind, rows, hashes, counts, tick, tokens = item
+    h = int(np.count_nonzero(counts[:k]))
+    return kind, rows[k:], hashes[h:], counts[k:], tick, None if tokens is None else tokens[h:]
 
 
 def _split_appends(item: tuple, k: int) -> tuple[tuple, tuple]:

@@ -410,12 +410,12 @@ class BlockPool:
                 sub = self.register(key, hashes[idx], blocks[idx], side_key, None if runs is None else runs.take(idx))
                 in_main[idx], in_side[idx] = (True, False) if sub is ALL_SHARED else sub
             return in_main, in_side
-        if self._register_new(key, hashes, blocks, side_key, runs):
+        if self.register_new(key, hashes, blocks, side_key, runs):
             return ALL_SHARED
         return self._register_each(key, hashes, blocks, side_key, runs)
 
-    def _register_new(self, key: int, hashes: np.ndarray, blocks: np.ndarray, side_key: int,
-                      runs: Runs | None) -> bool:
+    def register_new(self, key: int, hashes: np.ndarray, blocks: np.ndarray, side_key: int = NO_CACHE_KEY,
+                     runs: Runs | None = None) -> bool:
         """``register`` of uncached blocks when every one goes into the shared map (no hash held,
         none repeated, no side map to consult); False, having changed nothing, otherwise."""
         if side_key and self.index.size_of(side_key) or self.index.insert_new(key, hashes, blocks) >= 0:

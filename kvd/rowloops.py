@@ -309,15 +309,15 @@ def confirm_in_place(blocks, sizes, regs, keys, block_reg, unconfirmed_by, cache
 
 
 @_jit
-def decode_blocks(rows, counts, namespace, table, num_registered, cache_key, out_blocks, out_rows):
-    """The blocks a decode step filled, when each request filled at most one (``counts`` 0 or 1),
-    all requests are of one namespace and none of those blocks is cached yet: per request of count 1,
-    in order, its next block to register and its row (exactly ``out_blocks.size`` of them). Returns
-    that namespace, or DECLINED, having changed nothing, when any of that does not hold (the
-    general path then decides block by block)."""
+def next_blocks(rows, counts, stop, namespace, table, num_registered, cache_key, out_blocks, out_rows, out_ns):
+    """The blocks the first ``stop`` requests of a decode step filled, when each filled at most
+    one (``counts`` 0 or 1), all of those are of one namespace (written to ``out_ns[0]``) and none
+    of their blocks is cached yet: per request of count 1, in order, its next block to register and
+    its row. Returns how many, or DECLINED, having changed nothing, when any of that does not hold
+    or there are more than ``out_blocks.size`` (the general path then decides block by block)."""
     ns = -1
     k = 0
-    for i in range(rows.size):
+    for i in range(stop):
         c = counts[i]
         if c == 0:
             continue
@@ -331,7 +331,8 @@ def decode_blocks(rows, counts, namespace, table, num_registered, cache_key, out
         out_blocks[k] = b
         out_rows[k] = row
         k += 1
-    return ns if k == out_blocks.size else DECLINED
+    out_ns[0] = ns
+    return k
 
 
 def warm_up() -> None:
@@ -353,4 +354,4 @@ def warm_up() -> None:
     range_slots(table, 1, i32, i32, i32, -1, 1, i64.copy())
     u16 = np.zeros(1, np.uint16)
     confirm_in_place(i32, i64, i64, u16, i64, u16.copy(), u16)
-    decode_blocks(i32, i64, i64, table, i32, u16, i32.copy(), i32.copy())
+    next_blocks(i32, i64, 1, i64, table, i32, u16, i32.copy(), i32.copy(), i64.copy())

@@ -184,29 +184,33 @@ def test_range_slots_equals_the_kernels_reference_for_ranges_of_any_length():
     assert got[19:25].tolist() == [-1] * 5 + [77]  # padded up to what the last step wrote, no further
 
 
-def test_decode_blocks_names_each_requests_next_block_or_declines_unchanged():
+def test_next_blocks_names_each_requests_next_block_or_declines_unchanged():
     table = np.array([[1, 2, 0], [3, 4, 0], [5, 6, 7], [8, 0, 0]], np.int32)
     num_registered = np.array([1, 1, 2, 0], np.int32)
     namespace = np.array([2, 2, 2, 3], np.int64)
     cache_key = np.zeros(9, np.uint16)
     rows = np.array([2, 0, 1], np.int32)
 
-    def run(counts, n, rows=rows, cache_key=cache_key):
-        blocks, srows = np.full(n, -9, np.int32), np.full(n, -9, np.int32)
-        ns = rowloops.decode_blocks(rows, np.array(counts, np.int64), namespace, table, num_registered,
-                                    cache_key, blocks, srows)
-        return ns, blocks.tolist(), srows.tolist()
+    def run(counts, n, rows=rows, cache_key=cache_key, stop=None):
+        blocks, srows, ns = np.full(n, -9, np.int32), np.full(n, -9, np.int32), np.full(1, -9, np.int64)
+        k = rowloops.next_blocks(rows, np.array(counts, np.int64), len(counts) if stop is None else stop, namespace,
+                                 table, num_registered, cache_key, blocks, srows, ns)
+        return k, int(ns[0]), blocks.tolist(), srows.tolist()
 
-    assert run([1, 0, 1], 2) == (2, [7, 4], [2, 1])  # in batch order, requests of count 0 skipped
-    assert run([1, 1, 1], 3) == (2, [7, 2, 4], [2, 0, 1])
+    assert run([1, 0, 1], 2) == (2, 2, [7, 4], [2, 1])  # in batch order, requests of count 0 skipped
+    assert run([1, 1, 1], 3) == (3, 2, [7, 2, 4], [2, 0, 1])
+    assert run([1, 1, 1], 3, stop=2) == (2, 2, [7, 2, -9], [2, 0, -9])  # the first two requests only
+    assert run([1, 0, 0], 2) == (1, 2, [7, -9], [2, -9])
+    assert run([0, 0, 0], 1)[:2] == (0, -1)
     declined = rowloops.DECLINED
     assert run([2, 0, 0], 2)[0] == declined  # two blocks of one request
-    assert run([1, 1, 1], 2)[0] == declined and run([1, 0, 0], 2)[0] == declined  # not the hashes' count
+    assert run([1, 1, 1], 2)[0] == declined  # more than there is room for
     assert run([1, 1], 2, rows=np.array([0, 3], np.int32))[0] == declined  # two namespaces
     cached = cache_key.copy()
     cached[4] = 1
     assert run([1, 1, 1], 3, cache_key=cached)[0] == declined  # a block cached already
-    assert run([1], 1, rows=np.array([3], np.int32))[0] == 3
+    assert run([1, 1, 1], 3, cache_key=cached, stop=2)[0] == 2  # ... not among the first two
+    assert run([1], 1, rows=np.array([3], np.int32))[:2] == (1, 3)
     num_registered[3] = 1
     assert run([1], 1, rows=np.array([3], np.int32))[0] == declined  # the null block
     assert num_registered.tolist() == [1, 1, 2, 1] and not cache_key.any()  # nothing written
