@@ -365,15 +365,19 @@ class PrefixIndex:
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) every loop, as the daemon does at start."""
+    """Compile (or load from numba's cache) every loop, as the daemon does at start: for hashes in
+    arrays of its own and for read-only ones (a message's frames), numba's two array types."""
     bh = np.zeros(4, "S16")
     index = PrefixIndex(bh, np.zeros(4, np.uint16))
-    h = np.array([b"w" * 16], "S16")
-    index.insert_new(1, h, np.array([1], np.int32))
-    index.insert_one(1, h, 0, 2)
-    flags = np.zeros(1, bool)
-    index.insert_each(1, 2, h, np.array([3], np.int32), np.zeros(4, np.uint16), flags, flags.copy())
-    index.find(1, h)
-    index.run(1, h)
-    index.remove(np.array([1], np.int32))
+    for writeable in (True, False):
+        h = np.array([b"w" * 16], "S16")
+        h.flags.writeable = writeable
+        index.insert_new(1, h, np.array([1], np.int32))
+        index.insert_one(1, h, 0, 2)
+        flags = np.zeros(1, bool)
+        index.insert_each(1, 2, h, np.array([3], np.int32), np.zeros(4, np.uint16), flags, flags.copy())
+        index.find(1, h)
+        index.run(1, h)
+        index.remove(np.array([1, 2, 3], np.int32))
+        index.cache_key[:] = 0
     index.rebuild()
