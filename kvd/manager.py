@@ -1102,7 +1102,7 @@ class BlockManager:
     def _register_head(self, item: tuple, k: int) -> tuple | None:
         """Register the first ``k`` requests of a deferred registration; returns the rest of it
         (None when nothing is left)."""
-        if self._tails is None and self._register_head_new(item, k):
+        if self._tails is None and self.config.enable_prefix_caching and self._register_head_new(item, k):
             return None if k >= item[1].size else _drop_appends(item, k)
         if k >= item[1].size:
             self._register_deferred(item)

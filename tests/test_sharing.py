@@ -243,3 +243,20 @@ def test_a_batched_admission_goes_on_after_a_request_that_races(m):
     assert m.pool.caches[side] == dict(zip(HASHES.tolist(), [5, 6, 7]))
     assert m.pool.unconfirmed_by[10:13].tolist() == [side] * 3 and m.pool.cache_key[10:13].tolist() == [1] * 3
     m.check_invariants(heavy=True)
+
+
+def test_a_manager_without_prefix_caching_registers_nothing_a_decode_step_deferred():
+    """A decode step's hashes are deferred like any other's; with prefix caching off its idle
+    slices and the full flush store none of them (the slice's fast path checks it too)."""
+    m = BlockManager(ManagerConfig(num_gpu_blocks=16, max_model_len=64, max_num_reqs=8, groups=(GroupSpec(BS),),
+                                   enable_prefix_caching=False, defer_cache_registration=True))
+    for rid in ("a", "b"):
+        assert m.allocate(rid, 3, HASHES[:0]).ok
+    rows = m.rows_of(["a", "b"])
+    res = m.step(StepBatch(append_rows=rows, append_num_tokens=1, append_hashes=(np.concatenate([HASHES[:1]] * 2),),
+                           append_hash_counts=(np.array([1, 1], np.int32),)))
+    assert res.append_status.tolist() == [STATUS_OK] * 2 and m.num_deferred == 1
+    assert m.flush_deferred(1) == 1 and m.num_deferred == 1  # a slice of one request
+    assert m.flush_deferred() == 1 and m.num_deferred == 0
+    assert m.pool.caches == {} and not m.pool.cache_key.any() and m.lookup(HASHES) == 0
+    assert [m.block_table(r).tolist() for r in "ab"] == [[1], [2]]
