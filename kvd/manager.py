@@ -1067,8 +1067,11 @@ class BlockManager:
         """Registration when each request filled at most one block (a decode step): a few array
         operations. False when the requests span several registration spaces (the general path then)."""
         g = self.groups[gi]
-        if self._tails is None and self._register_decode_blocks(g, gi, rows, hashes, counts, tick):
-            return True
+        if self._tails is None:
+            n = self._register_decode_blocks(gi, rows, hashes, counts, tick, rows.size)
+            if n != rowloops.DECLINED:
+                assert n == hashes.size, "one block per request of count 1"
+                return True
         sel = rows[counts.astype(bool)]
         ns = self.namespace[sel]
         if ns.min() != ns.max():
@@ -1087,56 +1090,33 @@ class BlockManager:
         g.num_registered[sel] = reg + 1
         return True
 
-    def _register_decode_blocks(self, g: _Group, gi: int, rows, hashes, counts, tick: int | None) -> bool:
-        """``_register_one_each``'s usual case: every request's block found by one compiled call
-        (False, having changed nothing, when any of them is unusual)."""
-        blocks = np.empty(hashes.size, np.int32)
-        srows = np.empty(hashes.size, np.int32)
-        if rowloops.next_blocks(rows, counts, rows.size, self.namespace, g.table, g.num_registered,
-                                self.pool.cache_key, blocks, srows, self._ns_out) != hashes.size:
-            return False
-        self._register_in(self._cache_key(int(self._ns_out[0]), gi), hashes, blocks, tick)
-        g.num_registered[srows] += 1
-        return True
+    def _register_decode_blocks(self, gi: int, rows, hashes, counts, tick: int | None, stop: int) -> int:
+        """Register the blocks the first ``stop`` requests filled when one compiled call finds them
+        all (``rowloops.next_blocks``: at most one each, one namespace, none cached yet): how many,
+        or DECLINED, having changed nothing. A decode step's usual case, and an idle slice's."""
+        g = self.groups[gi]
+        blocks = np.empty(stop, np.int32)
+        srows = np.empty(stop, np.int32)
+        n = rowloops.next_blocks(rows, counts, stop, self.namespace, g.table, g.num_registered, self.pool.cache_key,
+                                 blocks, srows, self._ns_out)
+        if n > 0:
+            self._register_in(self._cache_key(int(self._ns_out[0]), gi), hashes[:n], blocks[:n], tick)
+            g.num_registered[srows[:n]] += 1
+        return n
 
     def _register_head(self, item: tuple, k: int) -> tuple | None:
         """Register the first ``k`` requests of a deferred registration; returns the rest of it
         (None when nothing is left)."""
-        if self._tails is None and self.config.enable_prefix_caching and self._register_head_new(item, k):
-            return None if k >= item[1].size else _drop_appends(item, k)
-        if k >= item[1].size:
+        _, rows, hashes, counts, tick, _ = item
+        if (self._tails is None and self.config.enable_prefix_caching
+                and self._register_decode_blocks(0, rows, hashes, counts, tick, min(k, rows.size)) != rowloops.DECLINED):
+            return None if k >= rows.size else _split_appends(item, k)[1]
+        if k >= rows.size:
             self._register_deferred(item)
             return None
         head, rest = _split_appends(item, k)
         self._register_deferred(head)
         return rest
-
-    def _register_head_new(self, item: tuple, k: int) -> bool:
-        """``_register_head``'s usual case, with as few calls as an idle slice of a few dozen
-        requests can afford: each request filled at most one uncached block, of one namespace, and
-        every hash is new to the map (the pool's ``register_new``). False, having changed nothing,
-        otherwise."""
-        _, rows, hashes, counts, tick, _ = item
-        g = self.groups[0]
-        k = min(k, rows.size)
-        blocks = np.empty(k, np.int32)
-        srows = np.empty(k, np.int32)
-        n = rowloops.next_blocks(rows, counts, k, self.namespace, g.table, g.num_registered, self.pool.cache_key,
-                                 blocks, srows, self._ns_out)
-        if n <= 0:
-            return n == 0
-        key = self._cache_key(int(self._ns_out[0]), 0)
-        shared = self.pool.side_of.get(key)
-        blocks = blocks[:n]
-        if shared is None:
-            if not self.pool.register_new(key, hashes[:n], blocks):
-                return False
-        elif self.pool.register_new(shared, hashes[:n], blocks, key):
-            self._note_unconfirmed(self._key_writer[key], key, blocks, tick)
-        else:
-            return False
-        g.num_registered[srows[:n]] += 1
-        return True
 
     def _register_appends(self, rows, status, hash_lists, hash_counts, tick: int | None = None,
                           token_lists=None) -> None:
@@ -1939,14 +1919,6 @@ _APPENDS = object()  # a decode step's deferred registration: (_APPENDS, rows, h
 # Blocks a daemon's flush promotes at most: a confirmation of a whole admission wave (tens of
 # thousands of prompt blocks) is spread over the next messages instead of pausing every client.
 PROMOTE_BATCH = 1024
-
-
-def _drop_appends(item: tuple, k: int) -> tuple:
-    """A deferred registration of appends without its first ``k`` requests, which filled one block
-    each or none (``_register_head_new``: the hashes of those that did come first)."""
-    kind, rows, hashes, counts, tick, tokens = item
-    h = int(np.count_nonzero(counts[:k]))
-    return kind, rows[k:], hashes[h:], counts[k:], tick, None if tokens is None else tokens[h:]
 
 
 def _split_appends(item: tuple, k: int) -> tuple[tuple, tuple]:

@@ -402,6 +402,8 @@ class BlockPool:
         n = blocks.size
         if not n:
             return _NO_MASK, _NO_MASK
+        if self._register_new(key, hashes, blocks, side_key, runs):  # it also declines cached blocks
+            return ALL_SHARED
         uncached = self.cache_key[blocks] == NO_CACHE_KEY
         if not uncached.all():
             idx = np.flatnonzero(uncached)
@@ -410,14 +412,12 @@ class BlockPool:
                 sub = self.register(key, hashes[idx], blocks[idx], side_key, None if runs is None else runs.take(idx))
                 in_main[idx], in_side[idx] = (True, False) if sub is ALL_SHARED else sub
             return in_main, in_side
-        if self.register_new(key, hashes, blocks, side_key, runs):
-            return ALL_SHARED
         return self._register_each(key, hashes, blocks, side_key, runs)
 
-    def register_new(self, key: int, hashes: np.ndarray, blocks: np.ndarray, side_key: int = NO_CACHE_KEY,
-                     runs: Runs | None = None) -> bool:
-        """``register`` of uncached blocks when every one goes into the shared map (no hash held,
-        none repeated, no side map to consult); False, having changed nothing, otherwise."""
+    def _register_new(self, key: int, hashes: np.ndarray, blocks: np.ndarray, side_key: int,
+                      runs: Runs | None) -> bool:
+        """``register`` when every block is uncached and goes into the shared map (no hash held,
+        no hash or block repeated, no side map to consult); False, having changed nothing, otherwise."""
         if side_key and self.index.size_of(side_key) or self.index.insert_new(key, hashes, blocks) >= 0:
             return False
         self.known_keys.add(key)
