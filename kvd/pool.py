@@ -295,10 +295,13 @@ class BlockPool:
         n_freed = rowloops.drop_refs(blocks, self.ref_cnt, last)
         assert n_freed >= 0, "more releases than references"
         if n_freed == blocks.size:
-            freed, prio = blocks, priority
+            self.park(blocks, priority)
         else:
-            freed = blocks[last]
-            prio = priority if np.isscalar(priority) else np.asarray(priority)[last]
+            self.park(blocks[last], priority if np.isscalar(priority) else np.asarray(priority)[last])
+
+    def park(self, freed: np.ndarray, prio: int | np.ndarray) -> None:
+        """Blocks whose count just reached zero, in freeing order, join the free queue (what
+        ``release`` does after dropping the references; ``prio``: one value or one per block)."""
         if not freed.size:
             return
         cached = self.cache_key[freed] != NO_CACHE_KEY

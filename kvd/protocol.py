@@ -180,6 +180,7 @@ goodbye    frees every request of the session, unlinks its shared memory; reply:
 
 from __future__ import annotations
 
+import itertools
 import struct
 from typing import Any
 
@@ -419,16 +420,27 @@ def split_step_reply(body: bytes, nf: int, nk: int, na: int, nd: int, nc: int, n
     return out
 
 
+def within(values: np.ndarray, lo: int, hi) -> bool:
+    """Every value in [lo, hi] (``hi``: one bound, or one per column of a 2-D array). A message
+    names a few rows: Python over a list beats numpy's reductions (~4 µs each) up to ~64 values."""
+    if values.size > 64:
+        return not ((values < lo) | (values > hi)).any()
+    if values.ndim == 1:
+        return not values.size or (lo <= min(values.tolist()) and max(values.tolist()) <= hi)
+    return all(lo <= v <= h for row in values.tolist() for v, h in zip(row, hi))
+
+
 def split_counts(hashes: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
-    """Split a concatenated S16 array by per-request counts (validated: >= 0, sum == len)."""
-    if counts.size and int(counts.min()) < 0:
+    """Split a concatenated S16 array by per-request counts (validated: >= 0, sum == len).
+
+    In Python over a list: a message admits a few requests, and numpy's reductions cost ~4 µs
+    each on arrays that small (np.split ~10x more)."""
+    ends = list(itertools.accumulate(counts.tolist()))
+    if ends and min(counts.tolist()) < 0:
         raise ProtocolError("negative hash count")
-    if int(counts.sum(dtype=np.int64)) != hashes.shape[0]:
+    if (ends[-1] if ends else 0) != hashes.shape[0]:
         raise ProtocolError("hash counts do not add up to the number of hashes")
-    if counts.size == 0:
-        return []
-    bounds = np.cumsum(counts[:-1], dtype=np.int64)
-    return np.split(hashes, bounds)
+    return [hashes[start:end] for start, end in zip([0, *ends[:-1]], ends)]
 
 
 # ---- fast ZeroMQ I/O ----------------------------------------------------------------------------

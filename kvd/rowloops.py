@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvd.api import NULL_BLOCK
+
 try:
     from numba import njit
 except ImportError:  # numba is an optional extra (kvd[fast]): the same loops as plain Python
@@ -233,6 +235,30 @@ def drop_refs(blocks, ref_cnt, freed_out):
 
 
 @_jit
+def drop_row_refs(table, rows, starts, stops, ref_cnt, freed_out, rep_out, n):
+    """One reference less on every block ``rows`` hold in ``table`` (entries [start, stop) of each
+    row, each row tail first; null entries skipped), in that order: what ``drop_refs`` does to
+    those entries gathered, without gathering them. A block whose count reaches zero goes to
+    ``freed_out[n]``, the index into ``rows`` of the row that freed it to ``rep_out[n]``, n += 1.
+    Returns the new n, or DECLINED when a count would fall below zero (a bug: the counts are then
+    partly dropped, and the caller asserts)."""
+    for i in range(rows.size):
+        row = rows[i]
+        for j in range(stops[i] - 1, starts[i] - 1, -1):
+            b = table[row, j]
+            if b == NULL_BLOCK:
+                continue
+            if ref_cnt[b] <= 0:
+                return DECLINED
+            ref_cnt[b] -= 1
+            if ref_cnt[b] == 0:
+                freed_out[n] = b
+                rep_out[n] = i
+                n += 1
+    return n
+
+
+@_jit
 def sync_appended_rows(mrows, owner_sid, owner_srow, sid, table, counts, out_table, out_counts,
                        dirty_start, dirty_end, srows_out):
     """Publish rows after appends without copy-on-write to a group without a sliding window (its
@@ -350,6 +376,7 @@ def warm_up() -> None:
     fork_rows(i32, i32[:0], i64, np.zeros(1, np.uint8), i64, flags, flags, flags.copy(), table, i32, i32, i32, i32, 1)
     share_blocks(i32, i32[:0], table, i32, i32, i32, i32, i64, 1)
     drop_refs(i32[:0], i32, flags.copy())
+    drop_row_refs(table, i32, i32, i32, i32.copy(), i32.copy(), i32.copy(), 0)
     sync_appended_rows(i32, i64, i32, 1, table, i32, table.copy(), i32.copy(), i32[:0], i32[:0], i32.copy())
     range_slots(table, 1, i32, i32, i32, -1, 1, i64.copy())
     u16 = np.zeros(1, np.uint16)

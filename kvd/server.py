@@ -21,7 +21,8 @@ Shutdown (SIGTERM/SIGINT): stop reading, answer what was already received, end e
 
 Debugging aids (environment): ``KVDSRV_PROF=1`` logs p50/p99 of the daemon-side step time (handle +
 send, wall and CPU) at shutdown, and with ``KVDSRV_PROF_FILE=path.npy`` saves every step's (wall start,
-wall end, CPU start, CPU end) there; ``KVDSRV_PROF=cprofile`` logs a cProfile of the socket callback.
+wall end, CPU start, CPU end) there; ``KVDSRV_PROF=cprofile`` logs a cProfile of the socket callback
+(``KVDSRV_PROF_SORT``: its pstats order, default tottime; ``KVDSRV_PROF_N``: lines, default 25).
 """
 
 from __future__ import annotations
@@ -236,8 +237,7 @@ class Daemon:
         self._srows_buf = np.empty(self.max_reqs, np.int32)
         # the largest value of each admission column (kvd.protocol ADMIT_COLS): row, tokens, lookahead,
         # priority, encoder tokens, max new tokens
-        self._admit_max = np.array([self.max_reqs - 1, P.MAX_COUNT, P.MAX_COUNT, 100, P.MAX_COUNT, P.MAX_COUNT],
-                                   np.int64)
+        self._admit_max_list = [self.max_reqs - 1, P.MAX_COUNT, P.MAX_COUNT, 100, P.MAX_COUNT, P.MAX_COUNT]
         self.sessions: dict[int, Session] = {}
         self.by_nonce: dict[str, int] = {}
         self.namespaces: dict[str, int] = {}  # tenant -> its shared namespace
@@ -372,7 +372,7 @@ class Daemon:
 
     def _rows(self, buf: bytes, name: str, n: int | None = None) -> np.ndarray:
         rows = P.frame_array(buf, P.I32, n, name, self.max_reqs)
-        if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= self.max_reqs):
+        if not P.within(rows, 0, self.max_reqs - 1):
             raise InvalidArgument(f"{name}: row out of range [0, {self.max_reqs})")
         return rows
 
@@ -959,9 +959,9 @@ class Daemon:
         admits = []
         if nd:
             cols = adm[:, :6]
-            bad = (cols < 0) | (cols > self._admit_max)
-            if bad.any():
-                raise InvalidArgument("admission row out of range" if bad[:, 0].any() else "admission field out of range")
+            if not P.within(cols, 0, self._admit_max_list):
+                rows_ok = P.within(cols[:, 0], 0, self._admit_max_list[0])
+                raise InvalidArgument("admission field out of range" if rows_ok else "admission row out of range")
             if nd > 1 and np.unique(cols[:, 0]).size != nd:
                 raise InvalidArgument("two admissions in one row")
             for i, (row, nt, l, pri, net, mnt) in enumerate(cols.tolist()):
@@ -1439,7 +1439,7 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
             import pstats
 
             buf = io.StringIO()
-            pstats.Stats(d._cprof, stream=buf).sort_stats("tottime").print_stats(25)
+            pstats.Stats(d._cprof, stream=buf).sort_stats(os.environ.get("KVDSRV_PROF_SORT", "tottime")).print_stats(int(os.environ.get("KVDSRV_PROF_N", "25")))
             log.warning("%s", buf.getvalue())
         if _PROF and os.environ.get("KVDSRV_PROF_FILE"):
             np.save(os.environ["KVDSRV_PROF_FILE"], np.array(_PROF))

@@ -74,3 +74,13 @@ def test_replies():
 def test_step_frame_count():
     assert P.step_frame_count(1) == 10
     assert P.step_frame_count(2) == 14
+
+
+def test_within_checks_every_value_against_one_bound_or_one_per_column_at_any_size():
+    assert P.within(np.array([0, 3, 5], np.int32), 0, 5) and not P.within(np.array([0, 6], np.int32), 0, 5)
+    assert not P.within(np.array([2, -1], np.int32), 0, 5) and P.within(np.empty(0, np.int32), 0, 5)
+    cols = np.array([[1, 7], [2, 9]], np.int64)
+    assert P.within(cols, 0, [2, 9]) and not P.within(cols, 0, [1, 9]) and not P.within(cols, 0, [2, 8])
+    big = np.tile(cols, (40, 1))  # over the small-array size: numpy's reductions, the same answers
+    assert P.within(big, 0, [2, 9]) and not P.within(big, 0, [2, 8]) and P.within(-big, -9, [0, 0])
+    assert P.within(np.arange(100), 0, 99) and not P.within(np.arange(100), 1, 99)

@@ -214,3 +214,21 @@ def test_next_blocks_names_each_requests_next_block_or_declines_unchanged():
     num_registered[3] = 1
     assert run([1], 1, rows=np.array([3], np.int32))[0] == declined  # the null block
     assert num_registered.tolist() == [1, 1, 2, 1] and not cache_key.any()  # nothing written
+
+
+def test_drop_row_refs_drops_each_rows_blocks_tail_first_and_lists_those_freed():
+    table = np.array([[1, 2, 3, 0], [0, 2, 4, 5], [6, 7, 0, 0]], np.int32)
+    ref_cnt = np.array([0, 1, 2, 1, 1, 3, 1, 1], np.int32)
+    rows = np.array([1, 0], np.int32)
+    starts, stops = np.array([0, 1], np.int32), np.array([3, 3], np.int32)  # row 1: [0, 3), row 0: [1, 3)
+    freed, rep = np.full(6, -9, np.int32), np.full(6, -9, np.int32)
+    n = rowloops.drop_row_refs(table, rows, starts, stops, ref_cnt, freed, rep, 1)  # appends after entry 0
+    # row 1 tail first: 4 (1 -> 0, freed), 2 (2 -> 1), null skipped; row 0: 3 (freed), 2 (1 -> 0, freed)
+    assert n == 4 and freed.tolist() == [-9, 4, 3, 2, -9, -9] and rep.tolist() == [-9, 0, 1, 1, -9, -9]
+    assert ref_cnt.tolist() == [0, 1, 0, 0, 0, 3, 1, 1]  # block 5 (past row 1's stop) and row 2 untouched
+    # the same as drop_refs over the entries gathered in that order
+    again = np.array([0, 1, 2, 1, 1, 3, 1, 1], np.int32)
+    last = np.zeros(4, bool)
+    assert rowloops.drop_refs(np.array([4, 2, 3, 2], np.int32), again, last) == 3 and last.tolist() == [True, False, True, True]
+    assert rowloops.drop_row_refs(table, np.array([2], np.int32), np.zeros(1, np.int32), np.array([2], np.int32),
+                                  np.zeros(8, np.int32), freed, rep, 0) == rowloops.DECLINED  # a count below zero
