@@ -668,7 +668,7 @@ class BlockManager:
         cached, hits = self._cached_prefix(hash_lists, num_tokens, space)
         new = [_cdiv(num_tokens + lookahead, g.block_size) - cached // g.block_size for g in self.groups]
         need = sum(new) + _cdiv(num_encoder_tokens, self.config.encoder_block_size)
-        need += sum(int(np.count_nonzero(self.pool.ref_cnt[h] == 0)) for h in hits)  # revived hits
+        need += sum(int(np.count_nonzero(self.pool.ref_cnt[h] == 0)) for h in hits if h.size)  # revived hits
         if self.config.admit_full_sequence:
             need += sum(
                 _cdiv(num_tokens + max_new_tokens, g.block_size) - _cdiv(num_tokens, g.block_size) for g in self.groups
@@ -1647,10 +1647,14 @@ class BlockManager:
             return self._appends_schedule(rows, n_new, old)
         if not rows.size and not admit_status.size:
             return _EMPTY_I32, _EMPTY_I32, _EMPTY_I32
-        ok_app = append_status == STATUS_OK
         admitted = np.flatnonzero(admit_status == STATUS_OK)
         # Only admitted requests' sizes are read: a rejected one may carry anything.
         admit_tokens = np.fromiter((admits[i].num_tokens for i in admitted.tolist()), np.int64, count=admitted.size)
+        if not rows.size:  # admissions only (a new request's first step): no appends to put first
+            sched_rows = admit_rows[admitted]
+            sched_len = (admit_tokens - admit_cached[admitted]).astype(np.int32)
+            return sched_rows, np.subtract(self.num_tokens[sched_rows], sched_len, dtype=np.int32, casting="unsafe"), sched_len
+        ok_app = append_status == STATUS_OK
         n_app = n_new[ok_app] if isinstance(n_new, np.ndarray) else np.full(np.count_nonzero(ok_app), n_new, np.int64)
         sched_rows = np.concatenate([rows[ok_app], admit_rows[admitted]]).astype(np.int32)
         sched_len = np.concatenate([n_app, admit_tokens - admit_cached[admitted]]).astype(np.int32)
