@@ -20,6 +20,8 @@ from kvd.api import STATUS_OK, StepBatch, StepResult
 from kvd.errors import InvalidArgument, KvdError
 
 _EMPTY_I32 = np.empty(0, np.int32)
+_EMPTY_U64 = np.empty(0, np.uint64)
+_NO_FORKS = np.empty((0, 2), np.int32)
 
 
 def tag_of(req_id: Hashable) -> int:
@@ -59,11 +61,12 @@ def _error_code(exc: BaseException) -> int:
     return InvalidArgument.code  # an unhashable id, a value of the wrong type
 
 
-def _spread(local: np.ndarray, sent: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Full per-request array: ``local`` codes where the client judged, ``values`` where sent."""
-    if sent.all():
+def _spread(local: np.ndarray | None, sent: np.ndarray | None, values: np.ndarray, fill=None) -> np.ndarray:
+    """Full per-request array: ``local`` codes (or ``fill``) where the client judged, ``values``
+    where sent. ``sent`` None: every request was sent (``_judge``)."""
+    if sent is None:
         return values
-    out = local.astype(values.dtype, copy=True)
+    out = local.astype(values.dtype) if fill is None else np.full(sent.shape, fill, values.dtype)
     out[sent] = values
     return out
 
@@ -79,18 +82,23 @@ class StepMessage:
         self.new_rows: list[int] = []
 
     # ---- building -------------------------------------------------------------------------------
-    def _judge(self, items, one) -> tuple[np.ndarray, np.ndarray, list]:
-        """(local status codes, sent mask, results of ``one`` for the sent items)."""
-        n = len(items)
-        local = np.zeros(n, np.int16)
-        sent = np.ones(n, bool)
-        out = []
+    @staticmethod
+    def _judge(items, one) -> tuple[np.ndarray | None, np.ndarray | None, list]:
+        """(local status codes, sent mask, results of ``one`` for the sent items); the codes and
+        the mask are None when every item is sent (the usual case: no arrays to build or read)."""
+        out, errors = [], []
         for i, item in enumerate(items):
             try:
                 out.append(one(item))
             except (KvdError, TypeError, ValueError) as e:
-                local[i] = _error_code(e)
-                sent[i] = False
+                errors.append((i, _error_code(e)))
+        if not errors:
+            return None, None, out
+        local = np.zeros(len(items), np.int16)
+        sent = np.ones(len(items), bool)
+        for i, code in errors:
+            local[i] = code
+            sent[i] = False
         return local, sent, out
 
     def _fork_one(self, pc) -> tuple[int, int, int]:
@@ -118,7 +126,7 @@ class StepMessage:
             if len(b.append_hashes) > g and len(b.append_hash_counts) > g:
                 hs = P.hashes_frame(b.append_hashes[g], self.core.hash_width)
                 cnt = np.ascontiguousarray(b.append_hash_counts[g], np.int32)
-                if not sent.all():
+                if sent is not None:
                     if cnt.shape[0] != sent.shape[0]:
                         raise InvalidArgument("append_hash_counts must have one count per append")
                     parts = P.split_counts(np.frombuffer(hs, P.HASH_DTYPE), cnt)
@@ -137,7 +145,7 @@ class StepMessage:
         frames = []
         for g, ids in enumerate(group_token_ids(b.append_token_ids, self.G)):
             frame = token_frame(ids)
-            if not sent.all() and frame:
+            if sent is not None and frame:
                 if len(b.append_hash_counts) <= g or len(b.append_hash_counts[g]) != sent.shape[0]:
                     raise InvalidArgument("append_token_ids need append_hash_counts, one count per append")
                 per_req = np.asarray(b.append_hash_counts[g], np.int64) * (4 * self.core.block_sizes[g])
@@ -157,16 +165,18 @@ class StepMessage:
         core, b, G = self.core, self.batch, self.G
         free_ids = list(b.free)
         self.free_local, self.free_sent, free_rows = self._judge(free_ids, core.row_of)
-        self.free_rows = np.array(free_rows, np.int32)
+        self.free_rows = np.array(free_rows, np.int32) if free_rows else _EMPTY_I32
         self.fork_local, self.fork_sent, forks = self._judge(list(b.forks), self._fork_one)
-        fr = np.array([x[:2] for x in forks], np.int32).reshape(-1, 2)
-        tags = np.array([x[2] for x in forks], np.uint64)
+        fr = np.array([x[:2] for x in forks], np.int32).reshape(-1, 2) if forks else _NO_FORKS
+        tags = np.array([x[2] for x in forks], np.uint64) if forks else _EMPTY_U64
         if b.append_rows is not None:
             app_rows = np.ascontiguousarray(b.append_rows, np.int32)
-            self.app_local, self.app_sent = np.zeros(app_rows.shape[0], np.int16), np.ones(app_rows.shape[0], bool)
+            self.app_local = self.app_sent = None
+            num_appends = app_rows.shape[0]
         else:
             self.app_local, self.app_sent, rows = self._judge(list(b.append_ids), core.row_of)
-            app_rows = np.array(rows, np.int32)
+            app_rows = np.array(rows, np.int32) if rows else _EMPTY_I32
+            num_appends = len(b.append_ids)
         na = app_rows.shape[0]
         ant = b.append_num_tokens
         fields = {"la": int(b.num_lookahead_tokens), "nf": len(free_rows), "nk": len(forks), "na": na}
@@ -178,17 +188,17 @@ class StepMessage:
             ant_b = P.EMPTY
         else:
             ant_a = np.ascontiguousarray(ant, np.int32)
-            if ant_a.shape[0] != self.app_sent.shape[0]:
+            if ant_a.shape[0] != num_appends:
                 raise InvalidArgument("append_num_tokens must be an int or have one count per append")
-            ant_b = ant_a[self.app_sent].tobytes()
+            ant_b = (ant_a if self.app_sent is None else ant_a[self.app_sent]).tobytes()
         frames = [self.free_rows.tobytes(), fr.tobytes(), tags.tobytes(), app_rows.tobytes(), ant_b]
         frames += self._append_hashes(self.app_sent)
         self.adm_local, self.adm_sent, admits = self._judge(list(b.admit), self._admit_one)
         nd = len(admits)
         fields["nd"] = nd
-        adm = np.array([a[0][:7] for a in admits], np.int64).reshape(nd, P.ADMIT_COLS)
-        if nd:
-            adm[:, 6] = np.array([a[0][7] for a in admits], np.uint64).view(np.int64)
+        # the tag (uint64) travels in an int64 column: its two's-complement value
+        adm = np.array([(*a[0][:6], a[0][7] - (1 << 64) if a[0][7] >= 1 << 63 else a[0][7]) for a in admits],
+                       np.int64).reshape(nd, P.ADMIT_COLS)
         frames.append(adm.tobytes())
         for g in range(G):
             frames.append(b"".join(a[1][g] for a in admits))
@@ -226,9 +236,8 @@ class StepMessage:
             res.fork_status = _spread(self.fork_local, self.fork_sent, res.fork_status)
             res.append_status = _spread(self.app_local, self.app_sent, res.append_status)
             res.admit_status = _spread(self.adm_local, self.adm_sent, res.admit_status)
-            res.admit_rows = _spread(np.full(self.adm_local.shape, -1, np.int32), self.adm_sent, res.admit_rows)
-            res.admit_cached_tokens = _spread(np.zeros(self.adm_local.shape, np.int32), self.adm_sent,
-                                              res.admit_cached_tokens)
+            res.admit_rows = _spread(None, self.adm_sent, res.admit_rows, fill=-1)
+            res.admit_cached_tokens = _spread(None, self.adm_sent, res.admit_cached_tokens, fill=0)
             return res
         core = self.core
         nf, nk, na, nd = self.counts
@@ -242,18 +251,19 @@ class StepMessage:
             if st != STATUS_OK:
                 core._drop_row(c)
         admit_rows = self.admit_rows_sent
-        bad = adm_st != STATUS_OK
-        if bad.any():
-            for r in admit_rows[bad].tolist():
-                core._drop_row(r)
-            admit_rows = np.where(bad, -1, admit_rows).astype(np.int32)
+        if nd:
+            bad = adm_st != STATUS_OK
+            if bad.any():
+                for r in admit_rows[bad].tolist():
+                    core._drop_row(r)
+                admit_rows = np.where(bad, -1, admit_rows).astype(np.int32)
         res = StepResult(
             free_status=_spread(self.free_local, self.free_sent, free_st),
             fork_status=_spread(self.fork_local, self.fork_sent, fork_st),
             append_status=_spread(self.app_local, self.app_sent, app_st),
             admit_status=_spread(self.adm_local, self.adm_sent, adm_st),
-            admit_rows=_spread(np.full(self.adm_local.shape, -1, np.int32), self.adm_sent, admit_rows),
-            admit_cached_tokens=_spread(np.zeros(self.adm_local.shape, np.int32), self.adm_sent, cached),
+            admit_rows=_spread(None, self.adm_sent, admit_rows, fill=-1),
+            admit_cached_tokens=_spread(None, self.adm_sent, cached, fill=0),
             copies=copies, changed_rows=changed,
             sched_rows=sched_rows, sched_start=sched_start, sched_len=sched_len,
             freed_rows=freed, tick=h["t"],
