@@ -56,6 +56,8 @@ import time
 
 import numpy as np
 
+from kvd import rowloops
+
 log = logging.getLogger("kvd.gpu")
 
 ALIGN = 256
@@ -64,6 +66,7 @@ MiB = 1 << 20
 ARENA_MIN_BYTES = 10 * MiB
 ARENA_ROUND = 2 * MiB
 _BIG = np.int32(2**31 - 1)
+_BIG_INT = int(_BIG)
 PAD_SLOT_ID = -1
 
 
@@ -118,7 +121,11 @@ class ChangeTracker:
     def mark_counts(self, rows: np.ndarray) -> None:
         if rows.size == 0:
             return
-        lo, hi = int(rows.min()), int(rows.max()) + 1
+        if rows.size <= 64:  # numpy's reductions cost ~4 µs each on a few values
+            vals = rows.tolist()
+            lo, hi = min(vals), max(vals) + 1
+        else:
+            lo, hi = int(rows.min()), int(rows.max()) + 1
         if lo < self.clo:
             self.clo = lo
         if hi > self.chi:
@@ -137,33 +144,8 @@ class ChangeTracker:
         k = 0
         offsets[0] = 0
         for g in range(self.G):
-            st, en = self.st[g], self.en[g]
-            r = np.flatnonzero(en > st)
-            m = r.size
-            if not m:
-                continue
-            s = st[r]
-            e = en[r]
-            lens = e - s
-            st[r] = _BIG
-            en[r] = 0
-            tbl = tables[g]
-            W = tbl.shape[1]
-            tot = int(lens.sum())
-            flat = r * W + s
-            if tot == m:  # one id per change (decode): no expansion
-                idx = flat
-            else:
-                first = np.cumsum(lens) - lens
-                idx = np.repeat(flat - first, lens) + np.arange(tot)
-            ids[k:k + tot] = tbl.reshape(-1).take(idx)
-            groups[n:n + m] = g
-            rows[n:n + m] = r
-            starts[n:n + m] = s
-            np.cumsum(lens, out=offsets[n + 1:n + m + 1])
-            offsets[n + 1:n + m + 1] += k
-            n += m
-            k += tot
+            n, k = _stage_group(self.st[g], self.en[g], g, tables[g], groups, rows, starts, offsets, ids, n, k,
+                                _BIG_INT)
         if self.chi > self.clo:
             lo, hi = self.clo, self.chi
             for g in range(self.G):
@@ -179,7 +161,37 @@ class ChangeTracker:
         return n, k
 
 
-def stage_slot_inputs(srows: np.ndarray, start: np.ndarray, lens: np.ndarray, req_rows: np.ndarray,
+def stage_group_ref(st, en, g, table, groups, rows, starts, offsets, ids, n, k, big):
+    """One group's part of ``ChangeTracker.stage`` in numpy (the reference of the compiled
+    ``rowloops.stage_changes``): the rows with a recorded region, in row order, appended as changes
+    from n and ids from k; the regions reset to (``big``, 0). Returns the new (n, k)."""
+    r = np.flatnonzero(en > st)
+    m = r.size
+    if not m:
+        return n, k
+    s = st[r]
+    e = en[r]
+    lens = e - s
+    st[r] = big
+    en[r] = 0
+    W = table.shape[1]
+    tot = int(lens.sum())
+    flat = r * W + s
+    if tot == m:  # one id per change (decode): no expansion
+        idx = flat
+    else:
+        first = np.cumsum(lens) - lens
+        idx = np.repeat(flat - first, lens) + np.arange(tot)
+    ids[k:k + tot] = table.reshape(-1).take(idx)
+    groups[n:n + m] = g
+    rows[n:n + m] = r
+    starts[n:n + m] = s
+    np.cumsum(lens, out=offsets[n + 1:n + m + 1])
+    offsets[n + 1:n + m + 1] += k
+    return n + m, k + tot
+
+
+def stage_slot_inputs_ref(srows: np.ndarray, start: np.ndarray, lens: np.ndarray, req_rows: np.ndarray,
                       qsl: np.ndarray, positions: np.ndarray) -> int:
     """The daemon's (session row, first position, token count) per scheduled request -> the slot
     kernel's vLLM-style inputs in preallocated int32 buffers: req_rows[:B], query_start_loc[:B+1],
@@ -192,7 +204,7 @@ def stage_slot_inputs(srows: np.ndarray, start: np.ndarray, lens: np.ndarray, re
     np.cumsum(lens, out=qsl[1:B + 1])
     T = int(qsl[B])
     cap = positions.shape[0]
-    if T == B:  # decode: one token per request
+    if T == B and int(lens.min()) == 1:  # decode: one token per request
         positions[:B] = start
         return B
     first = qsl[:B].astype(np.int64)
@@ -200,6 +212,11 @@ def stage_slot_inputs(srows: np.ndarray, start: np.ndarray, lens: np.ndarray, re
     req = np.searchsorted(first, pos, side="right") - 1  # request of each token
     positions[:pos.size] = pos - first[req] + start[req]
     return B
+
+
+# the compiled loops when numba is there (kvd[fast]); the numpy references above otherwise
+stage_slot_inputs = rowloops.slot_inputs if rowloops.HAVE_NUMBA else stage_slot_inputs_ref
+_stage_group = rowloops.stage_changes if rowloops.HAVE_NUMBA else stage_group_ref
 
 
 # ---- device side -------------------------------------------------------------------------------

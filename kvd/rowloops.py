@@ -307,6 +307,47 @@ def range_slots(table, block_size, rows, start, lens, pad, pad_end, out):
 
 
 @_jit
+def slot_inputs(srows, start, lens, req_rows, qsl, positions):
+    """``kvd.gpu_session.stage_slot_inputs`` (its numpy reference) in one call: per scheduled request
+    its session row into ``req_rows[:B]``, the running token count into ``query_start_loc[:B+1]``,
+    each token's position into ``positions`` (the first ``len(positions)`` tokens). Returns B."""
+    B = srows.size
+    qsl[0] = 0
+    t = 0
+    cap = positions.size
+    for i in range(B):
+        req_rows[i] = srows[i]
+        for j in range(lens[i]):
+            if t + j < cap:
+                positions[t + j] = start[i] + j
+        t += lens[i]
+        qsl[i + 1] = t
+    return B
+
+
+@_jit
+def stage_changes(st, en, g, table, groups, rows, starts, offsets, ids, n, k, big):
+    """One group's part of ``ChangeTracker.stage`` (kvd.gpu_session, whose numpy loop is the
+    reference): every row r whose recorded region [st[r], en[r]) is not empty becomes change n
+    (group g, row r, start st[r], ``offsets[n + 1]`` the end of its ids), its entries of ``table``
+    appended to ``ids`` from k; the region is reset (``big``, 0). Returns the new (n, k)."""
+    for r in range(st.size):
+        s, e = st[r], en[r]
+        if e > s:
+            groups[n] = g
+            rows[n] = r
+            starts[n] = s
+            for j in range(s, e):
+                ids[k] = table[r, j]
+                k += 1
+            offsets[n + 1] = k
+            n += 1
+            st[r] = big
+            en[r] = 0
+    return n, k
+
+
+@_jit
 def confirm_in_place(blocks, sizes, regs, keys, block_reg, unconfirmed_by, cache_key):
     """Confirm registrations whose blocks sit in their shared map: entry e is ``sizes[e]`` blocks
     of ``blocks`` (in order), registered as ``regs[e]`` by side key ``keys[e]``. A block still cached
@@ -379,6 +420,8 @@ def warm_up() -> None:
     drop_row_refs(table, i32, i32, i32, i32.copy(), i32.copy(), i32.copy(), 0)
     sync_appended_rows(i32, i64, i32, 1, table, i32, table.copy(), i32.copy(), i32[:0], i32[:0], i32.copy())
     range_slots(table, 1, i32, i32, i32, -1, 1, i64.copy())
+    slot_inputs(i32, i32, i32, i32.copy(), i32.copy(), i32.copy())
+    stage_changes(i32.copy(), i32.copy(), 0, table, i32.copy(), i32.copy(), i32.copy(), i32.copy(), i32.copy(), 0, 0, 1)
     u16 = np.zeros(1, np.uint16)
     confirm_in_place(i32, i64, i64, u16, i64, u16.copy(), u16)
     next_blocks(i32, i64, 1, i64, table, i32, u16, i32.copy(), i32.copy(), i64.copy())

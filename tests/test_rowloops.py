@@ -232,3 +232,57 @@ def test_drop_row_refs_drops_each_rows_blocks_tail_first_and_lists_those_freed()
     assert rowloops.drop_refs(np.array([4, 2, 3, 2], np.int32), again, last) == 3 and last.tolist() == [True, False, True, True]
     assert rowloops.drop_row_refs(table, np.array([2], np.int32), np.zeros(1, np.int32), np.array([2], np.int32),
                                   np.zeros(8, np.int32), freed, rep, 0) == rowloops.DECLINED  # a count below zero
+
+
+def test_slot_inputs_equal_the_numpy_reference_with_empty_and_long_ranges_and_a_short_buffer():
+    from kvd.gpu_session import stage_slot_inputs_ref
+
+    rng = np.random.default_rng(5)
+    cases = [([4, 9, 2], [1, 0, 2], [100, 7, 0], 16),  # 1 + 0 + 2 tokens: as many as requests, not all ones
+             ([3], [1040], [0], 64),  # a prompt longer than the positions buffer: its first 64
+             ([1, 2], [1, 1], [5, 9], 8), ([], [], [], 8)]
+    cases += [(rng.permutation(50)[:n].tolist(), rng.integers(0, 5, n).tolist(), rng.integers(0, 300, n).tolist(), 40)
+              for n in (1, 7, 30)]
+    for srows, lens, start, cap in cases:
+        a = [np.array(x, np.int32) for x in (srows, start, lens)]
+        got = [np.full(64, -7, np.int32), np.full(65, -7, np.int32), np.full(cap, -7, np.int32)]
+        want = [x.copy() for x in got]
+        assert rowloops.slot_inputs(*a, *got) == stage_slot_inputs_ref(*a, *want) == len(srows)
+        for g, w in zip(got, want):
+            assert g.tolist() == w.tolist(), (srows, lens, start)
+    ref = [np.zeros(4, np.int32), np.zeros(5, np.int32), np.zeros(8, np.int32)]
+    stage_slot_inputs_ref(*(np.array(x, np.int32) for x in ([4, 9, 2], [100, 7, 0], [1, 0, 2])), *ref)
+    assert ref[2][:3].tolist() == [100, 0, 1]  # as many tokens as requests is not one token each
+    out = [np.zeros(4, np.int32), np.zeros(5, np.int32), np.zeros(8, np.int32)]
+    rowloops.slot_inputs(np.array([2, 3], np.int32), np.array([10, 20], np.int32), np.array([2, 3], np.int32), *out)
+    assert out[0][:2].tolist() == [2, 3] and out[1][:3].tolist() == [0, 2, 5] and out[2][:5].tolist() == [10, 11, 20, 21, 22]
+
+
+def test_stage_changes_equals_the_numpy_reference_and_resets_the_regions():
+    from kvd.gpu_session import stage_group_ref
+
+    rng = np.random.default_rng(6)
+    table = rng.integers(1, 1000, (12, 9)).astype(np.int32)
+    big = 2**31 - 1
+    for trial in range(20):
+        st = np.full(12, big, np.int32)
+        en = np.zeros(12, np.int32)
+        marked = rng.permutation(12)[: rng.integers(0, 12)]
+        st[marked] = rng.integers(0, 5, marked.size)
+        en[marked] = st[marked] + rng.integers(0, 5, marked.size)  # some empty regions
+        bufs = [[np.full(30, -7, np.int32) for _ in range(4)] + [np.full(120, -7, np.int32)] for _ in range(2)]
+        for b in bufs:
+            b[3][0] = 0
+        args = [(st.copy(), en.copy()), (st.copy(), en.copy())]
+        got = rowloops.stage_changes(*args[0], 1, table, *bufs[0], 2, 3, big)
+        want = stage_group_ref(*args[1], 1, table, *bufs[1], 2, 3, big)
+        assert tuple(got) == tuple(want)
+        for x, y in zip(bufs[0] + list(args[0]), bufs[1] + list(args[1])):
+            assert x.tolist() == y.tolist()
+        assert not (args[0][1] > args[0][0]).any()  # every region staged and reset
+    st = np.array([big, 1, big], np.int32)
+    en = np.array([0, 3, 0], np.int32)
+    groups, rows, starts, offsets, ids = (np.zeros(4, np.int32) for _ in range(5))
+    assert rowloops.stage_changes(st, en, 0, table[:3], groups, rows, starts, offsets, ids, 0, 0, big) == (1, 2)
+    assert (groups[0], rows[0], starts[0], offsets[1]) == (0, 1, 1, 2) and ids[:2].tolist() == table[1, 1:3].tolist()
+    assert st.tolist() == [big, big, big] and en.tolist() == [0, 0, 0]
