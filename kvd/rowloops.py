@@ -420,7 +420,7 @@ def warm_up() -> None:
     drop_row_refs(table, i32, i32, i32, i32.copy(), i32.copy(), i32.copy(), 0)
     sync_appended_rows(i32, i64, i32, 1, table, i32, table.copy(), i32.copy(), i32[:0], i32[:0], i32.copy())
     range_slots(table, 1, i32, i32, i32, -1, 1, i64.copy())
-    slot_inputs(i32, i32, i32, i32.copy(), i32.copy(), i32.copy())
+    slot_inputs(i32, i32, i32, i32.copy(), np.zeros(2, np.int32), i32.copy())
     stage_changes(i32.copy(), i32.copy(), 0, table, i32.copy(), i32.copy(), i32.copy(), i32.copy(), i32.copy(), 0, 0, 1)
     u16 = np.zeros(1, np.uint16)
     confirm_in_place(i32, i64, i64, u16, i64, u16.copy(), u16)
