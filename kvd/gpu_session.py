@@ -18,8 +18,9 @@ and makes the three kinds of views from the ``arrays`` layout.
 Per reply the daemon mirrors onto the GPU exactly the shared-memory writes the reply announces:
 
 * block-table and count writes are recorded as (group, row, [start, end)) regions while the CPU
-  segment is written (:class:`ChangeTracker`, pure numpy); before the reply they are staged CSR-style
-  as ``(group, row, start, ids)`` changes into pinned host memory (the ids are read back from the
+  segment is written (:class:`ChangeTracker`; its staging, like the slot inputs below, is a compiled
+  loop of ``kvd.rowloops`` when numba is installed, else the numpy reference here); before the
+  reply they are staged CSR-style as ``(group, row, start, ids)`` changes into pinned host memory (the ids are read back from the
   segment, so a region written twice, or a little wider than needed, still gets the final values)
   and applied by ONE ``apply_block_table_updates`` launch for all groups (the counts are one more
   "table" ``[G, max_reqs]`` of that launch; up to 3 groups fit one launch, 4 tables per launch);

@@ -1204,10 +1204,12 @@ class BlockManager:
         tables = [(g.table, g.num_skipped[rows], g.num_blocks[rows]) for g in self.groups]
         if self.max_cross_blocks:
             tables.append((self.cross_table, self._no_skip[: rows.size], self.cross_num_blocks[rows]))
-        most = sum(int(stops.sum()) for _, _, stops in tables)
+        # each block is freed once at most: no more than the entries, nor than the pool's blocks
+        most = min(sum(int(stops.sum()) for _, _, stops in tables), self.pool.num_blocks)
         if most > self._freed_buf.size:
-            self._freed_buf = np.empty(2 * most, np.int32)
-            self._freed_rep = np.empty(2 * most, np.int32)
+            size = min(2 * most, self.pool.num_blocks)
+            self._freed_buf = np.empty(size, np.int32)
+            self._freed_rep = np.empty(size, np.int32)
         n = 0
         for table, starts, stops in tables:
             n = rowloops.drop_row_refs(table, rows, starts, stops, self.pool.ref_cnt, self._freed_buf, self._freed_rep, n)
