@@ -274,8 +274,9 @@ class BlockPool:
         """Take free cached blocks out of their eviction queues (tombstones: O(1) each)."""
         if free.size:
             self.queue_pos[free] = -1
-            for prio, count in zip(*np.unique(self.evict_prio[free], return_counts=True)):
-                self._queues[int(prio)].live -= int(count)
+            counts = np.bincount(self.evict_prio[free])  # np.unique sorts: ~5x the cost here
+            for prio in np.flatnonzero(counts).tolist():
+                self._queues[prio].live -= int(counts[prio])
             self._num_evictable -= free.size
 
     def incref(self, blocks: np.ndarray) -> None:
