@@ -425,9 +425,11 @@ def within(values: np.ndarray, lo: int, hi) -> bool:
     names a few rows: Python over a list beats numpy's reductions (~4 µs each) up to ~64 values."""
     if values.size > 64:
         return not ((values < lo) | (values > hi)).any()
+    vals = values.tolist()
     if values.ndim == 1:
-        return not values.size or (lo <= min(values.tolist()) and max(values.tolist()) <= hi)
-    return all(lo <= v <= h for row in values.tolist() for v, h in zip(row, hi))
+        return not vals or (lo <= min(vals) and max(vals) <= hi)
+    his = hi if isinstance(hi, (list, tuple)) else [hi] * values.shape[1]
+    return all(lo <= v <= h for row in vals for v, h in zip(row, his))
 
 
 def split_counts(hashes: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
@@ -435,8 +437,9 @@ def split_counts(hashes: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
 
     In Python over a list: a message admits a few requests, and numpy's reductions cost ~4 µs
     each on arrays that small (np.split ~10x more)."""
-    ends = list(itertools.accumulate(counts.tolist()))
-    if ends and min(counts.tolist()) < 0:
+    sizes = counts.tolist()
+    ends = list(itertools.accumulate(sizes))
+    if sizes and min(sizes) < 0:
         raise ProtocolError("negative hash count")
     if (ends[-1] if ends else 0) != hashes.shape[0]:
         raise ProtocolError("hash counts do not add up to the number of hashes")

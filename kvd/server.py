@@ -1439,7 +1439,8 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
             import pstats
 
             buf = io.StringIO()
-            pstats.Stats(d._cprof, stream=buf).sort_stats(os.environ.get("KVDSRV_PROF_SORT", "tottime")).print_stats(int(os.environ.get("KVDSRV_PROF_N", "25")))
+            stats = pstats.Stats(d._cprof, stream=buf).sort_stats(os.environ.get("KVDSRV_PROF_SORT", "tottime"))
+            stats.print_stats(int(os.environ.get("KVDSRV_PROF_N", "25")))
             log.warning("%s", buf.getvalue())
         if _PROF and os.environ.get("KVDSRV_PROF_FILE"):
             np.save(os.environ["KVDSRV_PROF_FILE"], np.array(_PROF))

@@ -84,3 +84,4 @@ def test_within_checks_every_value_against_one_bound_or_one_per_column_at_any_si
     big = np.tile(cols, (40, 1))  # over the small-array size: numpy's reductions, the same answers
     assert P.within(big, 0, [2, 9]) and not P.within(big, 0, [2, 8]) and P.within(-big, -9, [0, 0])
     assert P.within(np.arange(100), 0, 99) and not P.within(np.arange(100), 1, 99)
+    assert P.within(cols, 0, 9) and not P.within(cols, 0, 8)  # one bound for every column
