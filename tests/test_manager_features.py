@@ -302,6 +302,18 @@ def test_lower_priority_cached_blocks_are_evicted_first():
     assert m.lookup(hash_prompt(prompt(32), 16)) == 2
 
 
+def test_one_step_freeing_rows_of_several_priorities_queues_each_block_with_its_rows_priority():
+    m = make(num_blocks=9)
+    m.allocate("hi", 32, hash_prompt(prompt(32), 16), priority=90)
+    m.allocate("lo", 32, hash_prompt(prompt(32, 100), 16), priority=10)
+    m.allocate("mid", 16, hash_prompt(prompt(16, 200), 16), priority=50)
+    res = m.step(StepBatch(free=["hi", "lo", "mid"]))  # one release of three rows, three priorities
+    assert res.free_status.tolist() == [0, 0, 0]
+    # fresh 6, 7, 8 first, then by priority (lowest first), each row's blocks tail first
+    assert m.pool.free_queue_order().tolist() == [6, 7, 8, 4, 3, 5, 2, 1]
+    assert m.pool.evict_prio[[1, 2, 3, 4, 5]].tolist() == [90, 90, 10, 10, 50]
+
+
 # ---------------------------------------------------------------- cascade + encoder-decoder
 def test_common_prefix_blocks_of_the_running_requests():
     m = make()
