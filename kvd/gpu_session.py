@@ -66,8 +66,8 @@ MiB = 1 << 20
 #: torch's caching allocator gives requests of >= 10 MiB (rounded to 2 MiB) their own cudaMalloc
 ARENA_MIN_BYTES = 10 * MiB
 ARENA_ROUND = 2 * MiB
-_BIG = np.int32(2**31 - 1)
-_BIG_INT = int(_BIG)
+_BIG_INT = 2**31 - 1  # an empty region's start (ChangeTracker)
+_BIG = np.int32(_BIG_INT)
 PAD_SLOT_ID = -1
 
 

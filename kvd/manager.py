@@ -1655,11 +1655,11 @@ class BlockManager:
         if not rows.size:  # admissions only (a new request's first step): no appends to put first
             sched_rows = admit_rows[admitted]
             sched_len = (admit_tokens - admit_cached[admitted]).astype(np.int32)
-            return sched_rows, np.subtract(self.num_tokens[sched_rows], sched_len, dtype=np.int32, casting="unsafe"), sched_len
-        ok_app = append_status == STATUS_OK
-        n_app = n_new[ok_app] if isinstance(n_new, np.ndarray) else np.full(np.count_nonzero(ok_app), n_new, np.int64)
-        sched_rows = np.concatenate([rows[ok_app], admit_rows[admitted]]).astype(np.int32)
-        sched_len = np.concatenate([n_app, admit_tokens - admit_cached[admitted]]).astype(np.int32)
+        else:
+            ok_app = append_status == STATUS_OK
+            n_app = n_new[ok_app] if isinstance(n_new, np.ndarray) else np.full(np.count_nonzero(ok_app), n_new, np.int64)
+            sched_rows = np.concatenate([rows[ok_app], admit_rows[admitted]]).astype(np.int32)
+            sched_len = np.concatenate([n_app, admit_tokens - admit_cached[admitted]]).astype(np.int32)
         sched_start = np.subtract(self.num_tokens[sched_rows], sched_len, dtype=np.int32, casting="unsafe")
         return sched_rows, sched_start, sched_len
 
