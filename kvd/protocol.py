@@ -432,18 +432,19 @@ def within(values: np.ndarray, lo: int, hi) -> bool:
     return all(lo <= v <= h for row in vals for v, h in zip(row, his))
 
 
-def split_counts(hashes: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
-    """Split a concatenated S16 array by per-request counts (validated: >= 0, sum == len).
+def split_counts(values: np.ndarray, counts: np.ndarray, what: str = "hash") -> list[np.ndarray]:
+    """Split a concatenated array (hashes, token ids) by per-request counts (validated: >= 0,
+    sum == len; ``what`` names the values in the error).
 
     In Python over a list: a message admits a few requests, and numpy's reductions cost ~4 µs
     each on arrays that small (np.split ~10x more)."""
     sizes = counts.tolist()
     ends = list(itertools.accumulate(sizes))
     if sizes and min(sizes) < 0:
-        raise ProtocolError("negative hash count")
-    if (ends[-1] if ends else 0) != hashes.shape[0]:
-        raise ProtocolError("hash counts do not add up to the number of hashes")
-    return [hashes[start:end] for start, end in zip([0, *ends[:-1]], ends)]
+        raise ProtocolError(f"negative {what} count")
+    if (ends[-1] if ends else 0) != values.shape[0]:
+        raise ProtocolError(f"{what} counts do not add up to the number of values")
+    return [values[start:end] for start, end in zip([0, *ends[:-1]], ends)]
 
 
 # ---- fast ZeroMQ I/O ----------------------------------------------------------------------------

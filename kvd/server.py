@@ -877,9 +877,7 @@ class Daemon:
         if adm_b or adm_counts_b:
             ids = self._token_frame(adm_b, "admit token ids", nd * self.max_model_len)
             counts = P.frame_array(adm_counts_b, P.I32, nd, "admit token id counts")
-            if nd and int(counts.min()) < 0 or int(counts.sum(dtype=np.int64)) != ids.size:
-                raise ProtocolError("admit token id counts do not add up")
-            adm_tokens = np.split(ids, np.cumsum(counts[:-1], dtype=np.int64)) if nd else []
+            adm_tokens = P.split_counts(ids, counts, "admit token id")
         if not any(app_b):
             return adm_tokens, ()
         return adm_tokens, [self._token_frame(b, "append token ids", na * self.max_model_len) for b in app_b]
