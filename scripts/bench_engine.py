@@ -13,7 +13,8 @@ for steps of at most ``--graph-tokens`` tokens and send each steady decode step'
 the previous forward runs (``--no-overlap``: they wait for it). kvd's share = (step round trips +
 building slots, table views and the varlen layout) / decode step time; its exposed share counts only
 the part of the round trips, and of the next step's inputs staged during a forward (``prestage``),
-after that forward had finished on the GPU (all of the metadata built while the GPU waits). Tokens: the daemon run's tokens vs
+after that forward had finished on the GPU (all of the metadata built while the GPU waits); both
+count the timed steps only, not the frees of the finished batch after them. Tokens: the daemon run's tokens vs
 per-request HF generate (identity required in float32, agreement reported in bf16). TTFT: engine B
 (its own kvd session) admits a prompt sharing engine A's ``--prefix``-token system prompt after A
 confirmed it, vs A's cold prefill; both engines warm at their timed shapes first, median of 3 rounds,
@@ -69,15 +70,19 @@ def _decode_run(eng, prompts, steps, dev):
         phases.append(eng.phases)
     _sync(dev)
     wall = time.perf_counter() - t0
+    # kvd's figures of the timed steps only: read before run() frees the finished batch (those
+    # round trips come after the wall clock stopped)
+    kvd_s, meta_s = eng.kvd_s - k0, eng.meta_s - m0
+    rt_x, meta_x, steady = eng.kvd_exposed_s - x0, eng.meta_exposed_s - mx0, eng.steady_steps - s0
     eng.run()
     n = len(prompts)
+    exposed = np.array([p.get("rt_exposed", 0.0) + p.get("prestage_exposed", 0.0) for p in phases]) * 1e3
     return {"step_ms": wall / steps * 1e3, "tokens_per_s": n * steps / wall,
-            "kvd_share": (eng.kvd_s - k0 + eng.meta_s - m0) / wall,
-            "kvd_exposed_share": (eng.kvd_exposed_s - x0 + eng.meta_exposed_s - mx0) / wall,
-            "round_trip_ms": (eng.kvd_s - k0) / steps * 1e3, "meta_ms": (eng.meta_s - m0) / steps * 1e3,
-            "round_trip_exposed_ms": (eng.kvd_exposed_s - x0) / steps * 1e3,
-            "meta_exposed_ms": (eng.meta_exposed_s - mx0) / steps * 1e3,
-            "steps_sent_ahead": eng.ahead_steps, "steady_steps": eng.steady_steps - s0,
+            "kvd_share": (kvd_s + meta_s) / wall, "kvd_exposed_share": (rt_x + meta_x) / wall,
+            "round_trip_ms": kvd_s / steps * 1e3, "meta_ms": meta_s / steps * 1e3,
+            "round_trip_exposed_ms": rt_x / steps * 1e3, "meta_exposed_ms": meta_x / steps * 1e3,
+            "overlap_exposed_ms_p50_p99_max": [round(float(x), 3) for x in np.percentile(exposed, [50, 99, 100])],
+            "steps_sent_ahead": eng.ahead_steps, "steady_steps": steady,
             "graph_replays": eng.graphs.replays if eng.graphs else 0,
             "phases_p50_ms": {k: round(float(np.median([p.get(k, 0.0) for p in phases])) * 1e3, 3)
                               for k in sorted({k for p in phases for k in p})}}

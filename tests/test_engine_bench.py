@@ -24,3 +24,37 @@ def test_tiny_bench_runs_and_its_checks_hold():
     assert set(out["batches"]) == {"4", "6"}
     assert out["batches"]["6"]["identical_requests"] == "6/6"
     assert out["ttft"]["hit_tokens"] == 64 and out["ttft"]["hit_prefilled"] == 16
+
+
+def test_decode_run_counts_only_the_timed_steps():
+    """kvd's round trips and metadata in the figures are those of the timed steps: the frees that
+    ``run()`` sends after the wall clock stopped (the finished batch) are not in them."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_engine
+    import torch
+
+    class Counting:
+        kvd_s = meta_s = kvd_exposed_s = meta_exposed_s = 0.0
+        steady_steps = ahead_steps = 0
+        graphs = None
+        reqs: dict = {}
+        phases: dict = {}
+
+        def step(self):
+            self.kvd_s += 0.001
+            self.kvd_exposed_s += 0.0002
+            self.meta_s += 0.0005
+            self.steady_steps += 1
+            self.phases = {"rt_exposed": 0.0002}
+
+        def run(self):  # the batch's frees, after the timed steps
+            self.kvd_s += 1.0
+            self.kvd_exposed_s += 1.0
+            self.meta_exposed_s += 1.0
+
+    out = bench_engine._decode_run(Counting(), {}, 4, torch.device("cpu"))
+    assert out["round_trip_ms"] == pytest.approx(1.0)
+    assert out["round_trip_exposed_ms"] == pytest.approx(0.2)
+    assert out["meta_ms"] == pytest.approx(0.5) and out["meta_exposed_ms"] == 0.0
+    assert out["steady_steps"] == 4
+    assert out["overlap_exposed_ms_p50_p99_max"] == [0.2, 0.2, 0.2]
