@@ -266,13 +266,14 @@ class _Core:
     def __init__(self, endpoint: str | None = None, *, tenant: str = "", name: str = "",
                  timeout_s: float = 2.0, retries: int = 2, heartbeat: bool = True,
                  gpu: bool | None = None, kv_shared: bool = False, confirm: str = "auto",
-                 steps_in_flight: int = 1):
+                 steps_in_flight: int = 1, slot_mapping: bool = True):
         if confirm not in ("auto", "explicit"):
             raise InvalidArgument(f"confirm must be 'auto' or 'explicit', got {confirm!r}")
         if type(steps_in_flight) is not int or steps_in_flight < 0:
             raise InvalidArgument(f"steps_in_flight must be a non-negative int, got {steps_in_flight!r}")
         self.endpoint = endpoint or default_endpoint()
         self.kv_shared = bool(kv_shared)
+        self._want_slots = bool(slot_mapping)
         self._auto_confirm = confirm == "auto"
         # ticks of the last steps: the oldest is the one whose forward pass has surely finished
         self._step_ticks: deque[int] = deque(maxlen=steps_in_flight + 1)
@@ -349,8 +350,15 @@ class _Core:
         return self.shm.counts
 
     @property
-    def slot_mappings(self) -> list[np.ndarray]:
-        return self.shm.slots
+    def slot_mapping(self) -> bool:
+        """Whether the daemon writes each step's slot mapping for this session (``slot_mapping``)."""
+        return bool(self.info.get("slots", True))
+
+    @property
+    def slot_mappings(self) -> list[np.ndarray] | None:
+        """The last step's slot mapping per group; None for a session opened with
+        ``slot_mapping=False`` (the engine computes its slots from the tables)."""
+        return self.shm.slots if self.slot_mapping else None
 
     @property
     def gpu_tables(self):
@@ -363,7 +371,7 @@ class _Core:
 
     @property
     def gpu_slot_mappings(self):
-        return self.gpu.slot_mappings if self.gpu is not None else None
+        return self.gpu.slot_mappings if self.gpu is not None and self.slot_mapping else None
 
     @property
     def block_sizes(self) -> tuple[int, ...]:
@@ -421,6 +429,8 @@ class _Core:
         fields = {"tenant": self.tenant, "name": self.name, "pid": os.getpid(), "nonce": secrets.token_hex(8)}
         if self.kv_shared:
             fields["kv_shared"] = True
+        if not self._want_slots:
+            fields["slots"] = False
         return P.HELLO, fields, []
 
     @property
@@ -770,7 +780,7 @@ class Client(_Core):
     def __init__(self, endpoint: str | None = None, *, tenant: str = "", name: str = "",
                  timeout_s: float = 2.0, retries: int = 2, heartbeat: bool = True,
                  gpu: bool | None = None, kv_shared: bool = False, confirm: str = "auto",
-                 steps_in_flight: int = 1, busy_poll_us: int | None = None) -> None:
+                 steps_in_flight: int = 1, busy_poll_us: int | None = None, slot_mapping: bool = True) -> None:
         """Connect and say hello.
 
         ``endpoint``: the daemon's ZeroMQ endpoint (default: ``$KVD_ENDPOINT``, else the daemon's
@@ -787,12 +797,15 @@ class Client(_Core):
         this long by polling (yielding the CPU) before sleeping in recv, which costs a wake-up
         (None: ``DEFAULT_BUSY_POLL_US`` with at least ``BUSY_POLL_MIN_CPUS`` CPUs to run on, else 0:
         on fewer, a polling engine takes the CPU the daemon and the other engines need).
+        ``slot_mapping``: the daemon writes each step's slot mapping into ``slot_mappings`` (and the
+        GPU buffers); False for an engine that computes its slots from the block tables itself
+        (a CUDA graph does): the daemon then skips that work and its GPU launch on every step.
 
         Raises ``DaemonUnavailable`` (no socket file), ``PermissionDenied`` (socket or segment not
         accessible), ``Timeout`` (no answer), ``ServerBusy`` (too many sessions)."""
         super().__init__(endpoint, tenant=tenant, name=name, timeout_s=timeout_s, retries=retries,
                          heartbeat=heartbeat, gpu=gpu, kv_shared=kv_shared, confirm=confirm,
-                         steps_in_flight=steps_in_flight)
+                         steps_in_flight=steps_in_flight, slot_mapping=slot_mapping)
         if busy_poll_us is None:
             busy_poll_us = DEFAULT_BUSY_POLL_US if len(os.sched_getaffinity(0)) >= BUSY_POLL_MIN_CPUS else 0
         if type(busy_poll_us) is not int or not 0 <= busy_poll_us <= 1_000_000:
@@ -1042,11 +1055,11 @@ class AsyncClient(_Core):
     def __init__(self, endpoint: str | None = None, *, tenant: str = "", name: str = "",
                  timeout_s: float = 2.0, retries: int = 2, heartbeat: bool = True,
                  gpu: bool | None = None, kv_shared: bool = False, confirm: str = "auto",
-                 steps_in_flight: int = 1) -> None:
+                 steps_in_flight: int = 1, slot_mapping: bool = True) -> None:
         """Not connected yet: use ``await AsyncClient.connect(...)`` (same keywords as Client)."""
         super().__init__(endpoint, tenant=tenant, name=name, timeout_s=timeout_s, retries=retries,
                          heartbeat=heartbeat, gpu=gpu, kv_shared=kv_shared, confirm=confirm,
-                         steps_in_flight=steps_in_flight)
+                         steps_in_flight=steps_in_flight, slot_mapping=slot_mapping)
         import zmq.asyncio
 
         self._ctx = zmq.asyncio.Context()
@@ -1059,11 +1072,11 @@ class AsyncClient(_Core):
     async def connect(cls, endpoint: str | None = None, *, tenant: str = "", name: str = "",
                       timeout_s: float = 2.0, retries: int = 2, heartbeat: bool = True,
                       gpu: bool | None = None, kv_shared: bool = False, confirm: str = "auto",
-                      steps_in_flight: int = 1) -> "AsyncClient":
+                      steps_in_flight: int = 1, slot_mapping: bool = True) -> "AsyncClient":
         """Connect and say hello (see ``Client.__init__`` for the keywords and errors)."""
         self = cls(endpoint, tenant=tenant, name=name, timeout_s=timeout_s, retries=retries,
                    heartbeat=heartbeat, gpu=gpu, kv_shared=kv_shared, confirm=confirm,
-                   steps_in_flight=steps_in_flight)
+                   steps_in_flight=steps_in_flight, slot_mapping=slot_mapping)
         try:
             self._open()
             await self._hello()

@@ -54,13 +54,17 @@ Ops and their frames (G = number of KV-cache groups of the pool; "hdr" = extra h
 ===========================================================================================
 hello      hdr: tenant (str, <= 256 chars; "" = the peer's own, see kvd.tenancy), name (str),
            pid (int), nonce (str, <= 64 chars), kv_shared (bool, default false: this engine's KV
-           memory is shared with the tenant's other sessions, so their prefix caches may be one).
+           memory is shared with the tenant's other sessions, so their prefix caches may be one),
+           slots (bool, default true: every reply's slot mapping is written into the session's
+           buffers; false: none is, the engine computes its slots from the block tables itself, the
+           daemon skips that work and its GPU launch, and replies say nt = 0 for every group).
            frames: none. reply hdr: sid, epoch, shm (segment name), layout (dict, see kvd.shm),
            block_sizes, max_reqs, max_blocks, max_tokens, lease_s, hb_s (heartbeat interval),
            tenant (the tenant granted), shared (bool: the session's prefix cache is its tenant's
            shared one; false: a namespace of its own), topic (of its KV events: the tenant, or
            "tenant#N" for a namespace of its own), t (the manager tick), kv_events (bool: the
-           daemon publishes KV events, so token ids are worth sending).
+           daemon publishes KV events, so token ids are worth sending), slots (bool: the session's
+           replies write slot mappings).
            A retried hello (same nonce, same peer uid) returns the same session. A tenant the
            peer's credentials do not open -> Unauthorized.
            With a GPU pool (daemon ``--device cuda:N``, kvd.gpu_session) the reply also carries

@@ -95,7 +95,7 @@ _MAX_DEFERRED = 64  # deferred prefix-cache items a daemon lets pile up while me
 class Session:
     __slots__ = (
         "sid", "tenant", "namespace", "writer", "uid", "name", "pid", "nonce", "shm", "mrow", "last_seen",
-        "last_seq", "last_reply", "ident", "slots_written", "base", "gpu",
+        "last_seq", "last_reply", "ident", "slots_written", "base", "gpu", "slot_mapping",
     )
 
     def __init__(self, sid: int, tenant: str, namespace: int, writer: int, uid: int | None, name: str, pid: int,
@@ -117,6 +117,7 @@ class Session:
         self.slots_written = [0] * num_groups
         self.base = sid << SID_SHIFT
         self.gpu = None  # kvd.gpu_session.GpuSession with a GPU pool
+        self.slot_mapping = True  # replies write the step's slot mapping (hello ``slots``)
 
 
 def _peer(identity_frame: Any) -> Peer | None:
@@ -495,7 +496,10 @@ class Daemon:
                      uniform: int = 0) -> list[int]:
         """The step's slot mapping into the session's buffer, padded with PAD_SLOT_ID
         (``rowloops.range_slots``, else the kernels' numpy reference). A step that schedules more tokens than the buffer holds gets
-        its first ``max_num_batched_tokens`` slots; the reply says how many were written."""
+        its first ``max_num_batched_tokens`` slots; the reply says how many were written (none for
+        a session that computes its own, hello ``slots`` false)."""
+        if not sess.slot_mapping:
+            return [0] * self.G
         m = self.manager
         shm = sess.shm
         if sess.gpu is not None:
@@ -531,10 +535,13 @@ class Daemon:
         nonce = P.get_str(h, "nonce", "", 64)
         pid = P.get_int(h, "pid", 0)
         kv_shared = h.get("kv_shared", False)
+        slots = h.get("slots", True)
         if frames:
             raise ProtocolError("hello carries no frames")
         if type(kv_shared) is not bool:
             raise ProtocolError("hello: kv_shared must be a boolean")
+        if type(slots) is not bool:
+            raise ProtocolError("hello: slots must be a boolean")
         tenant = tenant_for(claimed, peer, self.tenant_rules)
         uid = peer.uid if peer is not None else None
         if nonce and nonce in self.by_nonce and self.by_nonce[nonce] in self.sessions:
@@ -545,6 +552,7 @@ class Daemon:
             if len(self.sessions) >= self.max_sessions:
                 raise ServerBusy(f"{len(self.sessions)} sessions: max_sessions reached")
             sess = self._new_session(tenant, kv_shared or self.kv is not None, uid, name, pid, nonce, ident)
+            sess.slot_mapping = slots
         sess.last_seq = seq
         sess.last_reply = None
         return [self._session_reply(sess, seq)]
@@ -598,7 +606,7 @@ class Daemon:
             hash_width=self.hash_width, **({"hash_seed": self.hash_seed} if self.hash_algo == VLLM_SCHEME else {}),
             num_groups=self.G, max_model_len=self.max_model_len, tenant=sess.tenant,
             shared=bool(sess.writer), topic=self.topic_of[sess.namespace], t=self.manager.tick,
-            kv_events=self.events is not None,
+            kv_events=self.events is not None, slots=sess.slot_mapping,
             **({"gpu": sess.gpu.handle} if sess.gpu is not None and sess.gpu.handle else {}),
             **({"kv": self.kv.info} if self.kv is not None else {}),
         )

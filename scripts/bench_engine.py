@@ -21,7 +21,9 @@ confirmed it, vs A's cold prefill; both engines warm at their timed shapes first
 each step's phases (plan, round trip, kvd metadata, model launch, device wait + sampling). The cold
 prefill is longer than ``--graph-tokens`` and runs eagerly, the hit's suffix replays a graph (the
 engine's policy for every step); the same with every step graphed is reported beside it. Ends with
-ONE JSON line; exits 1 if an honesty check fails.
+ONE JSON line; exits 1 if an honesty check fails. The engines' sessions are opened without the
+daemon's slot mappings (``Client(slot_mapping=False)``: a graph computes its slots from the tables,
+so does an eager step here); ``--kvd-slots`` asks for them.
 """
 
 from __future__ import annotations
@@ -128,13 +130,14 @@ def _hit_round(a, b, tag, system, tail, dev):
             "hit_phases_ms": hit}
 
 
-def _ttft(endpoint, model, cfg, dev, rng, graph_tokens, rounds=3):
+def _ttft(endpoint, model, cfg, dev, rng, graph_tokens, rounds=3, kvd_slots=False):
     """A cold ``--prefix``-token prefill in engine A vs engine B's admission with A's prefix cached.
     Both sides are warm at their timed shapes first (a round on another prefix: every kernel variant
     of both steps compiled, both sessions' first-call costs paid), then ``rounds`` timed rounds on
     fresh prefixes; the median round is reported with each step's phases."""
     tail = lambda: rng.integers(1, cfg["vocab"], 16).tolist()  # noqa: E731
-    with Client(endpoint, name="A", steps_in_flight=0) as ca, Client(endpoint, name="B", steps_in_flight=0) as cb:
+    with Client(endpoint, name="A", steps_in_flight=0, slot_mapping=kvd_slots) as ca, \
+            Client(endpoint, name="B", steps_in_flight=0, slot_mapping=kvd_slots) as cb:
         a = Engine(ca, model, device=dev, max_tokens=4096, keep_logits=False, graph_tokens=graph_tokens)
         b = Engine(cb, model, device=dev, max_tokens=4096, keep_logits=False, graph_tokens=graph_tokens)
         warm = _hit_round(a, b, "warm", rng.integers(1, cfg["vocab"], cfg["prefix"]).tolist(), tail, dev)
@@ -160,6 +163,9 @@ def main(argv=None) -> int:
                     help="CUDA graphs for steps of at most this many tokens (default 512 on CUDA; 0: eager)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="decode steps wait for their round trip (default: sent during the previous forward)")
+    ap.add_argument("--kvd-slots", action="store_true",
+                    help="sessions with the daemon's slot mappings (default: without; the engines compute "
+                         "their slots from the tables, a graph always does)")
     ap.add_argument("--no-prestage", action="store_true",
                     help="stage a steady decode step's inputs after the previous forward (default: during it)")
     args = ap.parse_args(argv)
@@ -193,13 +199,13 @@ def main(argv=None) -> int:
     try:
         d.start(timeout=180)  # a CUDA daemon imports torch and creates its context first
         warm = {f"w{i}": rng.integers(1, cfg["vocab"], cfg["prompt"]).tolist() for i in range(2)}
-        with Client(d.endpoint, name="bench") as c:  # numba compiles, CUDA contexts
+        with Client(d.endpoint, name="bench", slot_mapping=args.kvd_slots) as c:  # numba compiles, CUDA contexts
             _decode_run(Engine(c, model, device=dev, **eng_opts), warm, 2, dev)
         _decode_run(Engine(InProcClient(num_blocks, cfg["block"]), model, device=dev, **eng_opts, kv=OwnedKv(
             cfg["layers"], num_blocks + 1, cfg["block"], cfg["kv_heads"], head_dim, dtype, dev)), warm, 2, dev)
         for n in cfg["batches"]:
             prompts = {f"r{i}": rng.integers(1, cfg["vocab"], cfg["prompt"]).tolist() for i in range(n)}
-            with Client(d.endpoint, name="bench") as c:
+            with Client(d.endpoint, name="bench", slot_mapping=args.kvd_slots) as c:
                 eng = Engine(c, model, device=dev, max_tokens=max(4096, n * cfg["prompt"]), max_running=n,
                              **eng_opts)
                 daemon = _decode_run(eng, prompts, cfg["steps"], dev)
@@ -227,9 +233,9 @@ def main(argv=None) -> int:
                   f"{daemon['round_trip_exposed_ms']:.3f} ms + meta {daemon['meta_exposed_ms']:.3f} ms)  in-process {inproc['tokens_per_s']:9.1f} tok/s "
                   f"{inproc['step_ms']:7.2f} ms  HF generate {hf['tokens_per_s']:9.1f} tok/s {hf['step_ms']:7.2f} ms  "
                   f"agreement {rows[n]['token_agreement']:.3f}", flush=True)
-        ttft = _ttft(d.endpoint, model, cfg, dev, rng, gt)
+        ttft = _ttft(d.endpoint, model, cfg, dev, rng, gt, kvd_slots=args.kvd_slots)
         # honesty: the same with the cold prefill graphed too (GPU work against GPU work)
-        ttft_all = _ttft(d.endpoint, model, cfg, dev, rng, 2 * (cfg["prefix"] + 16)) if gt else None
+        ttft_all = _ttft(d.endpoint, model, cfg, dev, rng, 2 * (cfg["prefix"] + 16), kvd_slots=args.kvd_slots) if gt else None
     finally:
         d.stop()
     full_hit = (cfg["prefix"] // cfg["block"]) * cfg["block"]
@@ -248,7 +254,7 @@ def main(argv=None) -> int:
               f"ms ({ttft_all['ttft_hit_ms'] / ttft_all['ttft_cold_ms']:.3f}x)")
     out = {"device": str(dev), "dtype": cfg["dtype"], "layers": cfg["layers"], "hidden": cfg["hidden"],
            "heads": [cfg["heads"], cfg["kv_heads"]], "prompt": cfg["prompt"], "decode_steps": cfg["steps"],
-           "graph_tokens": gt, "overlap": not args.no_overlap, "prestage": not args.no_prestage,
+           "graph_tokens": gt, "overlap": not args.no_overlap, "prestage": not args.no_prestage, "kvd_slots": args.kvd_slots,
            "batches": {str(k): v for k, v in rows.items()}, "ttft": ttft,
            "ttft_ratio": ttft["ttft_hit_ms"] / ttft["ttft_cold_ms"],
            "ttft_all_graphed": None if ttft_all is None else {

@@ -270,3 +270,34 @@ def test_the_default_busy_poll_depends_on_the_cpus_the_engine_may_run_on(daemon,
             Client(daemon.endpoint, busy_poll_us=-1)
     finally:
         c.close()
+
+
+def test_a_session_without_slot_mappings_gets_tables_and_no_slots(daemon):
+    """``slot_mapping=False``: the daemon writes no slot mapping for that session (its buffer stays
+    PAD_SLOT_ID, replies say nt = 0), its tables are exactly the manager's; a session beside it with
+    the default still gets its slots."""
+    m = local_manager()
+    own = Client(daemon.endpoint, tenant="a", slot_mapping=False)
+    usual = Client(daemon.endpoint, tenant="b")
+    try:
+        assert own.info["slots"] is False and not own.slot_mapping and own.slot_mappings is None
+        assert usual.slot_mapping and usual.slot_mappings is not None
+        pad = np.full_like(own.shm.slots[0], PAD_SLOT_ID)
+        ids = ["a", "b"]
+        res = own.step(StepBatch(admit=[AdmitRequest("a", 40), AdmitRequest("b", 17)]))
+        m.step(StepBatch(admit=[AdmitRequest("a", 40), AdmitRequest("b", 17)]))
+        assert res.num_scheduled_tokens == [0] and res.sched_len.tolist() == [40, 17]
+        for k in range(20):  # decode steps: the fast path, blocks filling on the way
+            res = own.step(StepBatch(append_rows=own.rows_of(ids), append_num_tokens=1))
+            m.step(StepBatch(append_ids=ids))
+            assert res.num_scheduled_tokens == [0] and res.append_status.tolist() == [0, 0]
+        for rid in ids:
+            assert (own.block_table(rid) == m.block_table(rid)).all()
+        assert own.shm.slots[0].tobytes() == pad.tobytes()
+        r2 = usual.step(StepBatch(admit=[AdmitRequest("x", 20)]))
+        assert r2.num_scheduled_tokens == [20]
+        t = usual.block_table("x")
+        assert usual.slot_mappings[0][:20].tolist() == [int(t[p // BS]) * BS + p % BS for p in range(20)]
+    finally:
+        own.close()
+        usual.close()

@@ -131,7 +131,7 @@ def test_arena_layout_is_aligned_and_owns_its_allocation():
 
 # ---- CPU: the daemon's GPU path, emulated (tensors on the CPU, Triton interpreter) ----------------
 
-def _inproc_client(d):
+def _inproc_client(d, **opts):
     """A kvd_client core that calls ``Daemon.handle`` directly (no socket)."""
     from kvd import protocol as P
     from kvd_client.client import Client, _Core
@@ -146,7 +146,7 @@ def _inproc_client(d):
 
         _do = Client._do
 
-    c = InProc("inproc://x", heartbeat=False, gpu=False)
+    c = InProc("inproc://x", heartbeat=False, gpu=False, **opts)
     op, fields, frames = c._hello_msg()
     h, _ = c._call(op, fields, frames, sid=0)
     c._on_session(h)
@@ -235,6 +235,47 @@ def test_daemon_gpu_path_emulated(monkeypatch, groups):
         c._do((  # goodbye ends the session and drops its GPU buffers
             "goodbye", {}, [], lambda h, f: None))
         assert sess.gpu is None and c.sid not in d.sessions
+    finally:
+        for s in list(d.sessions.values()):
+            d.end_session(s, "test")
+
+
+def test_a_session_without_slot_mappings_launches_nothing_for_a_step_that_changes_no_table():
+    """hello ``slots`` false: the GPU buffers still get every table change, the slot buffer is never
+    written, and a decode step that grows no table (most of them) stages and launches nothing."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("emulation runs under TRITON_INTERPRET=1 (a machine without a GPU)")
+    pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from kvd.api import AdmitRequest, StepBatch
+    from kvd.gpu_session import PAD_SLOT_ID, GpuPool
+    from kvd.server import Daemon
+
+    class Cfg:
+        block_size = 4
+        num_gpu_blocks = 256
+        max_model_len = 128
+        max_num_reqs = 32
+        max_reqs_per_session = 8
+        max_num_batched_tokens = 64
+        device = "cpu"
+
+    d = Daemon(Cfg)
+    d.gpu_pool = GpuPool("cpu", d.block_sizes, d.max_blocks, d.max_reqs, d.max_tokens)
+    try:
+        c = _inproc_client(d, slot_mapping=False)
+        g = d.sessions[c.sid].gpu
+        shm = d.sessions[c.sid].shm
+        c._do(c._req_step(StepBatch(admit=[AdmitRequest("a", 6), AdmitRequest("b", 3)])))
+        flushes = []
+        for k in range(9):  # a (6 tokens) takes a block at positions 8, 12 (k = 2, 6); b (3) at 4, 8 (k = 1, 5)
+            before = d.gpu_pool.stats()["flushes"]
+            res = c._do(c._req_step(StepBatch(append_rows=c.rows_of(["a", "b"]), append_num_tokens=1)))
+            assert res.num_scheduled_tokens == [0]
+            flushes.append(d.gpu_pool.stats()["flushes"] - before)
+            assert np.array_equal(g.tables[0].numpy(), shm.tables[0]) and np.array_equal(g.counts[0].numpy(), shm.counts[0])
+        assert flushes == [0, 1, 1, 0, 0, 1, 1, 0, 0]
+        assert (g.slots.numpy() == PAD_SLOT_ID).all() and (shm.slot_array == PAD_SLOT_ID).all()
     finally:
         for s in list(d.sessions.values()):
             d.end_session(s, "test")

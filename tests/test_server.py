@@ -486,3 +486,21 @@ def test_idle_pacer_slices_converge_to_the_size_that_fills_the_gap():
         k = p.rows(float(i))
         p.ran(a + b * k, k)
     assert k == pytest.approx((IdlePacer.FILL * gap - a) / b, abs=2)
+
+
+def test_hello_slots_must_be_a_boolean(daemon):
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(daemon.endpoint)
+    try:
+        raw.send_multipart([P.request(P.HELLO, 0, 1, tenant="", name="raw", pid=1, nonce="n1", slots="no")])
+        assert raw.poll(2000)
+        rep = P.parse_reply(raw.recv_multipart()[0])
+        assert rep["err"] == ProtocolError.code and rep["msg"] == "hello: slots must be a boolean", rep
+        c = Client(daemon.endpoint)  # nothing was opened by the refused hello
+        assert c.stats()["sessions"] == 1
+        c.close()
+    finally:
+        raw.close(0)
+        ctx.term()
