@@ -153,20 +153,15 @@ def _inproc_client(d, **opts):
     return c
 
 
-@pytest.mark.parametrize("groups", [((4, 0),), ((4, 0), (8, 16))], ids=["one-group", "full+window"])
-def test_daemon_gpu_path_emulated(monkeypatch, groups):
-    """Every op's shared-memory writes reach the session's GPU buffers (here CPU tensors written by
-    the Triton kernels under the interpreter) exactly, through the tracker, the staging and the plans,
-    for every KV-cache group."""
+def _emulated_daemon(groups):
+    """An in-process daemon (block size 4, 256 blocks, 8 requests a session) whose GPU pool is CPU
+    tensors written by the Triton kernels under the interpreter; skips without it."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("emulation runs under TRITON_INTERPRET=1 (a machine without a GPU)")
     pytest.importorskip("torch")
     pytest.importorskip("triton")
-    from kvd.api import AdmitRequest, StepBatch
     from kvd.gpu_session import GpuPool
-    from kvd.hashing import hash_prompt
     from kvd.server import Daemon
-    from kvd_client.client import _Core
 
     class Cfg:
         block_size = 4
@@ -181,12 +176,24 @@ def test_daemon_gpu_path_emulated(monkeypatch, groups):
         def group_specs():
             return groups
 
+    d = Daemon(Cfg)
+    d.gpu_pool = GpuPool("cpu", d.block_sizes, d.max_blocks, d.max_reqs, d.max_tokens)
+    return d
+
+
+@pytest.mark.parametrize("groups", [((4, 0),), ((4, 0), (8, 16))], ids=["one-group", "full+window"])
+def test_daemon_gpu_path_emulated(monkeypatch, groups):
+    """Every op's shared-memory writes reach the session's GPU buffers (here CPU tensors written by
+    the Triton kernels under the interpreter) exactly, through the tracker, the staging and the plans,
+    for every KV-cache group."""
+    from kvd.api import AdmitRequest, StepBatch
+    from kvd.hashing import hash_prompt
+
     def hashes(p):
         hs = [hash_prompt(p, bs) for bs, _ in groups]
         return hs[0] if len(hs) == 1 else hs
 
-    d = Daemon(Cfg)
-    d.gpu_pool = GpuPool("cpu", d.block_sizes, d.max_blocks, d.max_reqs, d.max_tokens)
+    d = _emulated_daemon(groups)
     try:
         c = _inproc_client(d)
         sess = d.sessions[c.sid]
@@ -243,25 +250,10 @@ def test_daemon_gpu_path_emulated(monkeypatch, groups):
 def test_a_session_without_slot_mappings_launches_nothing_for_a_step_that_changes_no_table():
     """hello ``slots`` false: the GPU buffers still get every table change, the slot buffer is never
     written, and a decode step that grows no table (most of them) stages and launches nothing."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("emulation runs under TRITON_INTERPRET=1 (a machine without a GPU)")
-    pytest.importorskip("torch")
-    pytest.importorskip("triton")
     from kvd.api import AdmitRequest, StepBatch
-    from kvd.gpu_session import PAD_SLOT_ID, GpuPool
-    from kvd.server import Daemon
+    from kvd.gpu_session import PAD_SLOT_ID
 
-    class Cfg:
-        block_size = 4
-        num_gpu_blocks = 256
-        max_model_len = 128
-        max_num_reqs = 32
-        max_reqs_per_session = 8
-        max_num_batched_tokens = 64
-        device = "cpu"
-
-    d = Daemon(Cfg)
-    d.gpu_pool = GpuPool("cpu", d.block_sizes, d.max_blocks, d.max_reqs, d.max_tokens)
+    d = _emulated_daemon(((4, 0),))
     try:
         c = _inproc_client(d, slot_mapping=False)
         g = d.sessions[c.sid].gpu
