@@ -43,15 +43,17 @@ def _prompts(seed, n=12):
     return {f"r{i}": rng.integers(0, 512, int(rng.integers(3, 40))).tolist() for i in range(n)}
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_graphs_through_a_gpu_daemon_match_hf(daemon_factory, overlap):
+@pytest.mark.parametrize("overlap,slot_mapping", [(False, True), (True, True), (True, False)],
+                         ids=["sync", "overlap", "overlap-own-slots"])
+def test_graphs_through_a_gpu_daemon_match_hf(daemon_factory, overlap, slot_mapping):
     _cuda()
     d = daemon_factory(wait=False, device="cuda:0", **DAEMON)
     d.wait_ready(300)
     model = model_of(LLAMA).to("cuda")
     prompts = _prompts(12)
     # the daemon compiles its kernels before it serves: the hello may wait for that
-    with Client(d.endpoint, name="gpu-engine", steps_in_flight=1, timeout_s=300.0) as c:
+    with Client(d.endpoint, name="gpu-engine", steps_in_flight=1, timeout_s=300.0, slot_mapping=slot_mapping) as c:
+        assert (c.gpu_slot_mappings is None) != slot_mapping  # without them: every slot from the tables
         # steps of up to 16 tokens replay graphs; prefills (chunks up to 48 tokens) run eagerly
         eng = Engine(c, model, device="cuda", max_tokens=48, graph_tokens=16, overlap=overlap, prestage=True)
         eng.check_slots = True
