@@ -62,6 +62,7 @@ def test_graphs_through_a_gpu_daemon_match_hf(daemon_factory, overlap, slot_mapp
         assert 0 < g.replays < eng.forwards and g.captures == len(g.buckets)
         assert (eng.ahead_steps > 0) == overlap
         assert (eng.steady_steps > 0) == overlap and (eng.prestaged_steps > 0) == overlap
+        assert (eng.prestaged_replays > 0) == overlap  # device tables: a prestaged step only replays
         assert_matches_hf(model, eng, prompts, 12)
         assert c.stats()["num_requests"] == 0
 
@@ -76,4 +77,5 @@ def test_graphs_with_host_tables_match_hf():
     _drive(eng, prompts, 12)
     assert eng.graphs.replays == eng.forwards and eng.graphs.table_width > 0 and eng.ahead_steps > 0
     assert eng.steady_steps > 0 and eng.prestaged_steps > 0
+    assert eng.prestaged_replays == 0  # host tables are copied into the bucket at every step
     assert_matches_hf(model, eng, prompts, 12)

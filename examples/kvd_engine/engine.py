@@ -111,6 +111,7 @@ class Engine(ForwardMixin, OverlapMixin):
         self.graphs = None
         self.prestage = prestage
         self.prestaged_steps = 0
+        self.prestaged_replays = 0  # steady steps launched as a bare replay of their prestaged bucket
         self._bucket = None  # the graph bucket of the last launch (None: eager)
         if graph_tokens > 0 and self.device.type == "cuda":
             host = isinstance(client.tables[0], np.ndarray) and getattr(client, "gpu_tables", None) is None

@@ -75,11 +75,27 @@ class ForwardMixin:
 
     def _launch_steady(self, batch):
         """:meth:`_launch` for a steady decode batch (``steady.SteadyBatch``): its arrays as they are,
-        one token per row, every row sampling."""
+        one token per row, every row sampling. A step staged during the last forward
+        (``Bucket.prestage``: the same bucket, tables and layout) only replays."""
         t0 = time.perf_counter()
+        bk = self._prestaged(batch)
+        if bk is not None:
+            bk.prestaged = 0
+            self.prestaged_replays += 1
+            return self._replay(bk, (batch, None), t0, t0, batch.keep.shape[0])
         pos = batch.pos
         return self._dispatch((batch, None), None, t0, t0, batch.last, pos, batch.keep, batch.keep, batch.rows,
                               (pos + 1).astype(np.int32), batch.qsl, None, layout=batch.stamp)
+
+    def _prestaged(self, batch):
+        """The last step's graph bucket when ``batch``'s next step was staged into it during that
+        step's forward and nothing else it reads moved: the session's device tables, at the
+        addresses it was staged with (host tables are copied into the bucket at every step)."""
+        bk = self._bucket
+        if bk is None or not bk.prestaged or bk.prestaged != batch.stamp or self.graphs.table_width:
+            return None
+        gpu = getattr(self.c, "gpu_tables", None)
+        return bk if gpu is not None and bk.tables_now is not None and bk.tables_now[0] is gpu[0] else None
 
     def _dispatch(self, what, res, t0, t_meta, ids, positions, keep, rep, rows, seq_lens, qsl, spans, layout=0):
         """Tables, slots and the forward's launch from the step's arrays. ``spans``: (starts,
@@ -101,38 +117,50 @@ class ForwardMixin:
         wanted = spans is not None and not host_tables and not self.overlap and (graphs is None or self.check_slots)
         kvd = self._kvd_slots(res, rows, *spans) if wanted else None
         self.kvd_slot_steps += kvd is not None and graphs is None
-        timed = self.overlap and dev.type == "cuda"  # when the forward ends on the GPU (overlap figures)
         if graphs is not None:  # the graph computes the slots from the tables itself
             bucket = self._bucket = graphs.prepare(ids, positions, keep, rep, rows, seq_lens, qsl, tables, layout)
-            t_model = time.perf_counter()
-            events = _record_start(timed)
-            logits = graphs.replay(bucket, keep.shape[0])
+            launched = self._replay(bucket, what, t0, t_meta, keep.shape[0])
             if kvd is not None and self.check_slots:
                 assert all(torch.equal(a, b[:total]) for a, b in zip(kvd, bucket.slots)), "kvd slot mapping differs"
-        else:
-            self._bucket = None
-            if host_tables:
-                tables = [t.to(dev) for t in tables]
-            own = kvd is None or self.check_slots  # slots from the tables (too)
-            x = self.staging.pack(ids, positions, keep, rep if own else None, rows, seq_lens, qsl)
-            slots = kvd
-            if own:  # slot = block_id * block_size + position % block_size
-                mine = [t[x.rows[x.rep].long(), x.positions // self.bs].long() * self.bs + x.positions % self.bs
-                        for t in tables]
-                if kvd is not None:
-                    assert all(torch.equal(a, b) for a, b in zip(kvd, mine)), "kvd slot mapping differs"
-                else:
-                    slots = mine
-            meta = StepMeta(self.kv, self.groups, slots, tables, x.rows, x.seq_lens, x.qsl)
-            t_model = time.perf_counter()
-            events = _record_start(timed)
-            use_paged(self.model, True)
-            try:
-                with torch.no_grad():
-                    logits = self.model(input_ids=x.ids[None], position_ids=x.positions[None], kvd_meta=meta,
-                                        use_cache=False, logits_to_keep=x.keep).logits[0]
-            finally:
-                use_paged(self.model, False)
+            return launched
+        self._bucket = None
+        if host_tables:
+            tables = [t.to(dev) for t in tables]
+        own = kvd is None or self.check_slots  # slots from the tables (too)
+        x = self.staging.pack(ids, positions, keep, rep if own else None, rows, seq_lens, qsl)
+        slots = kvd
+        if own:  # slot = block_id * block_size + position % block_size
+            mine = [t[x.rows[x.rep].long(), x.positions // self.bs].long() * self.bs + x.positions % self.bs
+                    for t in tables]
+            if kvd is not None:
+                assert all(torch.equal(a, b) for a, b in zip(kvd, mine)), "kvd slot mapping differs"
+            else:
+                slots = mine
+        meta = StepMeta(self.kv, self.groups, slots, tables, x.rows, x.seq_lens, x.qsl)
+        t_model = time.perf_counter()
+        events = _record_start(self._timed())
+        use_paged(self.model, True)
+        try:
+            with torch.no_grad():
+                logits = self.model(input_ids=x.ids[None], position_ids=x.positions[None], kvd_meta=meta,
+                                    use_cache=False, logits_to_keep=x.keep).logits[0]
+        finally:
+            use_paged(self.model, False)
+        return self._launched(what, logits, t0, t_meta, t_model, events)
+
+    def _timed(self) -> bool:
+        """Whether a forward's end on the GPU is recorded (the overlap figures)."""
+        return self.overlap and self.device.type == "cuda"
+
+    def _replay(self, bucket, what, t0: float, t_meta: float, num_keep: int):
+        """Replay a staged graph bucket: the forward's launch (see :meth:`_dispatch`)."""
+        t_model = time.perf_counter()
+        events = _record_start(self._timed())
+        logits = self.graphs.replay(bucket, num_keep)
+        return self._launched(what, logits, t0, t_meta, t_model, events)
+
+    def _launched(self, what, logits, t0: float, t_meta: float, t_model: float, events):
+        """Account a launched forward's metadata time; what :meth:`_finish` needs."""
         if events is not None:
             events[1].record()
         self.meta_s += t_model - t_meta
