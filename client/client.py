@@ -64,6 +64,7 @@ from kvd.errors import (
     Timeout,
     UnknownRequest,
 )
+from kvd.hashing import count_total
 from kvd.shm import SHM_DIR, SessionBuffers
 
 from .step import StepMessage, group_token_ids, tag_of, token_frame
@@ -658,7 +659,7 @@ class _Core:
             if (type(cnt) is not np.ndarray or cnt.dtype != np.int32 or cnt.shape != (na,)
                     or type(hashes[0]) is not np.ndarray or hashes[0].ndim != 1
                     or hashes[0].dtype.itemsize != self.hash_width or hashes[0].dtype.kind != "S"
-                    or (na and int(cnt.min()) < 0) or int(cnt.sum(dtype=np.int64)) != hashes[0].shape[0]):
+                    or count_total(cnt) != hashes[0].shape[0]):
                 return None
             frames += [hashes[0].tobytes(), cnt.tobytes()]
             if len(token_ids) and self.info.get("kv_events"):

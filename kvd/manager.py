@@ -62,7 +62,7 @@ from kvd.api import (
     StepResult,
     SwapResult,
 )
-from kvd.hashing import as_hash_array, hash_dtype
+from kvd.hashing import as_hash_array, count_total, hash_dtype
 from kvd.pool import ALL_SHARED, BlockPool
 from kvd.runs import NO_PARENT, Runs
 
@@ -1798,13 +1798,13 @@ class BlockManager:
             raise errors.BadHashes(f"append hashes must be given for all {G} groups")
         hashes = [as_hash_array(h, self.hash_width) if len(h) else self._empty_hashes for h in batch.append_hashes]
         try:
-            counts = [_int_array(c, np.int64, "append_hash_counts") for c in batch.append_hash_counts]
+            given = [_int_array(c, np.int64, "append_hash_counts", keep_int32=True) for c in batch.append_hash_counts]
         except errors.InvalidArgument as exc:
             raise errors.BadHashes(str(exc)) from None
-        for h, c in zip(hashes, counts):
-            if c.shape != (n,) or (c < 0).any() or int(c.sum()) != h.size:
+        for h, c in zip(hashes, given):
+            if c.shape != (n,) or count_total(c) != h.size:
                 raise errors.BadHashes("append_hash_counts must be one non-negative count per request summing to the hashes given")
-        return hashes, counts
+        return hashes, [c.astype(np.int64) for c in given]
 
     def _step_admits(self, admits, space: int):
         m = len(admits)
@@ -2229,14 +2229,17 @@ class _BatchAdmission:
             mgr.counters["prefix_hits"] += int(cached.sum())
 
 
-def _int_array(values, dtype, what: str) -> np.ndarray:
-    """``values`` as an integer array, or a typed error (no silent float truncation)."""
+def _int_array(values, dtype, what: str, keep_int32: bool = False) -> np.ndarray:
+    """``values`` as an integer array, or a typed error (no silent float truncation).
+    ``keep_int32``: int32 values stay int32 (``count_total`` checks them in one pass)."""
     try:
         arr = np.asarray(values)
     except (TypeError, ValueError):
         raise errors.InvalidArgument(f"{what} must be integers") from None
     if arr.size and arr.dtype.kind not in "iu":
         raise errors.InvalidArgument(f"{what} must be integers, got {arr.dtype}")
+    if keep_int32 and arr.dtype == np.int32:
+        return arr
     return arr.astype(dtype, copy=False)
 
 

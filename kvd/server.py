@@ -65,7 +65,7 @@ from kvd.errors import (
     DaemonRestarted,
     Unauthorized,
 )
-from kvd.hashing import VLLM_NONE_HASH_SEED, VLLM_SCHEME, hash_dtype, hash_width
+from kvd.hashing import VLLM_NONE_HASH_SEED, VLLM_SCHEME, count_total, hash_dtype, hash_width
 from kvd.memory import available_memory
 from kvd.pacing import IdlePacer
 from kvd.shm import SessionBuffers, segment_name, sweep_stale
@@ -127,6 +127,11 @@ def _peer(identity_frame: Any) -> Peer | None:
         return peer_of(identity_frame.get("Peer-Address"))
     except (zmq.ZMQError, AttributeError, UnicodeDecodeError):
         return None
+
+
+def _count_error(counts: np.ndarray) -> str:
+    """Why hash counts that ``count_total`` rejected are wrong (the error path only)."""
+    return "negative hash count" if counts.size and int(counts.min()) < 0 else "append hash counts do not add up"
 
 
 def _opt(config: Any, name: str, default: Any) -> Any:
@@ -848,10 +853,8 @@ class Daemon:
             if not counts_b:
                 raise ProtocolError("append hashes without counts")
             cnt = P.frame_array(counts_b, P.I32, na, "append hash counts")
-            if cnt.size and int(cnt.min()) < 0:
-                raise ProtocolError("negative hash count")
-            if int(cnt.sum(dtype=np.int64)) != hs.shape[0]:
-                raise ProtocolError("append hash counts do not add up")
+            if count_total(cnt) != hs.shape[0]:
+                raise ProtocolError(_count_error(cnt))
             batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la,
                               append_hashes=(hs,), append_hash_counts=(cnt,))
             if tokens_b:
@@ -937,10 +940,8 @@ class Daemon:
             hs = P.frame_hashes(frames[5 + 2 * g], "append hashes", R * (mml // self.block_sizes[g] + 1), dtype=self.hash_dtype)
             if frames[6 + 2 * g]:
                 cnt = P.frame_array(frames[6 + 2 * g], P.I32, na, "append hash counts")
-                if cnt.size and int(cnt.min()) < 0:
-                    raise ProtocolError("negative hash count")
-                if int(cnt.sum(dtype=np.int64)) != hs.shape[0]:
-                    raise ProtocolError("append hash counts do not add up")
+                if count_total(cnt) != hs.shape[0]:
+                    raise ProtocolError(_count_error(cnt))
                 app_hashes.append(hs)
                 app_counts.append(cnt)
             elif hs.shape[0]:

@@ -147,6 +147,13 @@ def test_malformed_decode_headers_get_typed_errors_and_change_nothing(pair):
         assert _error(d.handle([b"id", hdr, rows]))["err"] == err.code, (hdr, err)
     # frames: hashes without counts, a row out of range
     assert _error(d.handle([b"id", good, rows, b"x" * 16]))["err"] == ProtocolError.code
+    # counts that add up to the hashes sent but one is negative (a sum alone would pass them)
+    neg = np.array([2, -1], np.int32).tobytes()
+    rep = _error(d.handle([b"id", P.decode_request(sid, 10**6 + 2, 2, 1, 0), rows, b"x" * 16, neg]))
+    assert rep["err"] == ProtocolError.code and rep["msg"] == "negative hash count"
+    rep = _error(d.handle([b"id", P.decode_request(sid, 10**6 + 3, 2, 1, 0), rows, b"x" * 16,
+                           np.array([1, 1], np.int32).tobytes()]))
+    assert rep["err"] == ProtocolError.code and rep["msg"] == "append hash counts do not add up"
     bad_rows = np.array([0, 99], np.int32).tobytes()
     assert _error(d.handle([b"id", P.decode_request(sid, 10**6 + 1, 2, 1, 0), bad_rows]))["err"] == InvalidArgument.code
     after = (d.manager.num_tokens, d.manager.pool.ref_cnt, c.shm.slot_array)

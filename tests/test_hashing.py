@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kvd.errors import BadHashes, InvalidArgument
-from kvd.hashing import HASH_DTYPE, ROOT_SEED, as_hash_array, hash_next_blocks, hash_prompt, root_hash
+from kvd.hashing import HASH_DTYPE, ROOT_SEED, as_hash_array, count_total, hash_next_blocks, hash_prompt, root_hash
 
 
 def sha16(data: bytes) -> bytes:
@@ -102,3 +102,13 @@ def test_hash_next_blocks_rejects_misshapen_input():
     with pytest.raises(BadHashes):
         hash_next_blocks(np.zeros((1, 16), np.int32), np.array([b"a" * 32], "S32"))  # wrong width
     assert hash_next_blocks(np.zeros((0, 16), np.int32), parents[:0]).shape == (0,)
+
+
+def test_count_total_is_the_sum_or_no_real_total_when_a_count_is_negative():
+    assert count_total(np.array([1, 0, 2], np.int32)) == 3
+    assert count_total(np.array([], np.int32)) == 0
+    assert count_total(np.array([2, -1], np.int32)) == 2 + 2**32 - 1  # -1 read as uint32
+    assert count_total(np.array([-(2**31)] * 3, np.int32)) == 3 * 2**31  # no wrap in uint64
+    assert count_total(np.array([1, 0, 2], np.int64)) == 3
+    assert count_total(np.array([2, -1], np.int64)) == -1
+    assert count_total(np.array([2, -1], np.int16)) == -1

@@ -366,6 +366,27 @@ def test_step_with_non_integer_inputs_is_a_typed_error_and_changes_nothing():
     assert snapshot(m) == before
 
 
+def test_hash_counts_that_add_up_but_hold_a_negative_are_bad_hashes_and_change_nothing():
+    m = make()
+    m.allocate("a", 16, hash_prompt(prompt(16), 16))
+    m.allocate("b", 16, hash_prompt(prompt(16) + 1, 16))
+    rows = m.rows_of(["a", "b"])
+    m.step(StepBatch(append_rows=rows, append_num_tokens=16))  # each fills a second block
+    before = snapshot(m)
+    one = hash_prompt(prompt(32), 16)[1:]
+    for dtype in (np.int32, np.int64):  # int32: checked through count_total's uint32 view
+        for path in ({"append_rows": rows}, {"append_ids": ["a", "b"]}):  # the decode path and the general one
+            with pytest.raises(errors.BadHashes):
+                m.step(StepBatch(**path, append_num_tokens=0, append_hashes=(one,),
+                                 append_hash_counts=(np.array([2, -1], dtype),)))
+            assert snapshot(m) == before
+    res = m.step(StepBatch(append_rows=rows, append_num_tokens=0, append_hashes=(one,),
+                           append_hash_counts=(np.array([1, 0], np.int32),)))
+    assert res.append_status.tolist() == [0, 0]
+    m.flush_deferred()
+    assert m.lookup(hash_prompt(prompt(32), 16)) == 2
+
+
 def test_a_hash_narrower_than_the_index_mixes_is_refused_with_a_typed_error():
     with pytest.raises(errors.InvalidArgument, match="hash_width must be at least 16 bytes, got 8"):
         BlockManager(ManagerConfig(num_gpu_blocks=16, hash_width=8))
