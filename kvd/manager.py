@@ -1796,6 +1796,13 @@ class BlockManager:
             return [self._empty_hashes] * G, None
         if len(batch.append_hashes) != G or len(batch.append_hash_counts) != G:
             raise errors.BadHashes(f"append hashes must be given for all {G} groups")
+        if G == 1:  # the daemon's decode step: its frames' arrays as they are, checked in one pass
+            h, c = batch.append_hashes[0], batch.append_hash_counts[0]
+            if (type(h) is np.ndarray and h.dtype == self.hash_dtype and h.ndim == 1
+                    and type(c) is np.ndarray and c.dtype == np.int32 and c.shape == (n,)):
+                if count_total(c) != h.size:
+                    raise errors.BadHashes("append_hash_counts must be one non-negative count per request summing to the hashes given")
+                return [h], [c.astype(np.int64)]
         hashes = [as_hash_array(h, self.hash_width) if len(h) else self._empty_hashes for h in batch.append_hashes]
         try:
             given = [_int_array(c, np.int64, "append_hash_counts", keep_int32=True) for c in batch.append_hash_counts]

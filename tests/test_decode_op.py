@@ -163,6 +163,25 @@ def test_malformed_decode_headers_get_typed_errors_and_change_nothing(pair):
     assert res.append_status.tolist() == [0, 0]
 
 
+def test_a_step_whose_hash_counts_are_wrong_is_a_protocol_error_on_both_paths_and_changes_nothing(pair):
+    prompts = [np.arange(16, dtype=np.int32) + 3 * k for k in range(2)]
+    for c in pair:  # binary decode op and JSON step: the daemon checks the counts either way
+        c.step(StepBatch(admit=[AdmitRequest(i, 15, hash_prompt(p, BS)[:0]) for i, p in enumerate(prompts)]))
+        rows = c.rows_of([0, 1])
+        d = c.d
+        before = (d.manager.num_tokens.copy(), d.manager.pool.ref_cnt.copy(), c.shm.slot_array.copy(), d.manager.tick)
+        one = hash_prompt(prompts[0], BS)[:1]  # the first block of request 0 (registration may lag)
+        for counts in ([2, -1], [1, 1], [0, 0]):
+            with pytest.raises(ProtocolError):
+                c.step(StepBatch(append_rows=rows, append_num_tokens=1, append_hashes=(one,),
+                                 append_hash_counts=(np.array(counts, np.int32),)))
+            after = (d.manager.num_tokens, d.manager.pool.ref_cnt, c.shm.slot_array, d.manager.tick)
+            assert all(np.array_equal(x, y) for x, y in zip(before, after))
+        res = c.step(StepBatch(append_rows=rows, append_num_tokens=1, append_hashes=(one,),
+                               append_hash_counts=(np.array([1, 0], np.int32),)))
+        assert res.append_status.tolist() == [0, 0] and c.d.manager.num_tokens[c.d.sessions[c.sid].mrow[rows]].tolist() == [16, 16]
+
+
 def test_the_reply_header_round_trips_and_rejects_junk():
     raw = P.decode_reply(7, b"0123456789ab", 42, 1, 2, 3, [5, 6])
     assert len(raw) == P.DECODE_REPLY.size + 8
