@@ -1796,22 +1796,25 @@ class BlockManager:
             return [self._empty_hashes] * G, None
         if len(batch.append_hashes) != G or len(batch.append_hash_counts) != G:
             raise errors.BadHashes(f"append hashes must be given for all {G} groups")
-        if G == 1:  # the daemon's decode step: its frames' arrays as they are, checked in one pass
-            h, c = batch.append_hashes[0], batch.append_hash_counts[0]
-            if (type(h) is np.ndarray and h.dtype == self.hash_dtype and h.ndim == 1
-                    and type(c) is np.ndarray and c.dtype == np.int32 and c.shape == (n,)):
-                if count_total(c) != h.size:
-                    raise errors.BadHashes("append_hash_counts must be one non-negative count per request summing to the hashes given")
-                return [h], [c.astype(np.int64)]
-        hashes = [as_hash_array(h, self.hash_width) if len(h) else self._empty_hashes for h in batch.append_hashes]
-        try:
-            given = [_int_array(c, np.int64, "append_hash_counts", keep_int32=True) for c in batch.append_hash_counts]
-        except errors.InvalidArgument as exc:
-            raise errors.BadHashes(str(exc)) from None
-        for h, c in zip(hashes, given):
-            if c.shape != (n,) or count_total(c) != h.size:
-                raise errors.BadHashes("append_hash_counts must be one non-negative count per request summing to the hashes given")
-        return hashes, [c.astype(np.int64) for c in given]
+        if G == 1:  # a decode step's usual case: no lists to build
+            h, c = self._group_hashes(batch.append_hashes[0], batch.append_hash_counts[0], n)
+            return [h], [c]
+        checked = [self._group_hashes(h, c, n) for h, c in zip(batch.append_hashes, batch.append_hash_counts)]
+        return [h for h, _ in checked], [c for _, c in checked]
+
+    def _group_hashes(self, hashes, counts, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """One group's append hashes and their int64 counts, checked in one pass (``count_total``);
+        the daemon's frame arrays (S{w} hashes, int32 counts) are taken as they are."""
+        if not (type(hashes) is np.ndarray and hashes.dtype == self.hash_dtype and hashes.ndim == 1):
+            hashes = as_hash_array(hashes, self.hash_width) if len(hashes) else self._empty_hashes
+        if not (type(counts) is np.ndarray and counts.dtype == np.int32):
+            try:
+                counts = _int_array(counts, np.int64, "append_hash_counts")
+            except errors.InvalidArgument as exc:
+                raise errors.BadHashes(str(exc)) from None
+        if counts.shape != (n,) or count_total(counts) != hashes.size:
+            raise errors.BadHashes("append_hash_counts must be one non-negative count per request summing to the hashes given")
+        return hashes, counts.astype(np.int64, copy=False)
 
     def _step_admits(self, admits, space: int):
         m = len(admits)
@@ -2236,17 +2239,14 @@ class _BatchAdmission:
             mgr.counters["prefix_hits"] += int(cached.sum())
 
 
-def _int_array(values, dtype, what: str, keep_int32: bool = False) -> np.ndarray:
-    """``values`` as an integer array, or a typed error (no silent float truncation).
-    ``keep_int32``: int32 values stay int32 (``count_total`` checks them in one pass)."""
+def _int_array(values, dtype, what: str) -> np.ndarray:
+    """``values`` as an integer array, or a typed error (no silent float truncation)."""
     try:
         arr = np.asarray(values)
     except (TypeError, ValueError):
         raise errors.InvalidArgument(f"{what} must be integers") from None
     if arr.size and arr.dtype.kind not in "iu":
         raise errors.InvalidArgument(f"{what} must be integers, got {arr.dtype}")
-    if keep_int32 and arr.dtype == np.int32:
-        return arr
     return arr.astype(dtype, copy=False)
 
 

@@ -129,9 +129,14 @@ def _peer(identity_frame: Any) -> Peer | None:
         return None
 
 
-def _count_error(counts: np.ndarray) -> str:
-    """Why hash counts that ``count_total`` rejected are wrong (the error path only)."""
-    return "negative hash count" if counts.size and int(counts.min()) < 0 else "append hash counts do not add up"
+def _hash_counts(frame: bytes, num_appends: int, num_hashes: int) -> np.ndarray:
+    """The append hash counts frame as int32, one per append, adding up to the hashes sent (one
+    ``count_total`` pass; the error says which it is)."""
+    counts = P.frame_array(frame, P.I32, num_appends, "append hash counts")
+    if count_total(counts) != num_hashes:
+        neg = counts.size and int(counts.min()) < 0
+        raise ProtocolError("negative hash count" if neg else "append hash counts do not add up")
+    return counts
 
 
 def _opt(config: Any, name: str, default: Any) -> Any:
@@ -852,9 +857,7 @@ class Daemon:
             hs = P.frame_hashes(hashes_b, "append hashes", na * (self.max_model_len // self.block_sizes[0] + 1), dtype=self.hash_dtype)
             if not counts_b:
                 raise ProtocolError("append hashes without counts")
-            cnt = P.frame_array(counts_b, P.I32, na, "append hash counts")
-            if count_total(cnt) != hs.shape[0]:
-                raise ProtocolError(_count_error(cnt))
+            cnt = _hash_counts(counts_b, na, hs.shape[0])
             batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la,
                               append_hashes=(hs,), append_hash_counts=(cnt,))
             if tokens_b:
@@ -939,9 +942,7 @@ class Daemon:
         for g in range(G):
             hs = P.frame_hashes(frames[5 + 2 * g], "append hashes", R * (mml // self.block_sizes[g] + 1), dtype=self.hash_dtype)
             if frames[6 + 2 * g]:
-                cnt = P.frame_array(frames[6 + 2 * g], P.I32, na, "append hash counts")
-                if count_total(cnt) != hs.shape[0]:
-                    raise ProtocolError(_count_error(cnt))
+                cnt = _hash_counts(frames[6 + 2 * g], na, hs.shape[0])
                 app_hashes.append(hs)
                 app_counts.append(cnt)
             elif hs.shape[0]:
