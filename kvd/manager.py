@@ -98,8 +98,18 @@ class _Group:
         self.table = np.zeros((max_reqs, max_blocks), np.int32)
         self.table.fill(NULL_BLOCK)  # touch every page now, not on the first step that writes it
         self.num_blocks = np.zeros(max_reqs, np.int32)
+        # table[row, num_blocks[row] - 1], or NULL_BLOCK for a row without blocks: every path that
+        # writes a row's table or block count keeps it (the heavy invariant check recomputes it).
+        # A decode step's slot mapping reads it (rowloops.range_slots): 4 bytes per row in one
+        # dense array instead of one table entry per row, each on its own cache line and page.
+        self.last_block = np.zeros(max_reqs, np.int32)
         self.num_registered = np.zeros(max_reqs, np.int32)
         self.num_skipped = np.zeros(max_reqs, np.int32)
+
+    def refresh_last_block(self, rows) -> None:
+        """``last_block`` of ``rows`` (an int or an int array) from the table, after a path wrote it."""
+        nb = self.num_blocks[rows]
+        self.last_block[rows] = np.where(nb > 0, self.table[rows, np.maximum(nb - 1, 0)], NULL_BLOCK)
 
     def skip_for(self, num_computed):
         """Leading blocks no longer needed once ``num_computed`` tokens are computed."""
@@ -158,6 +168,7 @@ class BlockManager:
         self.block_sizes = tuple(g.block_size for g in self.groups)
         self.tables = tuple(g.table for g in self.groups)
         self.num_blocks = tuple(g.num_blocks for g in self.groups)
+        self.last_blocks = tuple(g.last_block for g in self.groups)
         self.num_tokens = np.zeros(R, np.int64)
         self.priority = np.zeros(R, np.uint8)
         self.namespace = np.zeros(R, np.int64)  # the row's registration space (see _space)
@@ -175,6 +186,7 @@ class BlockManager:
         self._copies_buf = np.empty((R, 2), np.int32)
         self._changed_buf = np.empty(R, np.int32)
         self._no_skip = np.zeros(R, np.int32)  # the cross table's (absent) skip and registered counts
+        self._cross_last_scratch = np.zeros(R, np.int32)
         self._freed_buf = np.empty(0, np.int32)  # scratch of _release_held: blocks it freed
         self._freed_rep = np.empty(0, np.int32)  # and the index of the row that freed each
         self._simple = len(self.groups) == 1 and not self.groups[0].window
@@ -767,6 +779,7 @@ class BlockManager:
             g.table[row, skip:end] = hit
             g.table[row, end : end + fresh.size] = fresh
             g.num_blocks[row] = end + fresh.size
+            g.last_block[row] = g.table[row, end + fresh.size - 1] if end + fresh.size else NULL_BLOCK
             g.num_skipped[row] = skip
             g.num_registered[row] = end
             self._register(gi, row, hash_lists[gi], num_tokens, None if tokens is None else tokens[gi])
@@ -965,7 +978,7 @@ class BlockManager:
         need, applied, n_copies, n_changed = rowloops.append_batch(
             rows, n_scalar, n_array, lookahead, counts if hashes.size else _EMPTY_I64, self.config.max_model_len,
             self.num_tokens, self.appendable, self.forked, self._num_forked > 0, self._mark,
-            g.table, g.num_blocks, g.num_registered, pool.ref_cnt, g.block_size,
+            g.table, g.num_blocks, g.last_block, g.num_registered, pool.ref_cnt, g.block_size,
             pool.fresh_stack, pool.num_fresh, old, grow, cow, self._copies_buf, self._changed_buf,
         )
         if need < 0 or need > pool.num_free:
@@ -975,7 +988,7 @@ class BlockManager:
         else:  # some of the blocks must be evicted from the prefix cache first
             n_copies, n_changed = rowloops.apply_appends(
                 rows, n_scalar, n_array, old, grow, cow, pool.take(need), self.num_tokens, g.table, g.num_blocks,
-                pool.ref_cnt, g.block_size, self._copies_buf, self._changed_buf,
+                g.last_block, pool.ref_cnt, g.block_size, self._copies_buf, self._changed_buf,
             )
         self._record_copies(n_copies)
         if hashes.size:
@@ -1052,7 +1065,7 @@ class BlockManager:
             return
         n_copies, _ = rowloops.apply_appends(
             rows, 0, n_new, old, grow, cow, self.pool.take(total), self.num_tokens, g.table, g.num_blocks,
-            self.pool.ref_cnt, g.block_size, self._copies_buf, self._changed_buf,
+            g.last_block, self.pool.ref_cnt, g.block_size, self._copies_buf, self._changed_buf,
         )
         self._record_copies(n_copies)
 
@@ -1186,6 +1199,8 @@ class BlockManager:
         within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
         g.table[np.repeat(rows, counts), np.repeat(starts, counts) + within] = NULL_BLOCK
         g.num_skipped[rows] = skip
+        # never the last block (last_block stays): skip <= computed // block_size < num_blocks
+        assert np.all(skip < g.num_blocks[rows])
 
     # ================================================================== free
     def free(self, req_id: ReqId) -> None:
@@ -1233,6 +1248,7 @@ class BlockManager:
         at = row_list[0] if len(row_list) == 1 else rows  # an int index writes ~10x faster than an array
         for g in self.groups:
             g.num_blocks[at] = 0
+            g.last_block[at] = NULL_BLOCK
             g.num_registered[at] = 0
             g.num_skipped[at] = 0
         self.cross_num_blocks[at] = 0
@@ -1291,13 +1307,14 @@ class BlockManager:
         g = self.groups[0]
         self._num_forked += rowloops.fork_rows(
             prows, crows, self.num_tokens, self.priority, self.namespace, self.active, self.appendable, self.forked,
-            g.table, g.num_blocks, g.num_skipped, g.num_registered, ref, g.block_size,
+            g.table, g.num_blocks, g.last_block, g.num_skipped, g.num_registered, ref, g.block_size,
         )
         for g in self.groups[1:]:
-            rowloops.share_blocks(prows, crows, g.table, g.num_blocks, g.num_skipped, g.num_registered, ref,
-                                  self.num_tokens, g.block_size)
-        if self.max_cross_blocks:
-            rowloops.share_blocks(prows, crows, self.cross_table, self.cross_num_blocks, self._no_skip, self._no_skip,
+            rowloops.share_blocks(prows, crows, g.table, g.num_blocks, g.last_block, g.num_skipped, g.num_registered,
+                                  ref, self.num_tokens, g.block_size)
+        if self.max_cross_blocks:  # the cross table keeps no last block: a scratch array takes them
+            rowloops.share_blocks(prows, crows, self.cross_table, self.cross_num_blocks, self._cross_last_scratch,
+                                  self._no_skip, self._no_skip,
                                   ref, self.num_tokens, 0)
         if self._tails is not None:  # a child's chain goes on from its parent's
             for tails in self._tails:
@@ -1448,6 +1465,7 @@ class BlockManager:
         for g in self.groups:
             g.table[rows] = NULL_BLOCK
             g.num_blocks[rows] = 0
+            g.last_block[rows] = NULL_BLOCK
         self.cross_table[rows] = NULL_BLOCK
         self.cross_num_blocks[rows] = 0
 
@@ -1525,6 +1543,8 @@ class BlockManager:
                 within = np.arange(ids.size) - np.repeat(np.cumsum(lens) - lens, lens)
                 table[np.repeat(rows, lens), np.repeat(skip, lens) + within] = gpu_ids
             num_blocks[rows] = skip + lens
+        for g in self.groups:
+            g.refresh_last_block(rows)
         self._release_cpu(np.repeat(cpu, counts))
         self.swapped[rows] = False
         self.appendable[rows] = True
@@ -1928,6 +1948,9 @@ class BlockManager:
             np.add.at(expected, blocks[blocks != NULL_BLOCK], 1)
             assert np.all(g.num_registered[resident] <= self.num_tokens[resident] // g.block_size)
             assert np.all(g.num_blocks[resident] >= _cdiv(self.num_tokens[resident], g.block_size))
+            every = np.arange(g.num_blocks.size)
+            last = np.where(g.num_blocks > 0, g.table[every, np.maximum(g.num_blocks - 1, 0)], NULL_BLOCK)
+            assert np.array_equal(g.last_block, last), "last_block disagrees with the block tables"
         cross, _ = _row_blocks(self.cross_table, resident, np.zeros_like(resident), self.cross_num_blocks[resident], False)
         np.add.at(expected, cross, 1)
         assert np.array_equal(expected, self.pool.ref_cnt), "GPU reference counts disagree with block tables"
@@ -2198,6 +2221,7 @@ class _BatchAdmission:
         starts = np.cumsum(nnew) - nnew
         g.table[np.repeat(rows, nnew), np.repeat(nhit - starts, nnew) + np.arange(total_new)] = blocks
         g.num_blocks[rows] = nhit + nnew
+        g.refresh_last_block(rows)
         g.num_skipped[rows] = 0
         if reg_blocks:
             reg = np.concatenate(reg_blocks)

@@ -516,8 +516,8 @@ class Daemon:
             sess.gpu.stage_slots(self.owner_srow[rows], start, lens)
         total = rows.shape[0] if uniform == 1 else int(lens.sum())
         if self._compiled_publish and total <= self.max_tokens:
-            rowloops.range_slots(m.tables[0], self.block_sizes[0], rows, start, lens, PAD_SLOT_ID,
-                                 max(total, sess.slots_written[0]), shm.slot_array[0])
+            rowloops.range_slots(m.tables[0], m.num_blocks[0], m.last_blocks[0], self.block_sizes[0], rows, start,
+                                 lens, PAD_SLOT_ID, max(total, sess.slots_written[0]), shm.slot_array[0])
         elif total <= self.max_tokens:
             slot_mapping_from_ranges_ref(m.tables, self.block_sizes, rows, start, 1 if uniform == 1 else lens,
                                          shm.slot_array, prev_tokens=max(sess.slots_written))

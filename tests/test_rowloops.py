@@ -20,6 +20,7 @@ def state():
         mark=np.zeros(R, np.int32),
         table=np.zeros((R, 4), np.int32),
         num_blocks=np.array([2, 2, 2, 0, 0, 0], np.int32),
+        last_block=np.array([2, 2, 4, 0, 0, 0], np.int32),
         num_registered=np.array([1, 1, 2, 0, 0, 0], np.int32),
         ref_cnt=np.array([0, 2, 2, 1, 1, 0, 0, 0, 0, 0], np.int32),
     )
@@ -81,12 +82,13 @@ def test_apply_hands_out_copy_then_growth_blocks_in_batch_order():
     copies, changed = np.zeros((R, 2), np.int32), np.zeros(R, np.int32)
     n_copies, n_changed = rowloops.apply_appends(
         rows, 2, np.empty(0, np.int64), out["old"], out["grow"], out["cow"], blocks, s["num_tokens"], s["table"],
-        s["num_blocks"], s["ref_cnt"], BS, copies, changed,
+        s["num_blocks"], s["last_block"], s["ref_cnt"], BS, copies, changed,
     )
     assert (n_copies, n_changed) == (1, 3)
     assert copies[:1].tolist() == [[2, 5]] and changed[:3].tolist() == [1, 2, 0]
     assert s["table"][:3, :3].tolist() == [[1, 2, 8], [1, 5, 6], [3, 4, 7]]
     assert s["num_blocks"][:3].tolist() == [3, 3, 3] and s["num_tokens"][:3].tolist() == [9, 9, 10]
+    assert s["last_block"].tolist() == [8, 6, 7, 0, 0, 0]  # each changed row's new last column
     assert s["ref_cnt"][:9].tolist() == [0, 2, 1, 1, 1, 1, 1, 1, 1]
 
 
@@ -100,7 +102,7 @@ def test_append_batch_takes_the_top_of_the_fresh_stack_or_declines_to_apply():
         return rowloops.append_batch(
             np.array([1, 0], np.int32), 1, np.empty(0, np.int64), 0, np.empty(0, np.int64), 16,
             s["num_tokens"], s["appendable"], s["forked"], True, s["mark"], s["table"], s["num_blocks"],
-            s["num_registered"], s["ref_cnt"], BS, fresh, num_fresh, bufs["old"], bufs["grow"], bufs["cow"],
+            s["last_block"], s["num_registered"], s["ref_cnt"], BS, fresh, num_fresh, bufs["old"], bufs["grow"], bufs["cow"],
             bufs["copies"], bufs["changed"],
         )
 
@@ -109,22 +111,26 @@ def test_append_batch_takes_the_top_of_the_fresh_stack_or_declines_to_apply():
     assert call(5) == (1, True, 1, 1)
     assert bufs["copies"][0].tolist() == [2, 5] and s["table"][1, :2].tolist() == [1, 5]
     assert s["ref_cnt"][[2, 5]].tolist() == [1, 1] and s["num_tokens"][:2].tolist() == [8, 8]
+    assert s["last_block"][:3].tolist() == [2, 5, 4]  # row 1's copy replaced its last block
 
 
 def test_fork_rows_copies_row_state_and_shares_blocks_up_to_the_last_token():
     s = state()
     s["num_blocks"][2] = 3  # row 2 holds a lookahead block 9 past its 8 tokens: it stays its own
     s["table"][2, 2] = 9
+    s["last_block"][2] = 9
     s["ref_cnt"][9] = 1
     prio, ns = np.array([0, 0, 7, 0, 0, 0], np.uint8), np.array([0, 0, 3, 0, 0, 0], np.int64)
     skipped = np.zeros(R, np.int32)
     newly = rowloops.fork_rows(
         np.array([2], np.int32), np.array([4, 5], np.int32), s["num_tokens"], prio, ns, s["appendable"].copy(),
-        s["appendable"], s["forked"], s["table"], s["num_blocks"], skipped, s["num_registered"], s["ref_cnt"], BS,
+        s["appendable"], s["forked"], s["table"], s["num_blocks"], s["last_block"], skipped, s["num_registered"],
+        s["ref_cnt"], BS,
     )
     assert newly == 3  # the parent and both children
     assert s["table"][4:, :3].tolist() == [[3, 4, 0], [3, 4, 0]]
     assert s["num_blocks"][4:].tolist() == [2, 2] and s["num_registered"][4:].tolist() == [2, 2]
+    assert s["last_block"].tolist() == [2, 2, 9, 0, 4, 4]  # the children's last shared block, not the lookahead
     assert s["num_tokens"][4:].tolist() == [8, 8] and prio[4:].tolist() == [7, 7] and ns[4:].tolist() == [3, 3]
     assert s["ref_cnt"][[3, 4, 9]].tolist() == [3, 3, 1]
     assert s["forked"].tolist() == [True, True, True, False, True, True]
@@ -175,13 +181,30 @@ def test_range_slots_equals_the_kernels_reference_for_ranges_of_any_length():
     rows = np.array([3, 0, 6, 1], np.int32)
     start = np.array([5, 0, 17, 30], np.int32)
     lens = np.array([7, 0, 3, 9], np.int32)  # a request with no token takes no slot
+    # rows 3 and 6 end in the ranges' last blocks; row 1 holds lookahead blocks past its range
+    num_blocks = np.array([1, 10, 0, 3, 0, 0, 5, 0], np.int32)
+    last_block = np.where(num_blocks > 0, table[np.arange(8), np.maximum(num_blocks - 1, 0)], 0).astype(np.int32)
     want = np.full((1, 32), 77, np.int64)
     slot_mapping_from_ranges_ref([table], [4], rows, start, lens, want, prev_tokens=24)
     got = np.full(32, 77, np.int64)
-    assert rowloops.range_slots(table, 4, rows, start, lens, -1, 24, got) == 19
+    assert rowloops.range_slots(table, num_blocks, last_block, 4, rows, start, lens, -1, 24, got) == 19
     assert got.tolist() == want[0].tolist()
     assert got[:2].tolist() == [table[3, 1] * 4 + 1, table[3, 1] * 4 + 2]
     assert got[19:25].tolist() == [-1] * 5 + [77]  # padded up to what the last step wrote, no further
+
+
+def test_range_slots_reads_a_rows_last_block_from_last_block_not_the_table():
+    """The contract the manager keeps (last_block == the table's last column): a decode step's
+    tokens in the last block come from the dense array; earlier blocks from the table."""
+    table = np.array([[3, 5, 7, 0], [2, 4, 0, 0]], np.int32)
+    num_blocks = np.array([3, 2], np.int32)
+    last_block = np.array([9, 8], np.int32)  # deliberately not the table's 7 and 4
+    got = np.full(5, 77, np.int64)
+    n = rowloops.range_slots(table, num_blocks, last_block, 4, np.array([0, 1, 0], np.int32),
+                             np.array([7, 5, 2], np.int32), np.array([2, 1, 1], np.int32), -1, 5, got)
+    # row 0: position 7 in block 5 (table), 8 in its last block; row 1's one token in its last
+    # block; a lone token before the last block (as with lookahead) from the table
+    assert n == 4 and got.tolist() == [5 * 4 + 3, 9 * 4 + 0, 8 * 4 + 1, 3 * 4 + 2, -1]
 
 
 def test_next_blocks_names_each_requests_next_block_or_declines_unchanged():

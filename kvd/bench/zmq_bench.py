@@ -315,7 +315,8 @@ class _DaemonStepper:
 
 
 class _InprocStepper:
-    """The in-process BlockManager: step + the same numpy slot mapping the daemon runs, no sockets."""
+    """The in-process BlockManager: step + the slot mapping the daemon runs (compiled
+    ``rowloops.range_slots`` when numba is installed, else the kernels' numpy reference), no sockets."""
 
     def __init__(self, spec: WorkloadSpec, num_blocks: int):
         from kvd import rowloops
@@ -330,12 +331,20 @@ class _InprocStepper:
             max_num_reqs=max(1024, spec.num_requests + 16)))
         self.out = np.full((1, spec.max_num_batched_tokens), -1, np.int64)
         self._slot = slot_mapping_from_ranges_ref
+        self._range_slots = rowloops.range_slots if rowloops.HAVE_NUMBA else None  # as the daemon's one group
+        self._written = 0
 
     def step(self, batch: StepBatch):
         m = self.m
         res = m.step(batch)
         if res.sched_rows.size:
             total = int(res.sched_len.sum())
+            if self._range_slots is not None and total <= self.out.shape[1]:
+                self._range_slots(m.tables[0], m.num_blocks[0], m.last_blocks[0], m.block_sizes[0], res.sched_rows,
+                                  res.sched_start, res.sched_len, -1, max(total, self._written), self.out[0])
+                self._written = total  # the next step pads up to here, as the daemon does
+                return res
+            self._written = self.out.shape[1]
             if total <= self.out.shape[1]:
                 self._slot(m.tables, m.block_sizes, res.sched_rows, res.sched_start, res.sched_len, self.out)
             else:  # as the daemon does: the first max_num_batched_tokens slots of an oversized step
