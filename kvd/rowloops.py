@@ -72,8 +72,10 @@ def plan_appends(rows, n_scalar, n_array, lookahead, hash_counts, max_model_len,
         new = old + k
         bad = k < 0 or new > max_model_len
         if hash_counts.size and not bad:
-            c = hash_counts[i]  # at most the full, unregistered blocks (no division: see below)
-            bad = c < 0 or (np.int64(num_registered[row]) + c) * block_size > new
+            # At most the full, unregistered blocks, without a division (see below); c > new first
+            # so that the product cannot overflow.
+            c = hash_counts[i]
+            bad = c < 0 or c > new or (np.int64(num_registered[row]) + c) * block_size > new
         if bad:
             need = DECLINED
             planned = i
@@ -304,9 +306,9 @@ def range_slots(table, num_blocks, last_block, block_size, rows, start, lens, pa
 
     Positions in a row's last block (a decode step's every token, without lookahead) read the
     block from ``last_block`` (kvd.manager's _Group): one small dense array instead of one table
-    entry per row, each on a cache line (and at 4,096 rows a page) of its own, which cost ~40 us
-    of a 4,096-request decode step on the 2-core box. Every scheduled position has its block, so
-    none lies past the last one."""
+    entry per row, each on a cache line (and at 4,096 rows a page) of its own. Measured on the
+    bench's tables at 4,096 decode rows, 2-core box: 22-25 -> 13 us, 101 -> 29 us with the caches
+    flushed between steps. Every scheduled position has its block, so none lies past the last one."""
     t = 0
     for i in range(rows.size):
         row = rows[i]

@@ -62,6 +62,7 @@ def test_plan_copies_the_first_writers_of_a_shared_block_and_counts_growth():
         ([1, 0], dict(n_array=[1, -1])),  # a negative count, after a planned copy
         ([1, 0], dict(n_array=[1, 10])),  # past max_model_len, after a planned copy
         ([1, 2], dict(hash_counts=[0, 3])),  # more hashes than full, unregistered blocks
+        ([1, 2], dict(hash_counts=[0, 2**62])),  # one whose bound would overflow int64
     ],
 )
 def test_a_declined_plan_changes_nothing(rows, kw):
@@ -71,6 +72,15 @@ def test_a_declined_plan_changes_nothing(rows, kw):
     assert need == rowloops.DECLINED
     for k, v in before.items():
         assert np.array_equal(s[k], v), k
+
+
+def test_plan_accepts_hashes_up_to_the_full_unregistered_blocks_exactly():
+    # row 1: 7 + 1 = 8 tokens, 2 full blocks, 1 registered: one hash may come, not two
+    assert plan(state(), [1], hash_counts=[1])[0] >= 0
+    assert plan(state(), [1], hash_counts=[2])[0] == rowloops.DECLINED
+    # row 2: 8 + 4 = 12 tokens, 3 full blocks, 2 registered
+    assert plan(state(), [2], n=4, hash_counts=[1])[0] >= 0
+    assert plan(state(), [2], n=4, hash_counts=[2])[0] == rowloops.DECLINED
 
 
 def test_apply_hands_out_copy_then_growth_blocks_in_batch_order():
