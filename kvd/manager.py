@@ -106,10 +106,14 @@ class _Group:
         self.num_registered = np.zeros(max_reqs, np.int32)
         self.num_skipped = np.zeros(max_reqs, np.int32)
 
-    def refresh_last_block(self, rows) -> None:
-        """``last_block`` of ``rows`` (an int or an int array) from the table, after a path wrote it."""
+    def last_block_of(self, rows: np.ndarray) -> np.ndarray:
+        """What ``last_block`` of ``rows`` must hold, from the table."""
         nb = self.num_blocks[rows]
-        self.last_block[rows] = np.where(nb > 0, self.table[rows, np.maximum(nb - 1, 0)], NULL_BLOCK)
+        return np.where(nb > 0, self.table[rows, np.maximum(nb - 1, 0)], NULL_BLOCK)
+
+    def refresh_last_block(self, rows: np.ndarray) -> None:
+        """``last_block`` of ``rows`` from the table, after a path wrote it."""
+        self.last_block[rows] = self.last_block_of(rows)
 
     def skip_for(self, num_computed):
         """Leading blocks no longer needed once ``num_computed`` tokens are computed."""
@@ -1948,9 +1952,8 @@ class BlockManager:
             np.add.at(expected, blocks[blocks != NULL_BLOCK], 1)
             assert np.all(g.num_registered[resident] <= self.num_tokens[resident] // g.block_size)
             assert np.all(g.num_blocks[resident] >= _cdiv(self.num_tokens[resident], g.block_size))
-            every = np.arange(g.num_blocks.size)
-            last = np.where(g.num_blocks > 0, g.table[every, np.maximum(g.num_blocks - 1, 0)], NULL_BLOCK)
-            assert np.array_equal(g.last_block, last), "last_block disagrees with the block tables"
+            assert np.array_equal(g.last_block, g.last_block_of(np.arange(g.num_blocks.size))), \
+                "last_block disagrees with the block tables"
         cross, _ = _row_blocks(self.cross_table, resident, np.zeros_like(resident), self.cross_num_blocks[resident], False)
         np.add.at(expected, cross, 1)
         assert np.array_equal(expected, self.pool.ref_cnt), "GPU reference counts disagree with block tables"
