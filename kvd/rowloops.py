@@ -267,14 +267,16 @@ def drop_row_refs(table, rows, starts, stops, ref_cnt, freed_out, rep_out, n):
 
 
 @_jit
-def sync_appended_rows(mrows, owner_sid, owner_srow, sid, table, counts, out_table, out_counts,
+def sync_appended_rows(mrows, owner_sid, owner_srow, sid, table, counts, last_block, out_table, out_counts,
                        dirty_start, dirty_end, srows_out):
     """Publish rows after appends without copy-on-write to a group without a sliding window (its
     tables only grow at their ends): for each of ``mrows`` that session ``sid`` owns, copy the
     entries from its published count to its new one into its session row of ``out_table``, and the
-    count. ``dirty_start``/``dirty_end`` (empty: none) widen each session row's range of entries
-    changed (a GPU mirror's tracker). Returns how many rows it published; their session rows are at
-    the front of ``srows_out``."""
+    count. A row that grew by one block publishes it from ``last_block`` (the group's dense array),
+    not from its table row: at 4,096 requests every row grows on the same step, and each table row
+    is a cache line (and often a page) of its own. ``dirty_start``/``dirty_end`` (empty: none) widen
+    each session row's range of entries changed (a GPU mirror's tracker). Returns how many rows it
+    published; their session rows are at the front of ``srows_out``."""
     k = 0
     track = dirty_start.size > 0
     for i in range(mrows.size):
@@ -285,8 +287,11 @@ def sync_appended_rows(mrows, owner_sid, owner_srow, sid, table, counts, out_tab
         new = counts[m]
         old = out_counts[s]
         lo = old if new >= old else 0  # a row that shrank (not expected here) is copied whole
-        for j in range(lo, new):
-            out_table[s, j] = table[m, j]
+        if new == lo + 1:
+            out_table[s, lo] = last_block[m]
+        else:
+            for j in range(lo, new):
+                out_table[s, j] = table[m, j]
         if track and new > lo:
             if lo < dirty_start[s]:
                 dirty_start[s] = lo
@@ -442,7 +447,7 @@ def warm_up() -> None:
     share_blocks(i32, i32[:0], table, i32, i32.copy(), i32, i32, i32, i64, 1)
     drop_refs(i32[:0], i32, flags.copy())
     drop_row_refs(table, i32, i32, i32, i32.copy(), i32.copy(), i32.copy(), 0)
-    sync_appended_rows(i32, i64, i32, 1, table, i32, table.copy(), i32.copy(), i32[:0], i32[:0], i32.copy())
+    sync_appended_rows(i32, i64, i32, 1, table, i32, i32, table.copy(), i32.copy(), i32[:0], i32[:0], i32.copy())
     range_slots(table, i32, i32, 1, i32, i32, i32, -1, 1, i64.copy())
     slot_inputs(i32, i32, i32, i32.copy(), np.zeros(2, np.int32), i32.copy())
     stage_changes(i32.copy(), i32.copy(), 0, table, i32.copy(), i32.copy(), i32.copy(), i32.copy(), i32.copy(), 0, 0, 1)

@@ -479,7 +479,7 @@ class Daemon:
         tr = sess.gpu.tracker if sess.gpu is not None else None
         m = self.manager
         k = rowloops.sync_appended_rows(mrows, self.owner_sid, self.owner_srow, sess.sid, m.tables[0],
-                                        m.num_blocks[0], sess.shm.tables[0], sess.shm.counts[0],
+                                        m.num_blocks[0], m.last_blocks[0], sess.shm.tables[0], sess.shm.counts[0],
                                         tr.st[0] if tr is not None else _EMPTY_I32,
                                         tr.en[0] if tr is not None else _EMPTY_I32, self._srows_buf)
         srows = self._srows_buf[:k].copy()

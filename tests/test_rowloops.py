@@ -156,13 +156,32 @@ def test_sync_appended_rows_copies_only_new_entries_of_owned_rows_and_widens_dir
     start = np.full(3, 1000, np.int32)
     end = np.zeros(3, np.int32)
     srows = np.full(3, -9, np.int32)
+    last_block = table[np.arange(4), counts - 1]
     k = rowloops.sync_appended_rows(np.array([1, 2, 3], np.int32), owner_sid, owner_srow, 7, table, counts,
-                                    out_table, out_counts, start, end, srows)
+                                    last_block, out_table, out_counts, start, end, srows)
     assert k == 2 and srows[:2].tolist() == [0, 1]  # mrow 2 belongs to session 9: untouched
     assert out_table[0].tolist() == [-5, -5, -5, -5, table[1, 4], -5]  # entry 4 only: it grew 4 -> 5
     assert out_table[1].tolist() == [-5] * 6  # unchanged count: nothing copied
     assert out_counts.tolist() == [5, 6, 1]
     assert start.tolist() == [4, 1000, 1000] and end.tolist() == [5, 0, 0]
+
+
+def test_sync_appended_rows_takes_a_one_block_growth_from_last_block_and_longer_ones_from_the_table():
+    table = np.arange(1, 25, dtype=np.int32).reshape(4, 6)
+    counts = np.array([3, 5, 4, 2], np.int32)
+    last_block = np.array([-1, -2, -3, -4], np.int32)  # deliberately not the table's: pins the source
+    owner_sid = np.full(4, 7, np.int64)
+    owner_srow = np.arange(4, dtype=np.int32)
+    out_table = np.zeros((4, 6), np.int32)
+    out_counts = np.array([2, 2, 4, 0], np.int32)  # rows grow by 1, 3, 0 and 2 blocks
+    k = rowloops.sync_appended_rows(np.arange(4, dtype=np.int32), owner_sid, owner_srow, 7, table, counts,
+                                    last_block, out_table, out_counts, np.empty(0, np.int32),
+                                    np.empty(0, np.int32), np.zeros(4, np.int32))
+    assert k == 4 and out_counts.tolist() == [3, 5, 4, 2]
+    assert out_table.tolist() == [[0, 0, -1, 0, 0, 0],  # one block: last_block's entry
+                                  [0, 0, table[1, 2], table[1, 3], table[1, 4], 0],  # three: the table's
+                                  [0] * 6,  # unchanged
+                                  [table[3, 0], table[3, 1], 0, 0, 0, 0]]
 
 
 def test_confirm_in_place_confirms_only_blocks_still_held_by_their_registration_or_declines():
