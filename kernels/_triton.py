@@ -56,7 +56,11 @@ class Relauncher:
     path.
     """
 
-    def __init__(self, kernel, grid, args: dict, options: dict | None = None):
+    def __init__(self, kernel, grid, args: dict, options: dict | None = None, stream: int | None = None):
+        """``stream``: the raw handle (``torch.cuda.Stream.cuda_stream``) of the one stream every
+        call launches on, for a caller that never switches streams (the daemon): each call then
+        skips Triton's lookup of the current device and stream (two torch calls a launch). None:
+        each call launches on the stream current at the call, as a plain launch does."""
         import inspect
         self.kernel, self.grid, self.args = kernel, grid, dict(args)
         self.options = options or {}
@@ -65,10 +69,14 @@ class Relauncher:
         # some Triton versions index grid[0..2] in the compiled kernel's runner
         grid3 = tuple(grid) + (1,) * (3 - len(grid))
         self.runner = compiled[grid3] if hasattr(compiled, "packed_metadata") else None
+        self.stream_kw = {}
+        if self.runner is not None and stream is not None and \
+                "stream" in inspect.signature(self.runner).parameters:
+            self.stream_kw = {"stream": stream}
 
     def __call__(self, **changes) -> None:
         self.args.update(changes)
         if self.runner is None:
             self.kernel[self.grid](**self.args, **self.options)
         else:
-            self.runner(*[self.args[n] for n in self.names])
+            self.runner(*[self.args[n] for n in self.names], **self.stream_kw)

@@ -166,15 +166,17 @@ class LaunchPlan:
     every step after the first that uses it.
     """
 
-    def __init__(self, kernel, launches):
+    def __init__(self, kernel, launches, stream: int | None = None):
+        """``stream``: see :class:`~kvd_kernels._triton.Relauncher`."""
         require_triton()
         self._kernel, self._launches, self._plans = kernel, launches, {}
+        self._stream = stream
 
     def __call__(self, num_reqs: int) -> None:
         key = slot_launch_meta(num_reqs)["REQ_CHUNK"]
         plans = self._plans.get(key)
         if plans is None:  # first step with this REQ_CHUNK: compile and launch normally
-            self._plans[key] = [Relauncher(self._kernel, grid, kwargs)
+            self._plans[key] = [Relauncher(self._kernel, grid, kwargs, stream=self._stream)
                                 for grid, kwargs in self._launches(num_reqs)]
             return
         for plan in plans:
@@ -189,10 +191,10 @@ class SlotMappingPlan(LaunchPlan):
     """
 
     def __init__(self, block_tables, block_sizes: Sequence[int], req_rows, query_start_loc,
-                 positions, out):
+                 positions, out, stream: int | None = None):
         require_triton()
         _check_slots_out(out, len(block_tables))
         tables, sizes = list(block_tables), list(block_sizes)
         super().__init__(_slot_mapping_kernel, lambda n: slot_launches(
-            tables, sizes, req_rows, query_start_loc, positions, out, n))
+            tables, sizes, req_rows, query_start_loc, positions, out, n), stream)
         self.out = out

@@ -247,10 +247,15 @@ class GpuPool:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
             self.uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+            # the daemon launches, records and synchronizes on this one stream for its life: the
+            # launch plans take its handle instead of looking the current stream up per launch
+            self.stream = torch.cuda.current_stream(self.device)
+            self.stream_handle = self.stream.cuda_stream
         elif os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError(f"device {device}: a GPU pool needs cuda (cpu only under TRITON_INTERPRET=1)")
         else:
             self.uuid = ""
+            self.stream = self.stream_handle = None
         self.block_sizes = list(block_sizes)
         self.max_blocks = list(max_blocks)
         self.G = len(max_blocks)
@@ -313,7 +318,7 @@ class GpuPool:
 
     def sync(self) -> None:
         if self.cuda:
-            self.torch.cuda.current_stream(self.device).synchronize()
+            self.stream.synchronize()
         self.inflight = None
 
     def settle(self) -> None:
@@ -369,7 +374,7 @@ class GpuSession:
         self.handle = None
         t = pool.t
         self.slot_plan = K.SlotMappingPlan(self.tables, pool.block_sizes, t["req_rows"], t["qsl"],
-                                           t["positions"], self.slots)
+                                           t["positions"], self.slots, stream=pool.stream_handle)
         self._apply_targets = self.tables + [self.counts]
         self._apply_plans: dict[int, list] = {}
         # prebuild every plan variant (cache hits after the daemon's warm-up): REQ_CHUNK buckets of
@@ -430,7 +435,7 @@ class GpuSession:
                           **dict(zip(names, group_args(tables))),
                           **dict(zip(("n0", "n1", "n2", "n3"), _num_cols(tables))),
                           NUM_GROUPS=len(tables), BLOCK=UPDATE_BLOCK)
-                plans.append(Relauncher(_apply_updates_kernel, (bucket,), kw))
+                plans.append(Relauncher(_apply_updates_kernel, (bucket,), kw, stream=pool.stream_handle))
             self._apply_plans[bucket] = plans
             return
         for p in plans:
@@ -471,7 +476,7 @@ class GpuSession:
         if self.done is None or pool.sync_reply:
             pool.sync()
         else:
-            self.done.record(pool.torch.cuda.current_stream(pool.device))
+            self.done.record(pool.stream)
             pool.inflight = self.done
         i = pool.n_flush & (pool.times.size - 1)
         pool.times[i] = time.perf_counter() - t0

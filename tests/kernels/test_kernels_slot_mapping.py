@@ -194,6 +194,42 @@ def test_plan_over_persistent_buffers(device):
             np.testing.assert_array_equal(got.cpu().numpy(), w)
 
 
+
+@pytest.mark.cuda
+def test_a_plan_given_a_stream_launches_on_it_whatever_stream_is_current():
+    """``SlotMappingPlan(..., stream=handle)`` (the daemon's launches: no current-stream lookup per
+    call): every relaunch goes to that stream, not to the current one. The given stream is held up
+    by a long sleep: after the current stream drained the output is still untouched, and after the
+    given stream drained it equals the reference."""
+    import torch
+
+    from kvd_kernels import SlotMappingPlan
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = torch.device("cuda")
+    rng = np.random.default_rng(3)
+    c = case(rng, [16], [1] * 5, max_reqs=16, width=32)
+    want = run_refs(c)
+    t = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
+    rows, qsl, pos = t(c["rows"].astype(np.int32)), t(c["qsl"].astype(np.int32)), t(c["positions"])
+    out = torch.full((1, 32), POISON, dtype=torch.int64, device=dev)
+    side = torch.cuda.Stream(dev)
+    plan = SlotMappingPlan([t(c["tables"][0])], [16], rows, qsl, pos, out, stream=side.cuda_stream)
+    plan(5)  # the first call compiles and launches the normal way, on the current stream
+    torch.cuda.synchronize(dev)
+    np.testing.assert_array_equal(out.cpu().numpy(), want)
+    out.fill_(POISON)
+    torch.cuda.synchronize(dev)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(int(2e8))  # ~0.1 s of GPU cycles ahead of the relaunch on ``side``
+    plan(5)  # a relaunch: onto ``side``, behind the sleep
+    untouched = out.cpu().numpy()  # a copy on the current stream, which it drains
+    assert not side.query()
+    assert (untouched == POISON).all()  # the relaunch waits behind the sleep on ``side``
+    side.synchronize()
+    np.testing.assert_array_equal(out.cpu().numpy(), want)
+
+
 def test_ranges_ref_int_count_and_incremental_padding():
     rng = np.random.default_rng(7)
     table = rng.integers(1, 1000, (6, 10)).astype(np.int32)
