@@ -43,7 +43,7 @@ import numpy as np
 import zmq
 
 from kvd import protocol as P
-from kvd import prefixindex, rowloops
+from kvd import gcheap, prefixindex, rowloops
 from kvd.api import (
     PAD_SLOT_ID,
     STATUS_NEVER,
@@ -702,7 +702,8 @@ class Daemon:
             for s in self.sessions.values() if admin or s.tenant == sess.tenant
         ]
         tenants = [{"tenant": t, **u} for t, u in sorted(self.tenant_usage().items()) if admin or t == sess.tenant]
-        st = {"daemon": {"pid": self.pid, "epoch": self.epoch, "lease_s": self.lease_s, "steps": self.n_steps},
+        st = {"daemon": {"pid": self.pid, "epoch": self.epoch, "lease_s": self.lease_s, "steps": self.n_steps,
+                         "gc": gcheap.status()},
               "pool": dict(self.manager.stats()), "sessions": sessions, "tenants": tenants}
         return [P.ok_reply(seq, self.epoch, status=st)]
 
@@ -1439,6 +1440,7 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
         tick = loop.create_task(ticker())
         log.info("kvd serving %s (epoch %s, %d blocks of %s tokens)", endpoint, d.epoch,
                  config.num_gpu_blocks, d.block_sizes)
+        gcheap.freeze()  # what READY's daemon holds for its life: out of every later collection's walk
         _notify("READY=1", f"STATUS=serving {endpoint}: {d.status_line()}")
         await stop.wait()
         _notify("STOPPING=1")
@@ -1463,6 +1465,7 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
         await tick
         return 0
     finally:
+        gcheap.thaw()
         if d is not None:
             for s in list(d.sessions.values()):
                 d.end_session(s, "daemon shutdown")

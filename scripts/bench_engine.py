@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO / "examples"))
 from kvd_engine import Engine, InProcClient, OwnedKv, build_model, hf_generate, tiny_config  # noqa: E402
 from paged_engine import KvdDaemon  # noqa: E402
 
+from kvd import gcheap  # noqa: E402
 from kvd_client import Client  # noqa: E402
 
 GPU = dict(layers=8, hidden=2048, heads=16, kv_heads=4, vocab=32000, dtype="bfloat16", batches=(64, 256),
@@ -64,14 +65,17 @@ def _decode_run(eng, prompts, steps, dev):
         eng.step()
     eng.step()  # the first decode step: its CUDA graph is captured here, not in the timed steps
     _sync(dev)
+    gcheap.freeze()  # what the engine built so far (graphs, buffers) stays out of the timed steps' collections
     k0, m0, x0, mx0, s0 = eng.kvd_s, eng.meta_s, eng.kvd_exposed_s, eng.meta_exposed_s, eng.steady_steps
     phases = []
+    gc0 = gcheap.status()["collections"]
     t0 = time.perf_counter()
     for _ in range(steps):
         eng.step()
         phases.append(eng.phases)
     _sync(dev)
     wall = time.perf_counter() - t0
+    gc_timed = [b - a for a, b in zip(gc0, gcheap.status()["collections"])]
     # kvd's figures of the timed steps only: read before run() frees the finished batch (those
     # round trips come after the wall clock stopped)
     kvd_s, meta_s = eng.kvd_s - k0, eng.meta_s - m0
@@ -84,7 +88,7 @@ def _decode_run(eng, prompts, steps, dev):
             "round_trip_ms": kvd_s / steps * 1e3, "meta_ms": meta_s / steps * 1e3,
             "round_trip_exposed_ms": rt_x / steps * 1e3, "meta_exposed_ms": meta_x / steps * 1e3,
             "overlap_exposed_ms_p50_p99_max": [round(float(x), 3) for x in np.percentile(exposed, [50, 99, 100])],
-            "steps_sent_ahead": eng.ahead_steps, "steady_steps": steady,
+            "steps_sent_ahead": eng.ahead_steps, "steady_steps": steady, "gc_collections_in_timed_steps": gc_timed,
             "graph_replays": eng.graphs.replays if eng.graphs else 0,
             "phases_p50_ms": {k: round(float(np.median([p.get(k, 0.0) for p in phases])) * 1e3, 3)
                               for k in sorted({k for p in phases for k in p})}}
@@ -141,6 +145,7 @@ def _ttft(endpoint, model, cfg, dev, rng, graph_tokens, rounds=3, kvd_slots=Fals
         a = Engine(ca, model, device=dev, max_tokens=4096, keep_logits=False, graph_tokens=graph_tokens)
         b = Engine(cb, model, device=dev, max_tokens=4096, keep_logits=False, graph_tokens=graph_tokens)
         warm = _hit_round(a, b, "warm", rng.integers(1, cfg["vocab"], cfg["prefix"]).tolist(), tail, dev)
+        gcheap.freeze()
         runs = [_hit_round(a, b, str(k), rng.integers(1, cfg["vocab"], cfg["prefix"]).tolist(), tail, dev)
                 for k in range(rounds)]
     mid = sorted(runs, key=lambda r: r["hit_ms"] / r["cold_ms"])[len(runs) // 2]
@@ -184,6 +189,7 @@ def main(argv=None) -> int:
     model = build_model(tiny_config("llama", layers=cfg["layers"], hidden=cfg["hidden"], heads=cfg["heads"],
                                     kv_heads=cfg["kv_heads"], vocab=cfg["vocab"], max_pos=4096),
                         seed=args.seed, dtype=dtype, device=dev)
+    gcheap.freeze()  # torch, transformers and the model: ~440,000 objects no collection needs to walk
     head_dim = cfg["hidden"] // cfg["heads"]
     max_n = max(cfg["batches"])
     per_req = -(-(cfg["prompt"] + cfg["steps"] + 4) // cfg["block"])
@@ -238,6 +244,7 @@ def main(argv=None) -> int:
         ttft_all = _ttft(d.endpoint, model, cfg, dev, rng, 2 * (cfg["prefix"] + 16), kvd_slots=args.kvd_slots) if gt else None
     finally:
         d.stop()
+        gcheap.thaw()
     full_hit = (cfg["prefix"] // cfg["block"]) * cfg["block"]
     checks["hit_tokens_equal_prefix_blocks"] = set(ttft["all_hit_tokens"]) == {full_hit}
     checks["hit_prefilled_only_suffix"] = set(ttft["all_hit_prefilled"]) == {cfg["prefix"] + 16 - full_hit}

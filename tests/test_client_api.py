@@ -241,6 +241,10 @@ def test_daemon_status_lists_sessions_and_tenants(daemon):
         me = f"uid:{os.getuid()}"  # no tenant named: the process's own
         assert tenants[me] == {"tenant": me, "sessions": 1, "requests": 1, "block_refs": 1}
         assert st["pool"]["num_used_blocks"] == 6 and st["daemon"]["pid"] == daemon.pid
+        # everything built before READY was frozen out of the collector's reach (imports alone are
+        # tens of thousands of objects); the collector itself still runs on what came after
+        gc_st = st["daemon"]["gc"]
+        assert gc_st["frozen"] > 10_000 and len(gc_st["collections"]) == 3
 
 
 def test_segment_without_permission_is_a_typed_error(daemon, monkeypatch):

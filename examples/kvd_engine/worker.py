@@ -27,6 +27,7 @@ def run_worker(spec: dict, events: dict, queue) -> None:
     import torch
 
     torch.set_num_threads(1)
+    from kvd import gcheap
     from kvd_client import Client
 
     from .engine import Engine
@@ -43,6 +44,7 @@ def run_worker(spec: dict, events: dict, queue) -> None:
             eng.add("warmup", list(range(1, 2 * eng.bs + 2)), 2)
             eng.run()
             del eng.reqs["warmup"]
+        gcheap.freeze()  # the model and the warm engine: out of every later collection's walk
         if "wait" in spec:
             events[spec["wait"]].wait(120)
         if "hold" in spec:
@@ -78,3 +80,4 @@ def run_worker(spec: dict, events: dict, queue) -> None:
         raise
     finally:
         client.close()
+        gcheap.thaw()
