@@ -194,7 +194,6 @@ def test_plan_over_persistent_buffers(device):
             np.testing.assert_array_equal(got.cpu().numpy(), w)
 
 
-
 @pytest.mark.cuda
 def test_a_plan_given_a_stream_launches_on_it_whatever_stream_is_current():
     """``SlotMappingPlan(..., stream=handle)`` (the daemon's launches: no current-stream lookup per
