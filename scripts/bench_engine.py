@@ -8,9 +8,10 @@ with a cross-engine prefix hit.
 For each batch size N (64 and 256; --tiny: 8 and 16) and backend -- (a) the kvd daemon (daemon-owned
 KV cache: shm on CPU, CUDA IPC on GPU), (b) kvd's in-process BlockManager (engine-owned KV), (c) HF
 ``generate`` with its contiguous DynamicCache (batched, equal prompt lengths, no padding) -- it
-prefills N prompts, then times ``--steps`` decode steps. The engines (a) and (b) replay CUDA graphs
-for steps of at most ``--graph-tokens`` tokens and send each steady decode step's round trip while
-the previous forward runs (``--no-overlap``: they wait for it). kvd's share = (step round trips +
+prefills N prompts, runs two untimed decode steps (the first captures the CUDA graph, the second
+pays the wake-ups after that pause), then times ``--steps`` decode steps. The engines (a) and (b)
+replay CUDA graphs for steps of at most ``--graph-tokens`` tokens and send each steady decode step's
+round trip while the previous forward runs (``--no-overlap``: they wait for it). kvd's share = (step round trips +
 building slots, table views and the varlen layout) / decode step time; its exposed share counts only
 the part of the round trips, and of the next step's inputs staged during a forward (``prestage``),
 after that forward had finished on the GPU (all of the metadata built while the GPU waits); both
@@ -60,12 +61,17 @@ def _sync(dev):
 def _decode_run(eng, prompts, steps, dev):
     """Prefill every prompt, then time ``steps`` decode steps; per-step figures."""
     for rid, p in prompts.items():
-        eng.add(rid, p, steps + 2)
+        eng.add(rid, p, steps + 3)  # prefill, capture, settle, then the timed steps
     while any(r.state != "running" or not r.output for r in eng.reqs.values()):
         eng.step()
     eng.step()  # the first decode step: its CUDA graph is captured here, not in the timed steps
     _sync(dev)
     gcheap.freeze()  # what the engine built so far (graphs, buffers) stays out of the timed steps' collections
+    # one more untimed step: the round trip it sends during its forward is the first after the
+    # capture's and the freeze's pause (tens of ms, which no serving engine has between steps), so
+    # the daemon and both sides' ZeroMQ I/O threads wake from sleep for it (0.6-0.8 ms exposed on an
+    # H200 host); the timed steps then start in the steady state they measure
+    eng.step()
     k0, m0, x0, mx0, s0 = eng.kvd_s, eng.meta_s, eng.kvd_exposed_s, eng.meta_exposed_s, eng.steady_steps
     phases = []
     gc0 = gcheap.status()["collections"]
@@ -224,7 +230,7 @@ def main(argv=None) -> int:
             hf = _hf_run(model, prompts, cfg["steps"], dev)
             same = total = full = 0
             for rid in list(prompts)[: cfg["agree"]]:
-                ref, _ = hf_generate(model, prompts[rid], cfg["steps"] + 2)
+                ref, _ = hf_generate(model, prompts[rid], cfg["steps"] + 3)
                 out = eng.reqs[rid].output
                 same += sum(int(x == y) for x, y in zip(out, ref))
                 total += len(ref)
