@@ -382,10 +382,24 @@ class Daemon:
             self.kv.copy(copies)
 
     def _rows(self, buf: bytes, name: str, n: int | None = None) -> np.ndarray:
+        if not buf and not n:  # most of a step's row frames are empty
+            return _EMPTY_I32
         rows = P.frame_array(buf, P.I32, n, name, self.max_reqs)
         if not P.within(rows, 0, self.max_reqs - 1):
             raise InvalidArgument(f"{name}: row out of range [0, {self.max_reqs})")
         return rows
+
+    def _mapped_rows(self, sess: Session, buf: bytes, name: str, n: int) -> np.ndarray:
+        """The manager rows of a frame of ``n`` session rows: one gather that checks the range too
+        (a negative row is huge as uint32), as the decode op does; unmapped rows come back -1."""
+        if not n:
+            P.frame_array(buf, P.I32, 0, name)
+            return _EMPTY_I32
+        rows = P.frame_array(buf, P.I32, n, name)
+        try:
+            return sess.mrow.take(rows.view(np.uint32))
+        except IndexError:
+            raise InvalidArgument(f"{name}: row out of range [0, {self.max_reqs})") from None
 
     def _row(self, h: dict, key: str) -> int:
         return P.get_int(h, key, None, 0, self.max_reqs - 1)
@@ -410,6 +424,21 @@ class Daemon:
 
     def _unmap_mrows(self, sess: Session, mrows: np.ndarray) -> None:
         if mrows.size == 0:
+            return
+        if mrows.size == 1:  # a step that frees one request: scalar writes, not eight fancy indexings
+            mrow = int(mrows[0])
+            if int(self.owner_sid[mrow]) != sess.sid:
+                return
+            srow = int(self.owner_srow[mrow])
+            sess.mrow[srow] = -1
+            self.owner_sid[mrow] = 0
+            self.owner_srow[mrow] = -1
+            shm = sess.shm
+            shm.row_tags[srow] = 0
+            for g in range(self.G):
+                shm.counts[g][srow] = 0
+            if sess.gpu is not None:
+                sess.gpu.tracker.mark_counts(np.array([srow], np.int32))
             return
         mine = mrows[self.owner_sid[mrows] == sess.sid]
         srows = self.owner_srow[mine]
@@ -927,7 +956,11 @@ class Daemon:
         free_rows = self._rows(frames[0], "free rows", nf)
         fork_rows = self._rows(frames[1], "fork rows", 2 * nk).reshape(nk, 2)
         fork_tags = P.frame_array(frames[2], P.U64, nk, "fork tags")
-        app_rows = self._rows(frames[3], "append rows", na)
+        forked_appends = bool(nk and na)
+        # appends name manager rows by one gather (range-checked), unless children forked by this
+        # very step are among them (below)
+        app_rows = self._rows(frames[3], "append rows", na) if forked_appends else None
+        app_mrows = None if forked_appends else self._mapped_rows(sess, frames[3], "append rows", na)
         if frames[4]:
             ntok = P.frame_array(frames[4], P.I32, na, "append counts")
             if na and (int(ntok.min()) < 0 or int(ntok.max()) > P.MAX_COUNT):
@@ -979,12 +1012,12 @@ class Daemon:
                 admits.append(AdmitRequest(base | row, nt, hs[0] if G == 1 else hs, l, pri, net, mnt, tok))
         # unmapped session rows become -1: the manager reports UnknownRequest for them (and
         # InvalidArgument for duplicates) without failing the other requests
-        if nk and na:
+        if forked_appends:
             # Children forked by this very step have no manager row yet: name appends by id, so
             # the manager resolves them after the forks (rare: forks are not the decode path).
             app = dict(append_ids=[base | r for r in app_rows.tolist()])
         else:
-            app = dict(append_rows=sess.mrow[app_rows] if na else _EMPTY_I32)
+            app = dict(append_rows=app_mrows)
         batch = StepBatch(
             free=frees, forks=forks, append_num_tokens=ntok,
             append_hashes=app_hashes, append_hash_counts=app_counts, num_lookahead_tokens=la,

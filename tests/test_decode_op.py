@@ -123,6 +123,40 @@ def _error(rep) -> dict:
     return h
 
 
+
+def test_a_step_naming_an_append_row_out_of_range_is_refused_whole_and_a_one_row_free_unmaps_exactly(pair):
+    """The general step (a free and appends): its append rows are mapped by one range-checked
+    gather. A row past the session's rows, or negative, refuses the whole step (the free in it
+    too: nothing changes); the same step with good rows frees its one request and unmaps exactly
+    that row (the scalar path), leaving the others mapped."""
+    c = pair[0]
+    d = c.d
+    c.step(StepBatch(admit=[AdmitRequest("a", 3), AdmitRequest("b", 6), AdmitRequest("x", 5)]))
+    ra, rb, rx = (int(r) for r in c.rows_of(["a", "b", "x"]))
+    sess = d.sessions[c.sid]
+    mx = int(sess.mrow[rx])
+
+    def state():
+        return (d.manager.num_tokens.copy(), d.manager.pool.ref_cnt.copy(), c.shm.counts[0].copy(),
+                c.shm.row_tags.copy(), sess.mrow.copy(), d.owner_sid.copy(), d.owner_srow.copy())
+
+    before = state()
+    free = np.array([rx], np.int32).tobytes()
+    for bad in (Cfg.max_reqs_per_session, -1):
+        hdr = P.request(P.STEP, c.sid, c._next_seq(), nf=1, nk=0, na=2, nd=0)
+        h = _error(d.handle([b"id", hdr, free, P.EMPTY, P.EMPTY, np.array([ra, bad], np.int32).tobytes()]))
+        assert h["err"] == InvalidArgument.code
+        assert h["msg"] == f"append rows: row out of range [0, {Cfg.max_reqs_per_session})"
+    assert all(np.array_equal(x, y) for x, y in zip(before, state()))
+    res = c.step(StepBatch(free=["x"], append_rows=c.rows_of(["a", "b"]), append_num_tokens=1))
+    assert res.free_status.tolist() == [0] and res.append_status.tolist() == [0, 0]
+    assert sess.mrow[rx] == -1 and d.owner_sid[mx] == 0 and d.owner_srow[mx] == -1
+    assert c.shm.row_tags[rx] == 0 and c.shm.counts[0][rx] == 0
+    for r in (ra, rb):
+        m = int(sess.mrow[r])
+        assert m >= 0 and d.owner_srow[m] == r and d.owner_sid[m] == c.sid
+
+
 def test_malformed_decode_headers_get_typed_errors_and_change_nothing(pair):
     c = pair[0]
     d = c.d
