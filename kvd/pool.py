@@ -305,6 +305,8 @@ class BlockPool:
         ``release`` does after dropping the references; ``prio``: one value or one per block)."""
         if not freed.size:
             return
+        if rowloops.HAVE_NUMBA and np.isscalar(prio) and int(prio) in self._queues:
+            return self._park_compiled(freed, self._queues[int(prio)], int(prio))  # one pass, not ~12 array operations
         cached = self.cache_key[freed] != NO_CACHE_KEY
         if not cached.any():
             self._push_fresh(freed)
@@ -313,6 +315,17 @@ class BlockPool:
         if fresh.size:
             self._push_fresh(fresh)
         self._enqueue(freed[cached], prio if np.isscalar(prio) else prio[cached])
+
+    def _park_compiled(self, freed: np.ndarray, queue: "_EvictionQueue", prio: int) -> None:
+        if queue.tail + freed.size > queue.buf.size:  # room for all of them, cached or not
+            queue._compact(self.queue_pos, freed.size)
+        tail0 = queue.tail
+        self._stack_top, queue.tail = rowloops.park_blocks(
+            np.ascontiguousarray(freed, np.int32), self.cache_key, NO_CACHE_KEY, self._stack, self._stack_top,
+            queue.buf, queue.tail, self.queue_pos, self.evict_prio, prio)
+        queued = queue.tail - tail0
+        queue.live += queued
+        self._num_evictable += queued
 
     def _push_fresh(self, blocks: np.ndarray) -> None:
         top = self._stack_top

@@ -266,6 +266,26 @@ def drop_row_refs(table, rows, starts, stops, ref_cnt, freed_out, rep_out, n):
     return n
 
 
+
+@_jit
+def park_blocks(freed, cache_key, no_cache_key, stack, stack_top, qbuf, qtail, queue_pos, evict_prio, prio):
+    """Blocks whose count just reached zero, in freeing order (what ``BlockPool.park`` does with one
+    priority for all): a block in no prefix cache goes on the free stack (``stack[stack_top]``), a
+    cached one to the tail of the eviction queue (``qbuf[qtail]``, its position in ``queue_pos``,
+    ``prio`` in ``evict_prio``). The caller made room for every block in both. Returns (new
+    stack_top, new qtail)."""
+    for i in range(freed.size):
+        b = freed[i]
+        if cache_key[b] == no_cache_key:
+            stack[stack_top] = b
+            stack_top += 1
+        else:
+            qbuf[qtail] = b
+            queue_pos[b] = qtail
+            evict_prio[b] = prio
+            qtail += 1
+    return stack_top, qtail
+
 @_jit
 def sync_appended_rows(mrows, owner_sid, owner_srow, sid, table, counts, last_block, out_table, out_counts,
                        dirty_start, dirty_end, srows_out):
@@ -447,6 +467,7 @@ def warm_up() -> None:
     share_blocks(i32, i32[:0], table, i32, i32.copy(), i32, i32, i32, i64, 1)
     drop_refs(i32[:0], i32, flags.copy())
     drop_row_refs(table, i32, i32, i32, i32.copy(), i32.copy(), i32.copy(), 0)
+    park_blocks(i32[:0], np.zeros(1, np.uint16), 0, i32.copy(), 0, i32.copy(), 0, i32.copy(), np.zeros(1, np.uint8), 1)
     sync_appended_rows(i32, i64, i32, 1, table, i32, i32, table.copy(), i32.copy(), i32[:0], i32[:0], i32.copy())
     range_slots(table, i32, i32, 1, i32, i32, i32, -1, 1, i64.copy())
     slot_inputs(i32, i32, i32, i32.copy(), np.zeros(2, np.int32), i32.copy())

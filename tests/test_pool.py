@@ -158,3 +158,49 @@ def test_a_reset_clears_every_map_stored_into_even_through_the_one_by_one_path()
     assert pool.event_log[-1] == ("cleared", KEY, [])
     assert pool.free_queue_order().tolist() == [2, 1, 3, 4, 5, 6, 7]
     pool.check_invariants(heavy=True)
+
+
+def test_compiled_park_puts_every_block_where_the_array_version_does(monkeypatch):
+    """``park`` in one compiled pass (numba, once the priority's eviction queue exists) and the array
+    version: the same free-queue order, counts and priorities after every release of a random run of
+    takes, registrations (some blocks cached, some not) and releases, and the same blocks handed out."""
+    from kvd import pool as pool_mod
+
+    def run(compiled: bool):
+        monkeypatch.setattr(pool_mod.rowloops, "HAVE_NUMBA", compiled and pool_mod.rowloops.HAVE_NUMBA)
+        rng = np.random.default_rng(5)
+        pool, held, seen, n = BlockPool(64), [], [], 0
+        for step in range(300):
+            if held and (rng.random() < 0.45 or pool.num_free < 8):
+                blocks = held.pop(int(rng.integers(len(held))))
+                pool.release(blocks[::-1].copy(), int(rng.integers(0, 3)) if step % 7 == 0 else 0)
+            else:
+                blocks = pool.take(int(rng.integers(1, 6)))
+                k = int(rng.integers(0, blocks.size + 1))  # the first k blocks get a prefix-cache entry
+                if k:
+                    pool.register(KEY, h(*[(n + i) % 251 for i in range(k)]), blocks[:k])
+                    n += k
+                held.append(blocks)
+            seen.append((pool.free_queue_order().tolist(), pool.num_evictable, pool.num_fresh,
+                         pool.ref_cnt.tolist(), pool.evict_prio.tolist()))
+        pool.check_invariants(heavy=True)
+        return seen
+
+    assert run(compiled=True) == run(compiled=False)
+
+
+def test_compiled_park_of_a_mixed_release_exact_order():
+    """Once the default queue exists (first release), a release of cached and uncached blocks: the
+    uncached ones go on the front in freeing order, the cached ones to the back in freeing order."""
+    pool = BlockPool(10)
+    first = pool.take(2)  # 1, 2
+    pool.register(KEY, h(1), first[:1])
+    pool.release(first[::-1].copy())  # 2 (uncached) to the front, 1 (cached) to the back: queue exists now
+    assert pool.free_queue_order().tolist() == [2, 3, 4, 5, 6, 7, 8, 9, 1]
+    blocks = pool.take(4)  # 2, 3, 4, 5
+    assert blocks.tolist() == [2, 3, 4, 5]
+    pool.register(KEY, h(2, 3), blocks[[1, 3]])  # 3 and 5 cached
+    pool.release(ids(5, 4, 3, 2))
+    assert pool.free_queue_order().tolist() == [2, 4, 6, 7, 8, 9, 1, 5, 3]
+    assert pool.num_evictable == 3 and pool.num_fresh == 6
+    pool.check_invariants(heavy=True)
