@@ -425,23 +425,14 @@ class Daemon:
     def _unmap_mrows(self, sess: Session, mrows: np.ndarray) -> None:
         if mrows.size == 0:
             return
-        if mrows.size == 1:  # a step that frees one request: scalar writes, not eight fancy indexings
-            mrow = int(mrows[0])
-            if int(self.owner_sid[mrow]) != sess.sid:
+        if mrows.size == 1:  # a step that frees one request: int indexes write ~10x faster than arrays
+            mine = int(mrows[0])
+            if int(self.owner_sid[mine]) != sess.sid:
                 return
-            srow = int(self.owner_srow[mrow])
-            sess.mrow[srow] = -1
-            self.owner_sid[mrow] = 0
-            self.owner_srow[mrow] = -1
-            shm = sess.shm
-            shm.row_tags[srow] = 0
-            for g in range(self.G):
-                shm.counts[g][srow] = 0
-            if sess.gpu is not None:
-                sess.gpu.tracker.mark_counts(np.array([srow], np.int32))
-            return
-        mine = mrows[self.owner_sid[mrows] == sess.sid]
-        srows = self.owner_srow[mine]
+            srows = int(self.owner_srow[mine])
+        else:
+            mine = mrows[self.owner_sid[mrows] == sess.sid]
+            srows = self.owner_srow[mine]
         sess.mrow[srows] = -1
         self.owner_sid[mine] = 0
         self.owner_srow[mine] = -1
@@ -450,7 +441,7 @@ class Daemon:
         for g in range(self.G):
             shm.counts[g][srows] = 0
         if sess.gpu is not None:
-            sess.gpu.tracker.mark_counts(srows)
+            sess.gpu.tracker.mark_counts(np.asarray(srows, np.int32).reshape(-1))
 
     def _sync_rows(self, sess: Session, mrows: np.ndarray, full: bool = True) -> np.ndarray:
         """Copy the manager's rows (tables + counts) of this session into its shared memory.
