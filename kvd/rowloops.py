@@ -266,7 +266,6 @@ def drop_row_refs(table, rows, starts, stops, ref_cnt, freed_out, rep_out, n):
     return n
 
 
-
 @_jit
 def park_blocks(freed, cache_key, no_cache_key, stack, stack_top, qbuf, qtail, queue_pos, evict_prio, prio):
     """Blocks whose count just reached zero, in freeing order (what ``BlockPool.park`` does with one
@@ -285,6 +284,7 @@ def park_blocks(freed, cache_key, no_cache_key, stack, stack_top, qbuf, qtail, q
             evict_prio[b] = prio
             qtail += 1
     return stack_top, qtail
+
 
 @_jit
 def sync_appended_rows(mrows, owner_sid, owner_srow, sid, table, counts, last_block, out_table, out_counts,
