@@ -305,8 +305,9 @@ class BlockPool:
         ``release`` does after dropping the references; ``prio``: one value or one per block)."""
         if not freed.size:
             return
-        if rowloops.HAVE_NUMBA and np.isscalar(prio) and int(prio) in self._queues:
-            return self._park_compiled(freed, self._queues[int(prio)], int(prio))  # one pass, not ~12 array operations
+        queue = self._queues.get(int(prio)) if rowloops.HAVE_NUMBA and np.isscalar(prio) else None
+        if queue is not None:
+            return self._park_compiled(freed, queue, int(prio))  # one pass, not ~12 array operations
         cached = self.cache_key[freed] != NO_CACHE_KEY
         if not cached.any():
             self._push_fresh(freed)

@@ -390,8 +390,8 @@ class Daemon:
         return rows
 
     def _mapped_rows(self, sess: Session, buf: bytes, name: str, n: int) -> np.ndarray:
-        """The manager rows of a frame of ``n`` session rows: one gather that checks the range too
-        (a negative row is huge as uint32), as the decode op does; unmapped rows come back -1."""
+        """The manager rows of a frame of ``n`` session rows (a step's appends, the decode op's): one
+        gather that checks the range too (a negative row is huge as uint32); unmapped rows come back -1."""
         if not n:
             P.frame_array(buf, P.I32, 0, name)
             return _EMPTY_I32
@@ -869,11 +869,7 @@ class Daemon:
         op) or JSON (a step)."""
         if na * an > self.max_tokens:
             raise InvalidArgument(f"{na * an} append tokens > max_num_batched_tokens {self.max_tokens}")
-        app_rows = P.frame_array(rows_b, P.I32, na, "append rows")
-        try:  # one gather checks the range too (negative rows become huge as uint32)
-            mrows = sess.mrow.take(app_rows.view(np.uint32))
-        except IndexError:
-            raise InvalidArgument(f"append rows: row out of range [0, {self.max_reqs})") from None
+        mrows = self._mapped_rows(sess, rows_b, "append rows", na)
         if hashes_b or counts_b:
             hs = P.frame_hashes(hashes_b, "append hashes", na * (self.max_model_len // self.block_sizes[0] + 1), dtype=self.hash_dtype)
             if not counts_b:
