@@ -1117,11 +1117,11 @@ class BlockManager:
         g = self.groups[gi]
         blocks = np.empty(stop, np.int32)
         srows = np.empty(stop, np.int32)
-        n = rowloops.next_blocks(rows, counts, stop, self.namespace, g.table, g.num_registered, self.pool.cache_key,
-                                 blocks, srows, self._ns_out)
+        n = rowloops.next_blocks(rows, counts, stop, self.namespace, g.table, g.num_blocks, g.last_block,
+                                 g.num_registered, self.pool.cache_key, blocks, srows, self._ns_out)
         if n > 0:
             self._register_in(self._cache_key(int(self._ns_out[0]), gi), hashes[:n], blocks[:n], tick)
-            g.num_registered[srows[:n]] += 1
+            rowloops.add_one(g.num_registered, srows, n)
         return n
 
     def _register_head(self, item: tuple, k: int) -> tuple | None:

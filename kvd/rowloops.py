@@ -424,12 +424,15 @@ def confirm_in_place(blocks, sizes, regs, keys, block_reg, unconfirmed_by, cache
 
 
 @_jit
-def next_blocks(rows, counts, stop, namespace, table, num_registered, cache_key, out_blocks, out_rows, out_ns):
+def next_blocks(rows, counts, stop, namespace, table, num_blocks, last_block, num_registered, cache_key,
+                out_blocks, out_rows, out_ns):
     """The blocks the first ``stop`` requests of a decode step filled, when each filled at most
     one (``counts`` 0 or 1), all of those are of one namespace (written to ``out_ns[0]``) and none
     of their blocks is cached yet: per request of count 1, in order, its next block to register and
     its row. Returns how many, or DECLINED, having changed nothing, when any of that does not hold
-    or there are more than ``out_blocks.size`` (the general path then decides block by block)."""
+    or there are more than ``out_blocks.size`` (the general path then decides block by block).
+    The block that filled is usually the row's last (no block added since): read from the dense
+    ``last_block``, not the table row (a cache line, and often a page, of its own per row)."""
     ns = -1
     k = 0
     for i in range(stop):
@@ -440,7 +443,8 @@ def next_blocks(rows, counts, stop, namespace, table, num_registered, cache_key,
         if c != 1 or k == out_blocks.size or (ns >= 0 and namespace[row] != ns):
             return DECLINED
         ns = namespace[row]
-        b = table[row, num_registered[row]]
+        j = num_registered[row]
+        b = last_block[row] if j == num_blocks[row] - 1 else table[row, j]
         if b == 0 or cache_key[b] != 0:
             return DECLINED
         out_blocks[k] = b
@@ -448,6 +452,14 @@ def next_blocks(rows, counts, stop, namespace, table, num_registered, cache_key,
         k += 1
     out_ns[0] = ns
     return k
+
+
+@_jit
+def add_one(counts, rows, n):
+    """``counts[rows[i]] += 1`` for the first ``n`` rows (distinct): numpy's fancy ``+=`` gathers,
+    adds and scatters in three passes over rows that are cache misses at scale."""
+    for i in range(n):
+        counts[rows[i]] += 1
 
 
 def warm_up() -> None:
@@ -474,4 +486,5 @@ def warm_up() -> None:
     stage_changes(i32.copy(), i32.copy(), 0, table, i32.copy(), i32.copy(), i32.copy(), i32.copy(), i32.copy(), 0, 0, 1)
     u16 = np.zeros(1, np.uint16)
     confirm_in_place(i32, i64, i64, u16, i64, u16.copy(), u16)
-    next_blocks(i32, i64, 1, i64, table, i32, u16, i32.copy(), i32.copy(), i64.copy())
+    next_blocks(i32, i64, 1, i64, table, i32, i32, i32, u16, i32.copy(), i32.copy(), i64.copy())
+    add_one(i32.copy(), i32, 1)

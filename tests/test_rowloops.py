@@ -238,6 +238,8 @@ def test_range_slots_reads_a_rows_last_block_from_last_block_not_the_table():
 
 def test_next_blocks_names_each_requests_next_block_or_declines_unchanged():
     table = np.array([[1, 2, 0], [3, 4, 0], [5, 6, 7], [8, 0, 0]], np.int32)
+    num_blocks = np.array([2, 2, 3, 1], np.int32)
+    last_block = np.array([2, 4, 7, 8], np.int32)  # each row's last block, as the manager keeps it
     num_registered = np.array([1, 1, 2, 0], np.int32)
     namespace = np.array([2, 2, 2, 3], np.int64)
     cache_key = np.zeros(9, np.uint16)
@@ -246,7 +248,7 @@ def test_next_blocks_names_each_requests_next_block_or_declines_unchanged():
     def run(counts, n, rows=rows, cache_key=cache_key, stop=None):
         blocks, srows, ns = np.full(n, -9, np.int32), np.full(n, -9, np.int32), np.full(1, -9, np.int64)
         k = rowloops.next_blocks(rows, np.array(counts, np.int64), len(counts) if stop is None else stop, namespace,
-                                 table, num_registered, cache_key, blocks, srows, ns)
+                                 table, num_blocks, last_block, num_registered, cache_key, blocks, srows, ns)
         return k, int(ns[0]), blocks.tolist(), srows.tolist()
 
     assert run([1, 0, 1], 2) == (2, 2, [7, 4], [2, 1])  # in batch order, requests of count 0 skipped
@@ -263,9 +265,18 @@ def test_next_blocks_names_each_requests_next_block_or_declines_unchanged():
     assert run([1, 1, 1], 3, cache_key=cached)[0] == declined  # a block cached already
     assert run([1, 1, 1], 3, cache_key=cached, stop=2)[0] == 2  # ... not among the first two
     assert run([1], 1, rows=np.array([3], np.int32))[:2] == (1, 3)
+    num_registered[2] = 1  # a block added after the one that filled (lookahead): from the table
+    assert run([1], 1, rows=np.array([2], np.int32)) == (1, 2, [6], [2])
+    num_registered[2] = 2
     num_registered[3] = 1
     assert run([1], 1, rows=np.array([3], np.int32))[0] == declined  # the null block
     assert num_registered.tolist() == [1, 1, 2, 1] and not cache_key.any()  # nothing written
+
+
+def test_add_one_counts_each_named_row_once():
+    counts = np.array([5, 0, 7, 1], np.int32)
+    rowloops.add_one(counts, np.array([2, 0, 3, 1], np.int32), 3)  # the first three only
+    assert counts.tolist() == [6, 0, 8, 2]
 
 
 def test_drop_row_refs_drops_each_rows_blocks_tail_first_and_lists_those_freed():
