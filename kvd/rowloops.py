@@ -462,6 +462,33 @@ def add_one(counts, rows, n):
         counts[rows[i]] += 1
 
 
+@_jit
+def gather_rows(mapping, rows, out):
+    """``out[i] = mapping[rows[i]]``, every row checked to lie in ``[0, mapping.size)``: -1 when
+    all did, else the index of the first that did not (``out`` then partly written). numpy's
+    ``take`` with a range check converts the indexes to intp in a pass of their own first."""
+    n = mapping.size
+    for i in range(rows.size):
+        r = rows[i]
+        if r < 0 or r >= n:
+            return i
+        out[i] = mapping[r]
+    return -1
+
+
+def map_rows(mapping: np.ndarray, rows: np.ndarray) -> np.ndarray | None:
+    """``mapping[rows]`` (int32 rows, a new array), or None when a row lies outside the mapping:
+    the compiled ``gather_rows``, else numpy's ``take`` (whose uint32 view of the rows makes a
+    negative one out of range too)."""
+    if HAVE_NUMBA:
+        out = np.empty(rows.size, np.int32)
+        return out if gather_rows(mapping, rows, out) < 0 else None
+    try:
+        return mapping.take(rows.view(np.uint32))
+    except IndexError:
+        return None
+
+
 def warm_up() -> None:
     """Compile (or load from the disk cache) every loop for the manager's array types now, so that
     the first step a daemon serves does not pay for it."""
@@ -488,3 +515,7 @@ def warm_up() -> None:
     confirm_in_place(i32, i64, i64, u16, i64, u16.copy(), u16)
     next_blocks(i32, i64, 1, i64, table, i32, i32, i32, u16, i32.copy(), i32.copy(), i64.copy())
     add_one(i32.copy(), i32, 1)
+    gather_rows(i32, i32, i32.copy())
+    ro = i32.copy()
+    ro.flags.writeable = False
+    gather_rows(i32, ro, i32.copy())  # rows straight from a message frame (read-only)

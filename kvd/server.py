@@ -396,10 +396,10 @@ class Daemon:
             P.frame_array(buf, P.I32, 0, name)
             return _EMPTY_I32
         rows = P.frame_array(buf, P.I32, n, name)
-        try:
-            return sess.mrow.take(rows.view(np.uint32))
-        except IndexError:
-            raise InvalidArgument(f"{name}: row out of range [0, {self.max_reqs})") from None
+        out = rowloops.map_rows(sess.mrow, rows)
+        if out is None:
+            raise InvalidArgument(f"{name}: row out of range [0, {self.max_reqs})")
+        return out
 
     def _row(self, h: dict, key: str) -> int:
         return P.get_int(h, key, None, 0, self.max_reqs - 1)

@@ -349,3 +349,18 @@ def test_stage_changes_equals_the_numpy_reference_and_resets_the_regions():
     assert rowloops.stage_changes(st, en, 0, table[:3], groups, rows, starts, offsets, ids, 0, 0, big) == (1, 2)
     assert (groups[0], rows[0], starts[0], offsets[1]) == (0, 1, 1, 2) and ids[:2].tolist() == table[1, 1:3].tolist()
     assert st.tolist() == [big, big, big] and en.tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_map_rows_gathers_or_refuses_a_row_out_of_range(monkeypatch, compiled):
+    if compiled and not rowloops.HAVE_NUMBA:
+        pytest.skip("numba not installed")
+    monkeypatch.setattr(rowloops, "HAVE_NUMBA", compiled)
+    mapping = np.array([7, -1, 9, 4], np.int32)
+    got = rowloops.map_rows(mapping, np.array([3, 0, 1, 3], np.int32))
+    assert got.dtype == np.int32 and got.tolist() == [4, 7, -1, 4]
+    for bad in ([0, 4], [-1], [2, 2**31 - 1]):
+        assert rowloops.map_rows(mapping, np.array(bad, np.int32)) is None
+    frame = np.frombuffer(np.array([2, 1], np.int32).tobytes(), np.int32)  # read-only, as from a message
+    assert rowloops.map_rows(mapping, frame).tolist() == [9, -1]
+    assert rowloops.map_rows(mapping, frame[:0]).size == 0
