@@ -68,6 +68,7 @@ from kvd.runs import NO_PARENT, Runs
 
 _EMPTY_I32 = np.empty(0, np.int32)
 _EMPTY_I64 = np.empty(0, np.int64)
+_FEW_ADMITS = 4  # a step admitting at most this many (and nothing else) is scheduled over scalars
 _EMPTY_I16 = np.empty(0, np.int16)
 _EMPTY_COPIES = np.empty((0, 2), np.int32)
 
@@ -684,7 +685,7 @@ class BlockManager:
         cached, hits = self._cached_prefix(hash_lists, num_tokens, space)
         new = [_cdiv(num_tokens + lookahead, g.block_size) - cached // g.block_size for g in self.groups]
         need = sum(new) + _cdiv(num_encoder_tokens, self.config.encoder_block_size)
-        need += sum(int(np.count_nonzero(self.pool.ref_cnt[h] == 0)) for h in hits if h.size)  # revived hits
+        need += sum(self.pool.num_unheld(h) for h in hits if h.size)  # revived hits
         if self.config.admit_full_sequence:
             need += sum(
                 _cdiv(num_tokens + max_new_tokens, g.block_size) - _cdiv(num_tokens, g.block_size) for g in self.groups
@@ -1673,6 +1674,8 @@ class BlockManager:
             return self._appends_schedule(rows, n_new, old)
         if not rows.size and not admit_status.size:
             return _EMPTY_I32, _EMPTY_I32, _EMPTY_I32
+        if not rows.size and admit_status.size <= _FEW_ADMITS:  # a new request's first step
+            return self._few_admits_schedule(admits, admit_status, admit_rows, admit_cached)
         admitted = np.flatnonzero(admit_status == STATUS_OK)
         # Only admitted requests' sizes are read: a rejected one may carry anything.
         admit_tokens = np.fromiter((admits[i].num_tokens for i in admitted.tolist()), np.int64, count=admitted.size)
@@ -1685,6 +1688,16 @@ class BlockManager:
             sched_rows = np.concatenate([rows[ok_app], admit_rows[admitted]]).astype(np.int32)
             sched_len = np.concatenate([n_app, admit_tokens - admit_cached[admitted]]).astype(np.int32)
         sched_start = np.subtract(self.num_tokens[sched_rows], sched_len, dtype=np.int32, casting="unsafe")
+        return sched_rows, sched_start, sched_len
+
+    def _few_admits_schedule(self, admits, admit_status, admit_rows, admit_cached):
+        """``_schedule`` of a step of a few admissions and nothing else, over Python scalars: a
+        numpy call on arrays this small costs more than the loop (the TTFT of every request)."""
+        ok = [i for i, st in enumerate(admit_status.tolist()) if st == STATUS_OK]
+        rows, cached = admit_rows.tolist(), admit_cached.tolist()
+        sched_rows = np.array([rows[i] for i in ok], np.int32)
+        sched_len = np.array([admits[i].num_tokens - cached[i] for i in ok], np.int32)
+        sched_start = np.array([int(self.num_tokens[rows[i]]) for i in ok], np.int32) - sched_len
         return sched_rows, sched_start, sched_len
 
     def _step_frees(self, ids):

@@ -145,6 +145,7 @@ class BlockPool:
         self.cache_key = np.zeros(num_blocks, np.uint16)
         self.evict_prio = np.zeros(num_blocks, np.uint8)
         self.queue_pos = np.full(num_blocks, -1, np.int32)
+        self._per_prio = np.zeros(256, np.int64)  # touch's scratch: blocks revived per priority (uint8)
         # Top of the stack is the end: the reversed range hands out 1, 2, 3, ... first.
         self._stack = np.arange(num_blocks - 1, 0, -1, dtype=np.int32)
         self._stack_top = num_blocks - 1
@@ -267,8 +268,23 @@ class BlockPool:
 
     def touch(self, blocks: np.ndarray) -> None:
         """Take a reference on blocks found in the prefix cache (unique ids), reviving free ones."""
+        if rowloops.HAVE_NUMBA and blocks.dtype == np.int32:  # an admission's hits: one loop
+            n = rowloops.hold_blocks(blocks, self.ref_cnt, self.queue_pos, self.evict_prio, self._per_prio)
+            if n:
+                per = self._per_prio
+                for prio in np.flatnonzero(per).tolist():
+                    self._queues[prio].live -= int(per[prio])
+                per[:] = 0
+                self._num_evictable -= n
+            return
         self._dequeue(blocks[self.ref_cnt[blocks] == 0])
         self.ref_cnt[blocks] += 1
+
+    def num_unheld(self, blocks: np.ndarray) -> int:
+        """How many of ``blocks`` nobody holds (what a ``touch`` of them would revive)."""
+        if rowloops.HAVE_NUMBA and blocks.dtype == np.int32:
+            return rowloops.count_unheld(self.ref_cnt, blocks)
+        return int(np.count_nonzero(self.ref_cnt[blocks] == 0))
 
     def _dequeue(self, free: np.ndarray) -> None:
         """Take free cached blocks out of their eviction queues (tombstones: O(1) each)."""

@@ -476,6 +476,32 @@ def gather_rows(mapping, rows, out):
     return -1
 
 
+@_jit
+def count_unheld(ref_cnt, blocks):
+    """How many of ``blocks`` nobody holds (free cached blocks a hit would revive)."""
+    n = 0
+    for i in range(blocks.size):
+        if ref_cnt[blocks[i]] == 0:
+            n += 1
+    return n
+
+
+@_jit
+def hold_blocks(blocks, ref_cnt, queue_pos, evict_prio, per_prio):
+    """One reference more on each of ``blocks`` (unique ids); one nobody held leaves its eviction
+    queue (``queue_pos`` -1: a tombstone) and is counted in ``per_prio`` at its priority. Returns
+    how many that was (what ``kvd.pool.BlockPool.touch`` does with three gathers and a bincount)."""
+    n = 0
+    for i in range(blocks.size):
+        b = blocks[i]
+        if ref_cnt[b] == 0:
+            queue_pos[b] = -1
+            per_prio[evict_prio[b]] += 1
+            n += 1
+        ref_cnt[b] += 1
+    return n
+
+
 def map_rows(mapping: np.ndarray, rows: np.ndarray) -> np.ndarray | None:
     """``mapping[rows]`` (int32 rows, a new array), or None when a row lies outside the mapping:
     the compiled ``gather_rows``, else numpy's ``take`` (whose uint32 view of the rows makes a
@@ -516,6 +542,8 @@ def warm_up() -> None:
     next_blocks(i32, i64, 1, i64, table, i32, i32, i32, u16, i32.copy(), i32.copy(), i64.copy())
     add_one(i32.copy(), i32, 1)
     gather_rows(i32, i32, i32.copy())
+    count_unheld(i32, i32[:0])
+    hold_blocks(i32[:0], i32.copy(), i32.copy(), np.zeros(1, np.uint8), i64.copy())
     ro = i32.copy()
     ro.flags.writeable = False
     gather_rows(i32, ro, i32.copy())  # rows straight from a message frame (read-only)

@@ -391,3 +391,19 @@ def test_a_hash_narrower_than_the_index_mixes_is_refused_with_a_typed_error():
     with pytest.raises(errors.InvalidArgument, match="hash_width must be at least 16 bytes, got 8"):
         BlockManager(ManagerConfig(num_gpu_blocks=16, hash_width=8))
     assert BlockManager(ManagerConfig(num_gpu_blocks=16, hash_width=24)).hash_dtype == np.dtype("S24")
+
+
+@pytest.mark.parametrize("extra", [0, 3])  # a few admissions (scheduled over scalars) or more (arrays)
+def test_an_admissions_only_step_schedules_each_admitted_request_from_its_cached_prefix(extra):
+    m = make(num_blocks=64)
+    shared = prompt(40)
+    m.allocate("a", 40, hash_prompt(shared, 16))
+    admits = [AdmitRequest("hit", 40, hash_prompt(shared, 16)), AdmitRequest("a", 5),  # a duplicate id
+              AdmitRequest("cold", 21)] + [AdmitRequest(f"x{i}", 3) for i in range(extra)]
+    res = m.step(StepBatch(admit=admits))
+    assert res.admit_status.tolist() == [STATUS_OK, errors.DuplicateRequest.code] + [STATUS_OK] * (1 + extra)
+    ok = ["hit", "cold"] + [f"x{i}" for i in range(extra)]
+    assert res.sched_rows.tolist() == [m.row_of(r) for r in ok]
+    assert res.sched_start.tolist() == [32, 0] + [0] * extra  # "hit" found 2 whole blocks of "a"
+    assert res.sched_len.tolist() == [8, 21] + [3] * extra
+    assert res.sched_rows.dtype == res.sched_start.dtype == res.sched_len.dtype == np.int32

@@ -204,3 +204,28 @@ def test_compiled_park_of_a_mixed_release_exact_order():
     assert pool.free_queue_order().tolist() == [2, 4, 6, 7, 8, 9, 1, 5, 3]
     assert pool.num_evictable == 3 and pool.num_fresh == 6
     pool.check_invariants(heavy=True)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_touch_revives_free_cached_blocks_of_each_priority_and_holds_the_rest_once_more(monkeypatch, compiled):
+    from kvd import rowloops
+
+    if compiled and not rowloops.HAVE_NUMBA:
+        pytest.skip("numba not installed")
+    monkeypatch.setattr(rowloops, "HAVE_NUMBA", compiled)
+    pool = BlockPool(10)
+    blocks = pool.take(5)  # 1..5
+    pool.register(KEY, h(1, 2, 3, 4), blocks[:4])
+    pool.release(ids(1, 2), priority=3)  # cached, priority 3: queue [1, 2]
+    pool.release(ids(3), priority=7)  # cached, priority 7: queue [3]
+    assert pool.num_evictable == 3 and pool.num_unheld(ids(1, 4, 3)) == 2
+    pool.touch(ids(4, 2, 3))  # 4 is held already: one reference more; 2 and 3 are revived
+    assert pool.ref_cnt[1:6].tolist() == [0, 1, 1, 2, 1]
+    assert pool.num_evictable == 1 and pool.num_unheld(ids(1, 2, 3, 4)) == 1
+    assert pool.free_queue_order().tolist() == [6, 7, 8, 9, 1]
+    assert pool._per_prio.sum() == 0  # the scratch is left clean for the next touch
+    pool.check_invariants(heavy=True)
+    pool.release(ids(2, 3, 4, 4), priority=3)
+    assert pool.free_queue_order().tolist() == [6, 7, 8, 9, 1, 2, 3, 4]  # revived blocks queue anew
+    assert pool.num_evictable == 4 and pool.ref_cnt[1:6].tolist() == [0, 0, 0, 0, 1]
+    pool.check_invariants(heavy=True)
