@@ -122,6 +122,8 @@ class StepMessage:
     def _append_hashes(self, sent: np.ndarray) -> list[bytes]:
         """Per group (hashes, counts) frames of the appends that are sent."""
         b, frames = self.batch, []
+        if not (len(b.append_hashes) or len(b.append_hash_counts)):
+            return [P.EMPTY, P.EMPTY] * self.G
         for g in range(self.G):
             if len(b.append_hashes) > g and len(b.append_hash_counts) > g:
                 hs = P.hashes_frame(b.append_hashes[g], self.core.hash_width)
@@ -191,7 +193,8 @@ class StepMessage:
             if ant_a.shape[0] != num_appends:
                 raise InvalidArgument("append_num_tokens must be an int or have one count per append")
             ant_b = (ant_a if self.app_sent is None else ant_a[self.app_sent]).tobytes()
-        frames = [self.free_rows.tobytes(), fr.tobytes(), tags.tobytes(), app_rows.tobytes(), ant_b]
+        frames = [self.free_rows.tobytes(), fr.tobytes() if forks else P.EMPTY, tags.tobytes() if forks else P.EMPTY,
+                  app_rows.tobytes(), ant_b]
         frames += self._append_hashes(self.app_sent)
         self.adm_local, self.adm_sent, admits = self._judge(list(b.admit), self._admit_one)
         nd = len(admits)
@@ -215,7 +218,7 @@ class StepMessage:
         self.decode_reply = not (len(free_rows) or len(forks) or nd or ant_b) and (
             G == 1 or not any(frames[5:]))
         self.app_rows_b = frames[3]
-        self.fork_children = fr[:, 1].copy()
+        self.fork_children = fr[:, 1].copy() if forks else _EMPTY_I32
         self.admit_rows_sent = adm[:, 0].astype(np.int32)
         self.counts = (len(free_rows), len(forks), na, nd)
         return P.STEP, fields, frames, self.post, self.undo

@@ -408,6 +408,12 @@ def frame_hashes(buf: bytes, name: str = "hashes", max_n: int | None = None,
     return frame_array(buf, dtype, None, name, max_n)
 
 
+_NONE_I16 = np.empty(0, I16)
+_NONE_I16.flags.writeable = False
+_NONE_I32 = np.empty(0, I32)
+_NONE_I32.flags.writeable = False
+
+
 def split_step_reply(body: bytes, nf: int, nk: int, na: int, nd: int, nc: int, nch: int, nfr: int, ns: int):
     """The step reply's body frame -> (free_st, fork_st, append_st, admit_st, cached, copies,
     changed, freed, sched_rows, sched_start, sched_len) arrays (read-only views, no copy)."""
@@ -418,7 +424,8 @@ def split_step_reply(body: bytes, nf: int, nk: int, na: int, nd: int, nc: int, n
     off = 0
     counts = (nf, nk, na, nd, nd, 2 * nc, nch, nfr, ns, ns, ns)
     for dt, n, size in zip((I16, I16, I16, I16, I32, I32, I32, I32, I32, I32, I32), counts, sizes):
-        out.append(np.frombuffer(body, dt, n, off))
+        # a small step leaves most parts empty: one shared read-only empty array each (no view)
+        out.append(np.frombuffer(body, dt, n, off) if n else (_NONE_I16 if dt is I16 else _NONE_I32))
         off += size
     out[5] = out[5].reshape(nc, 2)
     return out
