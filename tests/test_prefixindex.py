@@ -172,3 +172,30 @@ def test_the_index_agrees_with_a_dict_model(program):
             lead = want.index(NOT_FOUND) if NOT_FOUND in want else len(want)
             assert index.run(k, probe).tolist() == want[:lead]
             assert index.size_of(k) == sum(1 for (kk, _) in model if kk == k)
+
+
+def test_the_plain_python_loops_agree_with_the_compiled_ones():
+    """Without numba (the base install) the same loops run as Python over numpy arrays, which
+    check every index: a scratch array one word too small fails here, not only in a compiled run."""
+    import subprocess
+    import sys
+
+    script = r"""
+import numpy as np
+from kvd.prefixindex import PrefixIndex, NOT_FOUND
+bh = np.zeros(40, "S16"); ck = np.zeros(40, np.uint16)
+index = PrefixIndex(bh, ck)
+h = np.array([bytes([i]) * 16 for i in range(1, 13)], "S16")
+assert index.insert_new(3, h[:8], np.arange(1, 9, dtype=np.int32)) == -1
+assert index.find(3, h[:8]).tolist() == list(range(1, 9))  # as many hashes as the scratch has tags
+assert index.insert_new(3, h[7:], np.arange(9, 14, dtype=np.int32)) == 0  # h[7] is held: nothing stored
+assert index.find(3, h).tolist() == list(range(1, 9)) + [NOT_FOUND] * 4
+assert index.run(3, h[2:]).tolist() == list(range(3, 9))
+index.remove(np.array([2, 5], np.int32)); ck[[2, 5]] = 0
+assert index.find(3, h[:6]).tolist() == [1, NOT_FOUND, 3, 4, NOT_FOUND, 6]
+index.check()
+print("ok")
+"""
+    env = {**__import__("os").environ, "NUMBA_DISABLE_JIT": "1"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
