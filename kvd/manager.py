@@ -1798,6 +1798,25 @@ class BlockManager:
             tick=self.tick,
         )
 
+    def decode_rows(self, rows: np.ndarray, n_new: int, lookahead: int = 0):
+        """The daemon's plain decode step, without a ``StepBatch`` or a ``StepResult``: every
+        request of ``rows`` (manager rows, int32) appends ``n_new`` tokens (an int) with
+        ``lookahead`` slots and registers nothing. Returns (their sizes before, int64, a view of
+        scratch valid until the next append; the rows whose tables changed, a new array; the
+        copy-on-write copies), or None, having changed nothing, whenever anything is unusual
+        (misuse, no space, another configuration): ``step`` then decides request by request.
+        Like a decode ``step`` it may run before the deferred prefix-cache work (it reads no cache)."""
+        if not self._simple or not rows.size or type(n_new) is not int or type(lookahead) is not int:
+            return None
+        copies_before = len(self._copies)
+        fast = self._append_fast(rows, n_new, self._empty_hashes, None, lookahead)
+        if fast is None:
+            return None
+        self.tick += 1  # (the appends read no tick: registering nothing, they defer nothing)
+        old, grown = fast
+        self._debug_check()
+        return old, grown.copy(), self._copies_since(copies_before)
+
     def _step_append_sizes(self, batch: StepBatch):
         """Validated append inputs, before anything is applied: (token counts: one int for all or
         an int64 array, rows or None when the appends are named by id and must be resolved after

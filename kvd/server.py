@@ -246,6 +246,7 @@ class Daemon:
         # a window; the numpy path does the rest, and everything without numba.
         self._compiled_publish = rowloops.HAVE_NUMBA and self.G == 1 and not self.windowed[0]
         self._srows_buf = np.empty(self.max_reqs, np.int32)
+        self._lens: dict[tuple[int, int], np.ndarray] = {}  # _uniform_lens
         # the largest value of each admission column (kvd.protocol ADMIT_COLS): row, tokens, lookahead,
         # priority, encoder tokens, max new tokens
         self._admit_max_list = [self.max_reqs - 1, P.MAX_COUNT, P.MAX_COUNT, 100, P.MAX_COUNT, P.MAX_COUNT]
@@ -870,6 +871,7 @@ class Daemon:
         if na * an > self.max_tokens:
             raise InvalidArgument(f"{na * an} append tokens > max_num_batched_tokens {self.max_tokens}")
         mrows = self._mapped_rows(sess, rows_b, "append rows", na)
+        batch = None
         if hashes_b or counts_b:
             hs = P.frame_hashes(hashes_b, "append hashes", na * (self.max_model_len // self.block_sizes[0] + 1), dtype=self.hash_dtype)
             if not counts_b:
@@ -881,24 +883,41 @@ class Daemon:
                 batch.append_token_ids = (self._token_frame(tokens_b, "append token ids", na * self.max_model_len),)
         elif tokens_b:
             raise ProtocolError("append token ids without hashes")
-        else:
-            batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la)
         if c != P.NO_CONFIRM and sess.writer:
             self.manager.mark_computed(sess.writer, c)
-        res = self.manager.step(batch, namespace=sess.namespace, writer=sess.writer)
-        changed = self._sync_rows(sess, res.changed_rows, full=res.copies.size > 0)
-        nt = self._write_slots(sess, res.sched_rows, res.sched_start, res.sched_len, uniform=an)
+        m = self.manager
+        fast = m.decode_rows(mrows, an, la) if batch is None else None
+        if fast is not None:  # the usual step: every request appended
+            old, grown, copies = fast
+            tick, status_b, sched_rows, lens = m.tick, bytes(2 * na), mrows, self._uniform_lens(na, an)
+            sched_start = old.astype(np.int32)
+        else:
+            res = m.step(batch or StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la),
+                         namespace=sess.namespace, writer=sess.writer)
+            grown, copies, tick = res.changed_rows, res.copies, res.tick
+            status_b = res.append_status.astype(P.I16, copy=False).tobytes()
+            sched_rows, lens = res.sched_rows, res.sched_len
+            sched_start = res.sched_start.astype(np.int32, copy=False)
+            if sched_rows.shape[0] != na:
+                self._count_step_no_space(sess, res)
+        changed = self._sync_rows(sess, grown, full=copies.size > 0)
+        nt = self._write_slots(sess, sched_rows, sched_start, lens, uniform=an)
         self.was_step = True
-        copies = res.copies
-        ns = res.sched_rows.shape[0]
-        if ns != na:
-            self._count_step_no_space(sess, res)
-        body = b"".join((res.append_status.astype(P.I16, copy=False).tobytes(),
-                         copies.astype(P.I32, copy=False).tobytes(), changed.tobytes(),
-                         res.sched_start.astype(P.I32, copy=False).tobytes()))
+        ns = sched_rows.shape[0]
+        body = b"".join((status_b, copies.astype(P.I32, copy=False).tobytes(), changed.tobytes(), sched_start.tobytes()))
         if binary:
-            return [P.decode_reply(seq, self.epoch_b, res.tick, len(copies), len(changed), ns, nt), body]
-        return [P.ok_reply(seq, self.epoch, t=res.tick, nt=nt, nc=len(copies), nch=len(changed), nfr=0, ns=ns), body]
+            return [P.decode_reply(seq, self.epoch_b, tick, len(copies), len(changed), ns, nt), body]
+        return [P.ok_reply(seq, self.epoch, t=tick, nt=nt, nc=len(copies), nch=len(changed), nfr=0, ns=ns), body]
+
+    def _uniform_lens(self, n: int, value: int) -> np.ndarray:
+        """An int32 array of ``n`` times ``value`` (a decode step's token counts), kept per shape:
+        callers only read it."""
+        a = self._lens.get((n, value))
+        if a is None:
+            if len(self._lens) > 64:
+                self._lens.clear()
+            a = self._lens[(n, value)] = np.full(n, value, np.int32)
+        return a
 
     def _step_token_ids(self, frames: list[bytes], nd: int, na: int):
         """A step's optional token-id frames (kvd.protocol): per admission its ids (or None when

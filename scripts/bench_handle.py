@@ -86,15 +86,18 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed)
     d = Daemon(_config(args))
     manager_s = []
-    real_step = M.BlockManager.step
+    real = {name: getattr(M.BlockManager, name) for name in ("step", "decode_rows")}  # the daemon's two entries
 
-    def timed_step(self, *a, **k):
-        t0 = time.perf_counter()
-        out = real_step(self, *a, **k)
-        manager_s.append(time.perf_counter() - t0)
-        return out
+    def timed(fn):
+        def call(self, *a, **k):
+            t0 = time.perf_counter()
+            out = fn(self, *a, **k)
+            manager_s.append(time.perf_counter() - t0)
+            return out
+        return call
 
-    M.BlockManager.step = timed_step
+    for name, fn in real.items():
+        setattr(M.BlockManager, name, timed(fn))
     c = _InProc(d)
     system = rng.integers(1, 32000, args.system)
     order: list[int] = []
@@ -157,7 +160,8 @@ def main(argv=None) -> int:
     checks["shared_admissions_hit_the_system_prompt"] = bool(shared_hits) and set(shared_hits) == {whole}
     for s in list(d.sessions.values()):
         d.end_session(s, "bench done")
-    M.BlockManager.step = real_step
+    for name, fn in real.items():
+        setattr(M.BlockManager, name, fn)
     print(f"R={args.requests} P={args.prompt} S={args.system}, median of {args.steps} steps (µs):")
     print(f"{'step':8s} {'client.step':>12s} {'handle':>8s} {'manager':>8s} {'daemon glue':>12s} {'client glue':>12s}")
     for kind, f in figures.items():

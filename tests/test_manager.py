@@ -407,3 +407,37 @@ def test_an_admissions_only_step_schedules_each_admitted_request_from_its_cached
     assert res.sched_start.tolist() == [32, 0] + [0] * extra  # "hit" found 2 whole blocks of "a"
     assert res.sched_len.tolist() == [8, 21] + [3] * extra
     assert res.sched_rows.dtype == res.sched_start.dtype == res.sched_len.dtype == np.int32
+
+
+def test_decode_rows_is_a_decode_step_without_the_batch_and_result_objects():
+    def fresh():
+        m = make(num_blocks=16)
+        m.allocate("a", 16)  # a full block: its next token takes a new one
+        m.allocate("b", 5)
+        m.fork("b", "c")  # b and c share a partial block: the first writer copies it
+        return m
+
+    via_step, direct = fresh(), fresh()
+    rows = via_step.rows_of(["a", "b", "c"])
+    res = via_step.step(StepBatch(append_rows=rows, append_num_tokens=2))
+    old, grown, copies = direct.decode_rows(direct.rows_of(["a", "b", "c"]), 2)
+    assert old.tolist() == res.sched_start.tolist() == [16, 5, 5]
+    assert grown.tolist() == res.changed_rows.tolist() == direct.rows_of(["a", "b"]).tolist()  # a grew, b copied
+    assert copies.tolist() == res.copies.tolist() == [[2, 4]]  # b copies the block it shares with c
+    assert direct.tick == via_step.tick
+    assert snapshot(direct) == snapshot(via_step)
+    direct.check_invariants(heavy=True)
+
+
+def test_decode_rows_declines_unusual_steps_and_changes_nothing():
+    m = make(num_blocks=3)
+    m.allocate("a", 16)
+    m.allocate("b", 16)  # both full: the next token of each needs a block, one is left
+    rows = m.rows_of(["a", "b"])
+    before, tick = snapshot(m), m.tick
+    assert m.decode_rows(rows, 1) is None  # no space for both: step decides request by request
+    assert m.decode_rows(rows[:0], 1) is None  # nothing to append
+    assert m.decode_rows(rows, np.int64(1)) is None  # a count that is not an int
+    assert m.decode_rows(rows, 1, lookahead=10**6) is None  # past max lookahead: step raises
+    assert m.decode_rows(rows.astype(np.int64), 1) is None  # not the int32 rows of the daemon
+    assert snapshot(m) == before and m.tick == tick
