@@ -361,6 +361,15 @@ class ManagerMachine(RuleBasedStateMachine):
             flat.append(h)
             counts.append(h.size)
         rows = self.mgr.rows_of(chosen)
+        if data.draw(st.booleans()) and not any(counts):  # the daemon's plain decode entry
+            fast = self.mgr.decode_rows(rows, k)
+            if fast is not None:  # (declined: nothing changed, and the step below decides)
+                assert self.model.append_batch(chosen, k, 0, [[] for _ in chosen]) == [STATUS_OK] * len(chosen)
+                assert fast[0].tolist() == [self.model.reqs[r]["tokens"] - k for r in chosen]
+                assert fast[2].tolist() == self.model.copies
+                self.model.copies = []
+                self.mgr.take_copies()
+                return
         res = self.mgr.step(StepBatch(append_rows=rows, append_num_tokens=k,
                                       append_hashes=(np.concatenate(flat),), append_hash_counts=(np.array(counts),)))
         expected = self.model.append_batch(chosen, k, 0, [h.tolist() for h in flat])
