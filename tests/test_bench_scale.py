@@ -8,6 +8,7 @@ The vLLM column is checked where vLLM is installed, and its n/a path with a vLLM
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import json
 import math
@@ -116,7 +117,9 @@ def test_scale_without_vllm_says_why(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_scale_failure_still_ends_with_the_json_line():
+    before = set(glob.glob("/tmp/kvdb*"))
     p, report = _run([*TINY, "--scale", "8", "--no-vllm", "--daemon-arg=--no-such-option"])
+    assert set(glob.glob("/tmp/kvdb*")) <= before  # the failed daemon's runtime directory is gone too
     assert p.returncode == 1
     assert report["ok"] is False and report["table"] == {} and "daemon exited with 2" in report["error"]
     assert report["vllm"] == {"available": False, "why": "disabled (--no-vllm)"}

@@ -215,6 +215,15 @@ class DaemonProcess:
         return self.proc.pid
 
     def start(self, timeout: float = 60.0) -> "DaemonProcess":
+        """Start the daemon and wait for its socket; a daemon that exits or never gets ready is
+        stopped and its directory removed before the error (with its log's tail) is raised."""
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> "DaemonProcess":
         env = dict(os.environ)
         env["PYTHONPATH"] = str(_PKG_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         for k in list(env):
