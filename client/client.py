@@ -683,11 +683,9 @@ class _Core:
         self._ctx.term()
 
 
-_EMPTY_I16_RO = np.empty(0, np.int16)
-_EMPTY_I32_RO = np.empty(0, np.int32)
+_EMPTY_I16_RO, _EMPTY_I32_RO = P.EMPTY_I16_RO, P.EMPTY_I32_RO
 _EMPTY_COPIES = np.empty((0, 2), np.int32)
-for _a in (_EMPTY_I16_RO, _EMPTY_I32_RO, _EMPTY_COPIES):
-    _a.flags.writeable = False
+_EMPTY_COPIES.flags.writeable = False
 
 
 DEFAULT_BUSY_POLL_US = 1000

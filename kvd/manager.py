@@ -68,9 +68,9 @@ from kvd.runs import NO_PARENT, Runs
 
 _EMPTY_I32 = np.empty(0, np.int32)
 _EMPTY_I64 = np.empty(0, np.int64)
-_FEW_ADMITS = 4  # a step admitting at most this many (and nothing else) is scheduled over scalars
 _EMPTY_I16 = np.empty(0, np.int16)
 _EMPTY_COPIES = np.empty((0, 2), np.int32)
+_FEW_ADMITS = 4  # a step admitting at most this many (and nothing else) is scheduled over scalars
 
 
 _NO_REQ_ID = object()

@@ -271,11 +271,8 @@ class BlockPool:
         if rowloops.HAVE_NUMBA and blocks.dtype == np.int32:  # an admission's hits: one loop
             n = rowloops.hold_blocks(blocks, self.ref_cnt, self.queue_pos, self.evict_prio, self._per_prio)
             if n:
-                per = self._per_prio
-                for prio in np.flatnonzero(per).tolist():
-                    self._queues[prio].live -= int(per[prio])
-                per[:] = 0
-                self._num_evictable -= n
+                self._left_queues(self._per_prio, n)
+                self._per_prio[:] = 0
             return
         self._dequeue(blocks[self.ref_cnt[blocks] == 0])
         self.ref_cnt[blocks] += 1
@@ -290,10 +287,13 @@ class BlockPool:
         """Take free cached blocks out of their eviction queues (tombstones: O(1) each)."""
         if free.size:
             self.queue_pos[free] = -1
-            counts = np.bincount(self.evict_prio[free])  # np.unique sorts: ~5x the cost here
-            for prio in np.flatnonzero(counts).tolist():
-                self._queues[prio].live -= int(counts[prio])
-            self._num_evictable -= free.size
+            self._left_queues(np.bincount(self.evict_prio[free]), free.size)  # np.unique sorts: ~5x the cost
+
+    def _left_queues(self, per_prio: np.ndarray, n: int) -> None:
+        """``n`` blocks left the eviction queues (tombstoned), ``per_prio[p]`` of them priority ``p``'s."""
+        for prio in np.flatnonzero(per_prio).tolist():
+            self._queues[prio].live -= int(per_prio[prio])
+        self._num_evictable -= n
 
     def incref(self, blocks: np.ndarray) -> None:
         """Another holder of blocks already in use (fork, shared swap copy); ids may repeat."""

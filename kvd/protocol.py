@@ -408,10 +408,12 @@ def frame_hashes(buf: bytes, name: str = "hashes", max_n: int | None = None,
     return frame_array(buf, dtype, None, name, max_n)
 
 
-_NONE_I16 = np.empty(0, I16)
-_NONE_I16.flags.writeable = False
-_NONE_I32 = np.empty(0, I32)
-_NONE_I32.flags.writeable = False
+EMPTY_I16_RO = np.empty(0, I16)
+"""The one read-only empty int16 array of a reply's absent parts (client and ``split_step_reply``)."""
+EMPTY_I32_RO = np.empty(0, I32)
+"""The one read-only empty int32 array of a reply's absent parts."""
+EMPTY_I16_RO.flags.writeable = False
+EMPTY_I32_RO.flags.writeable = False
 
 
 def split_step_reply(body: bytes, nf: int, nk: int, na: int, nd: int, nc: int, nch: int, nfr: int, ns: int):
@@ -425,7 +427,7 @@ def split_step_reply(body: bytes, nf: int, nk: int, na: int, nd: int, nc: int, n
     counts = (nf, nk, na, nd, nd, 2 * nc, nch, nfr, ns, ns, ns)
     for dt, n, size in zip((I16, I16, I16, I16, I32, I32, I32, I32, I32, I32, I32), counts, sizes):
         # a small step leaves most parts empty: one shared read-only empty array each (no view)
-        out.append(np.frombuffer(body, dt, n, off) if n else (_NONE_I16 if dt is I16 else _NONE_I32))
+        out.append(np.frombuffer(body, dt, n, off) if n else (EMPTY_I16_RO if dt is I16 else EMPTY_I32_RO))
         off += size
     out[5] = out[5].reshape(nc, 2)
     return out

@@ -246,7 +246,6 @@ class Daemon:
         # a window; the numpy path does the rest, and everything without numba.
         self._compiled_publish = rowloops.HAVE_NUMBA and self.G == 1 and not self.windowed[0]
         self._srows_buf = np.empty(self.max_reqs, np.int32)
-        self._lens: dict[tuple[int, int], np.ndarray] = {}  # _uniform_lens
         # the largest value of each admission column (kvd.protocol ADMIT_COLS): row, tokens, lookahead,
         # priority, encoder tokens, max new tokens
         self._admit_max_list = [self.max_reqs - 1, P.MAX_COUNT, P.MAX_COUNT, 100, P.MAX_COUNT, P.MAX_COUNT]
@@ -889,11 +888,12 @@ class Daemon:
         fast = m.decode_rows(mrows, an, la) if batch is None else None
         if fast is not None:  # the usual step: every request appended
             old, grown, copies = fast
-            tick, status_b, sched_rows, lens = m.tick, bytes(2 * na), mrows, self._uniform_lens(na, an)
+            tick, status_b, sched_rows, lens = m.tick, bytes(2 * na), mrows, np.full(na, an, np.int32)
             sched_start = old.astype(np.int32)
         else:
-            res = m.step(batch or StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la),
-                         namespace=sess.namespace, writer=sess.writer)
+            if batch is None:  # declined: the manager decides request by request
+                batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la)
+            res = m.step(batch, namespace=sess.namespace, writer=sess.writer)
             grown, copies, tick = res.changed_rows, res.copies, res.tick
             status_b = res.append_status.astype(P.I16, copy=False).tobytes()
             sched_rows, lens = res.sched_rows, res.sched_len
@@ -908,16 +908,6 @@ class Daemon:
         if binary:
             return [P.decode_reply(seq, self.epoch_b, tick, len(copies), len(changed), ns, nt), body]
         return [P.ok_reply(seq, self.epoch, t=tick, nt=nt, nc=len(copies), nch=len(changed), nfr=0, ns=ns), body]
-
-    def _uniform_lens(self, n: int, value: int) -> np.ndarray:
-        """An int32 array of ``n`` times ``value`` (a decode step's token counts), kept per shape:
-        callers only read it."""
-        a = self._lens.get((n, value))
-        if a is None:
-            if len(self._lens) > 64:
-                self._lens.clear()
-            a = self._lens[(n, value)] = np.full(n, value, np.int32)
-        return a
 
     def _step_token_ids(self, frames: list[bytes], nd: int, na: int):
         """A step's optional token-id frames (kvd.protocol): per admission its ids (or None when
