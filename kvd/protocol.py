@@ -185,7 +185,9 @@ goodbye    frees every request of the session, unlinks its shared memory; reply:
 from __future__ import annotations
 
 import itertools
+import os
 import struct
+import time
 from typing import Any
 
 import numpy as np
@@ -487,6 +489,16 @@ def has_input(sock) -> bool:
     if _cget is None:
         return bool(sock.getsockopt(_EVENTS) & _POLLIN)
     return bool(_cget(sock, _EVENTS) & _POLLIN)
+
+
+def busy_poll(sock, seconds: float) -> None:
+    """Wait up to ``seconds`` for a whole message by polling ``has_input``, yielding the CPU each
+    turn: a thread that sleeps in recv pays the wake-up (tens to hundreds of µs on a cloud host)
+    on every message. The caller then receives (blocking, should the time have run out)."""
+    end = time.perf_counter() + seconds
+    pc, yield_cpu = time.perf_counter, os.sched_yield
+    while not has_input(sock) and pc() < end:
+        yield_cpu()
 
 
 def send_frames(sock, frames: list, flags: int = 0) -> None:

@@ -80,6 +80,11 @@ def test_standard_workload_two_clients_with_baselines():
     # system prompt (2 blocks); no client can hit blocks another engine has not yet written
     assert report["results"]["2"]["expected_prefix_hit_tokens"] == 2 * (4 - 1) * 32
     assert report["floor"]["echo_p50_us"] > 0 and report["inproc"]["inproc_step_p50_us"] > 0
+    # the floor waits as the clients and the daemon do (their defaults here); the sleeping echo beside it
+    from kvd_client.client import default_busy_poll_us
+    assert report["floor"]["echo_client_poll_us"] == default_busy_poll_us()
+    assert report["floor"]["echo_server_poll_us"] == 5000
+    assert report["floor"]["echo_sleeping_p50_us"] > 0
     assert set(report["ratios"]) == {"c1_step_p50_over_inproc", "c1_step_p50_over_echo", "c1_extra_us",
                                      "c2_step_p50_over_inproc", "c2_step_p50_over_echo", "c2_extra_us",
                                      "c2_steps_per_s_over_echo_c2"}
@@ -136,3 +141,20 @@ def test_a_killed_client_fails_the_run_at_once():
             bench.communicate()
     assert bench.returncode == 1 and "a client failed" in err, err[-2000:]
     assert _children(os.getpid()) == []
+
+
+def test_the_echo_floor_waits_as_the_client_and_the_daemon_do(monkeypatch):
+    from types import SimpleNamespace
+
+    import kvd_client.client as C
+    from kvd.bench.zmq_bench import floor_polls
+
+    monkeypatch.setattr(C.os, "sched_getaffinity", lambda pid: {0, 1})
+    args = SimpleNamespace(client_busy_poll_us=None, daemon_arg=[])
+    assert floor_polls(args) == (0.001, 0.005)  # the Client's default on 2 CPUs, the daemon's config default
+    monkeypatch.setattr(C.os, "sched_getaffinity", lambda pid: {0})
+    assert floor_polls(args) == (0.0, 0.005)
+    args = SimpleNamespace(client_busy_poll_us=250, daemon_arg=["--log-level", "info", "--busy-poll-us=0"])
+    assert floor_polls(args) == (0.00025, 0.0)
+    args = SimpleNamespace(client_busy_poll_us=0, daemon_arg=["--busy-poll-us", "2000"])
+    assert floor_polls(args) == (0.0, 0.002)

@@ -258,7 +258,7 @@ def test_two_kv_groups_are_served_like_the_in_process_manager(daemon_factory):
         c.close()
 
 
-@pytest.mark.parametrize("cpus, poll_s", [(2, 0.0), (8, 0.001)])
+@pytest.mark.parametrize("cpus, poll_s", [(1, 0.0), (2, 0.001), (8, 0.001)])
 def test_the_default_busy_poll_depends_on_the_cpus_the_engine_may_run_on(daemon, monkeypatch, cpus, poll_s):
     import kvd_client.client as C
 

@@ -85,3 +85,27 @@ def test_within_checks_every_value_against_one_bound_or_one_per_column_at_any_si
     assert P.within(big, 0, [2, 9]) and not P.within(big, 0, [2, 8]) and P.within(-big, -9, [0, 0])
     assert P.within(np.arange(100), 0, 99) and not P.within(np.arange(100), 1, 99)
     assert P.within(cols, 0, 9) and not P.within(cols, 0, 8)  # one bound for every column
+
+
+def test_busy_poll_returns_once_a_whole_message_waits_else_after_its_time():
+    import time
+
+    import zmq
+
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://busy-poll")
+        b.connect("inproc://busy-poll")
+        t = time.perf_counter()
+        P.busy_poll(b, 0.02)  # nothing comes: it polls the whole time, then returns
+        assert time.perf_counter() - t >= 0.02 and not P.has_input(b)
+        P.send_frames(a, [b"x", b"yz"])
+        t = time.perf_counter()
+        P.busy_poll(b, 5.0)
+        assert time.perf_counter() - t < 1.0 and P.has_input(b)
+        assert P.recv_frames(b) == [b"x", b"yz"]
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()

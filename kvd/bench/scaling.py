@@ -6,7 +6,9 @@ docs/WORKLOAD.md, as the other flags say) a daemon with a pool scaled to R (``--
 of, back to back:
 
   daemon    the decode step round trip of 1 client through that daemon (``zmq_bench.run_clients``);
-  echo      a bare ZeroMQ echo of the same step's message sizes (``zmq_bench.run_floor``);
+  echo      a bare ZeroMQ echo of the same step's message sizes (``zmq_bench.run_floor``), waiting as
+            kvd's client and daemon do (polling where they poll); the echo with both sides sleeping
+            in recv is in the JSON (``echo_sleeping_p50_us``) and the table;
   in-proc   kvd's BlockManager in this process, step + slot mapping (``zmq_bench.run_inproc``);
   vLLM      vLLM 0.33.0's KVCacheManager driven like its Scheduler (``kvd.bench.vllm_peer``, in its
             own process); n/a, with the reason in the JSON, when vLLM is not importable or --no-vllm.
@@ -124,6 +126,7 @@ def _row(reps: list[dict], blocks: int, vllm_ran: bool) -> dict:
         "daemon_p99_us": _median(x["decode_step_p99_us"] for x in d),
         "echo_p50_us": _median(x["echo_p50_us"] for x in e),
         "echo_p99_us": _median(x["echo_p99_us"] for x in e),
+        "echo_sleeping_p50_us": _median(x["echo_sleeping_p50_us"] for x in e),
         "vllm_p50_us": _median(x["step_p50_us"] for x in v) if vllm_ran else None,
         "vllm_p99_us": _median(x["step_p99_us"] for x in v) if vllm_ran else None,
         "vllm_schedule_p50_us": _median(x["schedule_p50_us"] for x in v) if vllm_ran else None,
@@ -224,7 +227,7 @@ def _x(v) -> str:
 
 def markdown(table: dict) -> str:
     """The table as Markdown (what the README shows)."""
-    head = ["R", "kvd in-process p50 / p99 µs", "kvd daemon p50 / p99 µs", "zmq echo p50 / p99 µs",
+    head = ["R", "kvd in-process p50 / p99 µs", "kvd daemon p50 / p99 µs", "zmq echo p50 / p99 µs (sleeping p50)",
             "vLLM p50 / p99 µs", "daemon / in-process", "extra µs (target)", "vLLM / kvd in-process",
             "vLLM / daemon"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
@@ -233,7 +236,7 @@ def markdown(table: dict) -> str:
         lines.append(
             f"| {int(R):,} | {_us(r['inproc_p50_us'])} / {_us(r['inproc_p99_us'])} "
             f"| {_us(r['daemon_p50_us'])} / {_us(r['daemon_p99_us'])} "
-            f"| {_us(r['echo_p50_us'])} / {_us(r['echo_p99_us'])} "
+            f"| {_us(r['echo_p50_us'])} / {_us(r['echo_p99_us'])} ({_us(r['echo_sleeping_p50_us'])}) "
             f"| {_us(r['vllm_p50_us'])} / {_us(r['vllm_p99_us'])} | {_x(r['daemon_over_inproc'])} "
             f"| {_us(r['extra_us'])} ({_us(r['extra_budget_us'])}: {ok}) | {_x(r['vllm_over_inproc'])} "
             f"| {_x(r['vllm_over_daemon'])} |")

@@ -21,7 +21,9 @@ p99.9, max) per client, aggregate steps/s and appended tokens/s, the daemon's CP
 
 Baselines measured in the same run on the same machine, for honest ratios:
   --floor   a bare ZeroMQ echo (DEALER/ROUTER over ipc) of the decode step's message sizes between
-            two processes (the transport's floor);
+            two processes (the transport's floor), its client and server waiting for messages as
+            kvd's client and daemon do (polling where they poll); also with both sides sleeping in
+            recv (``echo_sleeping_*``), the floor of the earlier sessions;
   --inproc  the in-process BlockManager on the same workload (step + slot mapping, no sockets).
 
 ``--scale [R,R,...]``: the scaling table of issue 13 (kvd in process, through the daemon, the echo
@@ -772,7 +774,10 @@ def run_clients(args, spec: WorkloadSpec, endpoint: str, daemon_pid: int | None,
 
 # ---- baselines ----------------------------------------------------------------------------------
 
-def _echo_server(endpoint: str, reply_sizes: list[int], ready) -> None:
+def _echo_server(endpoint: str, reply_sizes: list[int], ready, poll_s: float = 0.0) -> None:
+    """Replies to every message with frames of ``reply_sizes``; after replying to a message whose
+    first frame starts with ``POLLED`` it polls ``poll_s`` for the next one as the daemon does
+    (``busy_poll_us``), else it sleeps in recv."""
     import zmq
 
     from kvd import protocol as P
@@ -784,16 +789,40 @@ def _echo_server(endpoint: str, reply_sizes: list[int], ready) -> None:
     s.bind(endpoint)
     ready.set()
     reply = [b"x" * n for n in reply_sizes]
-    recv, send = P.recv_frames, P.send_frames
+    recv, send, busy_poll = P.recv_frames, P.send_frames, P.busy_poll
     try:
         while True:
             msg = recv(s)
             send(s, [msg[0], *reply])
             if msg[1] == b"stop":
                 break
+            if poll_s and msg[1][:1] == POLLED:
+                busy_poll(s, poll_s)
     finally:
         s.close(0)
         ctx.term()
+
+
+POLLED = b"p"  # an echo request's first byte: the server polls for the next one (else "h": it sleeps)
+
+
+def floor_polls(args) -> tuple[float, float]:
+    """(client, server) busy-poll seconds of the echo that waits as kvd does: the clients'
+    ``busy_poll_us`` (``--client-busy-poll-us``, else the Client's default on this machine) and the
+    daemon's (``--daemon-arg --busy-poll-us=N``, else its config default; a daemon given by
+    ``--endpoint`` is taken to have the default)."""
+    from kvd.config import ServeConfig
+    from kvd_client.client import default_busy_poll_us
+
+    client_us = args.client_busy_poll_us if args.client_busy_poll_us is not None else default_busy_poll_us()
+    server_us = ServeConfig.busy_poll_us
+    daemon_args = list(getattr(args, "daemon_arg", []) or [])
+    for i, a in enumerate(daemon_args):
+        if a.startswith("--busy-poll-us="):
+            server_us = int(a.split("=", 1)[1])
+        elif a == "--busy-poll-us" and i + 1 < len(daemon_args):
+            server_us = int(daemon_args[i + 1])
+    return client_us / 1e6, server_us / 1e6
 
 
 def decode_message_sizes(spec: WorkloadSpec) -> tuple[list[int], list[int]]:
@@ -809,37 +838,49 @@ def decode_message_sizes(spec: WorkloadSpec) -> tuple[list[int], list[int]]:
 
 
 def run_floor(args, spec: WorkloadSpec, iters: int) -> dict:
-    """A bare ZeroMQ DEALER/ROUTER echo over ipc of the decode step's message sizes."""
+    """A bare ZeroMQ DEALER/ROUTER echo over ipc of the decode step's message sizes, measured two
+    ways in alternating chunks: waiting as kvd does (``echo_*``: the client polls as the Client
+    does, the server as the daemon does; ``floor_polls``), the floor the daemon's extra cost is
+    measured against, and with both sides sleeping in recv (``echo_sleeping_*``)."""
     import zmq
 
     from kvd import protocol as P
 
+    client_poll_s, server_poll_s = floor_polls(args)
     req_sizes, rep_sizes = decode_message_sizes(spec)
     d = tempfile.mkdtemp(prefix="kvde", dir="/tmp")
     endpoint = "ipc://" + os.path.join(d, "echo.sock")
     ctx_mp = mp.get_context("spawn")
     ready = ctx_mp.Event()
-    proc = ctx_mp.Process(target=_echo_server, args=(endpoint, rep_sizes, ready), daemon=True)
+    proc = ctx_mp.Process(target=_echo_server, args=(endpoint, rep_sizes, ready, server_poll_s), daemon=True)
     proc.start()
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    polled, sleeping = np.empty(iters), np.empty(iters)
     try:
         if not ready.wait(60):
             raise RuntimeError("echo server did not start")
         s.connect(endpoint)
-        msg = [b"h" * req_sizes[0]] + [b"\0" * n for n in req_sizes[1:]]
-        send, recv = P.send_frames, P.recv_frames
-        for _ in range(200):
-            send(s, msg)
-            recv(s)
-        lat = np.empty(iters)
-        pc = time.perf_counter
-        for i in range(iters):
-            t0 = pc()
-            send(s, msg)
-            recv(s)
-            lat[i] = pc() - t0
+        body = [b"\0" * n for n in req_sizes[1:]]
+        msgs = {True: [POLLED * req_sizes[0], *body], False: [b"h" * req_sizes[0], *body]}
+        send, recv, busy_poll, pc = P.send_frames, P.recv_frames, P.busy_poll, time.perf_counter
+        chunk = max(iters // 6, 1)
+        for start in range(0, iters, chunk):
+            for poll, lat in ((True, polled), (False, sleeping)):
+                msg, wait_s = msgs[poll], client_poll_s if poll else 0.0
+                for _ in range(50):  # the other mode's state (the server's poll) is left behind
+                    send(s, msg)
+                    if wait_s:
+                        busy_poll(s, wait_s)
+                    recv(s)
+                for i in range(start, min(start + chunk, iters)):
+                    t0 = pc()
+                    send(s, msg)
+                    if wait_s:
+                        busy_poll(s, wait_s)
+                    recv(s)
+                    lat[i] = pc() - t0
         send(s, [b"stop"])
         if s.poll(5000):  # the server closes with LINGER 0 right after replying: the reply may be lost
             recv(s)
@@ -851,13 +892,16 @@ def run_floor(args, spec: WorkloadSpec, iters: int) -> dict:
             proc.terminate()
             proc.join(5)
         shutil.rmtree(d, ignore_errors=True)
-    p = pcts_us(lat)
+    p, q = pcts_us(polled), pcts_us(sleeping)
     return {"echo_p50_us": p["p50"], "echo_p99_us": p["p99"], "echo_p999_us": p["p99.9"], "echo_max_us": p["max"],
+            "echo_sleeping_p50_us": q["p50"], "echo_sleeping_p99_us": q["p99"],
+            "echo_client_poll_us": round(client_poll_s * 1e6), "echo_server_poll_us": round(server_poll_s * 1e6),
             "echo_request_bytes": sum(req_sizes), "echo_reply_bytes": sum(rep_sizes), "echo_iters": iters,
-            "_samples": lat}
+            "_samples": polled}
 
 
-def _echo_client(endpoint: str, req_sizes: list[int], iters: int, barrier, results, index: int) -> None:
+def _echo_client(endpoint: str, req_sizes: list[int], iters: int, barrier, results, index: int,
+                 poll_s: float = 0.0) -> None:
     import zmq
 
     from kvd import protocol as P
@@ -868,10 +912,12 @@ def _echo_client(endpoint: str, req_sizes: list[int], iters: int, barrier, resul
     s.setsockopt(zmq.LINGER, 0)
     try:
         s.connect(endpoint)
-        msg = [b"h" * req_sizes[0]] + [b"\0" * n for n in req_sizes[1:]]
-        send, recv, pc = P.send_frames, P.recv_frames, time.perf_counter
+        msg = [POLLED * req_sizes[0]] + [b"\0" * n for n in req_sizes[1:]]
+        send, recv, busy_poll, pc = P.send_frames, P.recv_frames, P.busy_poll, time.perf_counter
         for _ in range(200):
             send(s, msg)
+            if poll_s:
+                busy_poll(s, poll_s)
             recv(s)
         barrier.wait(60)
         lat = np.empty(iters)
@@ -879,6 +925,8 @@ def _echo_client(endpoint: str, req_sizes: list[int], iters: int, barrier, resul
         for i in range(iters):
             t0 = pc()
             send(s, msg)
+            if poll_s:
+                busy_poll(s, poll_s)
             recv(s)
             lat[i] = pc() - t0
         results[index] = (pc() - t_start, float(np.percentile(lat, 50)), float(np.percentile(lat, 99)))
@@ -887,26 +935,28 @@ def _echo_client(endpoint: str, req_sizes: list[int], iters: int, barrier, resul
         ctx.term()
 
 
-def run_floor_multi(spec: WorkloadSpec, iters: int, nclients: int) -> dict:
+def run_floor_multi(args, spec: WorkloadSpec, iters: int, nclients: int) -> dict:
     """The echo floor with ``nclients`` client processes at once against one echo server: what the
-    transport alone allows N clients in aggregate on this machine."""
+    transport alone allows N clients in aggregate on this machine, waiting as kvd's clients and
+    daemon do (``floor_polls``)."""
     import zmq
 
     from kvd import protocol as P
 
+    client_poll_s, server_poll_s = floor_polls(args)
     req_sizes, rep_sizes = decode_message_sizes(spec)
     d = tempfile.mkdtemp(prefix="kvde", dir="/tmp")
     endpoint = "ipc://" + os.path.join(d, "echo.sock")
     ctx_mp = mp.get_context("spawn")
     ready, barrier = ctx_mp.Event(), ctx_mp.Barrier(nclients)
     results = ctx_mp.Manager().dict()
-    server = ctx_mp.Process(target=_echo_server, args=(endpoint, rep_sizes, ready), daemon=True)
+    server = ctx_mp.Process(target=_echo_server, args=(endpoint, rep_sizes, ready, server_poll_s), daemon=True)
     server.start()
     clients = []
     try:
         if not ready.wait(60):
             raise RuntimeError("echo server did not start")
-        clients = [ctx_mp.Process(target=_echo_client, args=(endpoint, req_sizes, iters, barrier, results, i),
+        clients = [ctx_mp.Process(target=_echo_client, args=(endpoint, req_sizes, iters, barrier, results, i, client_poll_s),
                                   daemon=True) for i in range(nclients)]
         for c in clients:
             c.start()
@@ -1168,7 +1218,7 @@ def main(argv=None) -> int:
                         run_ratios.setdefault(f"c{n}_step_p50_over_echo", []).append(
                             r["decode_step_p50_us"] / floors[-1]["echo_p50_us"])
                         if n > 1:
-                            multi_floors.setdefault(n, []).append(run_floor_multi(spec, args.floor_iters, n))
+                            multi_floors.setdefault(n, []).append(run_floor_multi(args, spec, args.floor_iters, n))
                     if args.inproc:
                         inprocs.append(run_inproc(args, spec))
                         run_ratios.setdefault(f"c{n}_step_p50_over_inproc", []).append(
@@ -1207,7 +1257,8 @@ def main(argv=None) -> int:
                     if str(n) in results:
                         run_ratios[f"c{n}_steps_per_s_over_echo_c{n}"] = [
                             results[str(n)]["decode_steps_per_s"] / report["floor"][f"echo_c{n}_msgs_per_s"]]
-                print_table(f"bare zmq echo (DEALER/ROUTER over ipc, decode step message sizes; median of "
+                print_table(f"bare zmq echo (DEALER/ROUTER over ipc, decode step message sizes, waiting as kvd's "
+                            f"client and daemon do; echo_sleeping_*: both sides sleep in recv; median of "
                             f"{len(floors)}, one after each kvd run)", report["floor"])
             if inprocs:
                 inproc = median_figures(inprocs)
