@@ -455,18 +455,19 @@ def test_systemd_notifications(daemon_factory, short_tmp):
 def test_idle_pacer_sizes_slices_to_the_expected_gap_and_runs_one_per_reply():
     from kvd.pacing import IdlePacer
 
-    gap = 100.5e-6 / IdlePacer.FILL  # slices fill 100.5 µs of it (half a request over: no rounding edge)
-    p = IdlePacer(gap_s=gap, row_s=1e-6)
+    assert IdlePacer.MIN_ROWS == 256
+    gap = 100.55e-6 / IdlePacer.FILL  # slices fill 100.55 µs of it (half a request over: no rounding edge)
+    p = IdlePacer(gap_s=gap, row_s=0.1e-6)
     p.replied(1.0)
-    assert p.rows(1.0 + 10e-6) == 90  # what fits before the next message is due
+    assert p.rows(1.0 + 10e-6) == 905  # what fits before the next message is due
     assert p.rows(1.0 + 95e-6) == IdlePacer.MIN_ROWS  # the slice owed to this reply, however little fits
-    p.ran(40e-6, 20)  # 2 µs a request
-    assert p.row_s == pytest.approx(1e-6 + 1e-6 * IdlePacer.EWMA)
-    assert p.rows(1.0 + 40e-6) == 50  # more only where it fits (60.5 µs at 1.2 µs a request) ...
-    assert p.rows(1.0 + 90e-6) == 0  # ... and where at least MIN_ROWS fit: else wait for the message
+    p.ran(40e-6, 200)  # 0.2 µs a request
+    assert p.row_s == pytest.approx(0.1e-6 + 0.1e-6 * IdlePacer.EWMA)
+    assert p.rows(1.0 + 40e-6) == 504  # more only where it fits (60.55 µs at 0.12 µs a request) ...
+    assert p.rows(1.0 + 80e-6) == 0  # ... and where at least MIN_ROWS fit (171 do): else wait for the message
     assert p.rows(1.0 + 2 * gap + 1e-6) == IdlePacer.IDLE_ROWS  # idle for twice the gap: no client is coming soon
     p.ran(30e-6, 0)  # only confirmations: the cost per request stays
-    assert p.row_s == pytest.approx(1.2e-6)
+    assert p.row_s == pytest.approx(0.12e-6)
     p.arrived(1.0 + 600e-6)
     after = gap + (600e-6 - gap) * IdlePacer.EWMA
     assert p.gap_s == pytest.approx(after)  # the mean gap follows the clients' pace
@@ -479,13 +480,14 @@ def test_idle_pacer_slices_converge_to_the_size_that_fills_the_gap():
     """A slice of k requests costing a + b*k: the slices settle at (FILL * gap - a) / b requests."""
     from kvd.pacing import IdlePacer
 
-    a, b, gap = 15e-6, 0.5e-6, 230e-6
+    a, b, gap = 15e-6, 0.1e-6, 230e-6
     p = IdlePacer(gap_s=gap, row_s=5e-6)
     for i in range(60):
         p.replied(float(i))
         k = p.rows(float(i))
         p.ran(a + b * k, k)
     assert k == pytest.approx((IdlePacer.FILL * gap - a) / b, abs=2)
+    assert k > IdlePacer.MIN_ROWS  # (not held up by the minimum)
 
 
 def test_hello_slots_must_be_a_boolean(daemon):
