@@ -806,6 +806,22 @@ def _echo_server(endpoint: str, reply_sizes: list[int], ready, poll_s: float = 0
 POLLED = b"p"  # an echo request's first byte: the server polls for the next one (else "h": it sleeps)
 
 
+def _echo_round_trip(sock, poll_s: float):
+    """A function that sends a message on ``sock`` and receives the reply, waiting for it as a kvd
+    client does (``poll_s`` of polling first, then a blocking receive)."""
+    from kvd import protocol as P
+
+    send, recv, busy_poll = P.send_frames, P.recv_frames, P.busy_poll
+
+    def trip(msg: list) -> None:
+        send(sock, msg)
+        if poll_s:
+            busy_poll(sock, poll_s)
+        recv(sock)
+
+    return trip
+
+
 def floor_polls(args) -> tuple[float, float]:
     """(client, server) busy-poll seconds of the echo that waits as kvd does: the clients'
     ``busy_poll_us`` (``--client-busy-poll-us``, else the Client's default on this machine) and the
@@ -864,26 +880,21 @@ def run_floor(args, spec: WorkloadSpec, iters: int) -> dict:
         s.connect(endpoint)
         body = [b"\0" * n for n in req_sizes[1:]]
         msgs = {True: [POLLED * req_sizes[0], *body], False: [b"h" * req_sizes[0], *body]}
-        send, recv, busy_poll, pc = P.send_frames, P.recv_frames, P.busy_poll, time.perf_counter
+        trips = {True: _echo_round_trip(s, client_poll_s), False: _echo_round_trip(s, 0.0)}
+        pc = time.perf_counter
         chunk = max(iters // 6, 1)
         for start in range(0, iters, chunk):
             for poll, lat in ((True, polled), (False, sleeping)):
-                msg, wait_s = msgs[poll], client_poll_s if poll else 0.0
+                msg, trip = msgs[poll], trips[poll]
                 for _ in range(50):  # the other mode's state (the server's poll) is left behind
-                    send(s, msg)
-                    if wait_s:
-                        busy_poll(s, wait_s)
-                    recv(s)
+                    trip(msg)
                 for i in range(start, min(start + chunk, iters)):
                     t0 = pc()
-                    send(s, msg)
-                    if wait_s:
-                        busy_poll(s, wait_s)
-                    recv(s)
+                    trip(msg)
                     lat[i] = pc() - t0
-        send(s, [b"stop"])
+        P.send_frames(s, [b"stop"])
         if s.poll(5000):  # the server closes with LINGER 0 right after replying: the reply may be lost
-            recv(s)
+            P.recv_frames(s)
     finally:
         s.close(0)
         ctx.term()
@@ -904,8 +915,6 @@ def _echo_client(endpoint: str, req_sizes: list[int], iters: int, barrier, resul
                  poll_s: float = 0.0) -> None:
     import zmq
 
-    from kvd import protocol as P
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
@@ -913,21 +922,15 @@ def _echo_client(endpoint: str, req_sizes: list[int], iters: int, barrier, resul
     try:
         s.connect(endpoint)
         msg = [POLLED * req_sizes[0]] + [b"\0" * n for n in req_sizes[1:]]
-        send, recv, busy_poll, pc = P.send_frames, P.recv_frames, P.busy_poll, time.perf_counter
+        trip, pc = _echo_round_trip(s, poll_s), time.perf_counter
         for _ in range(200):
-            send(s, msg)
-            if poll_s:
-                busy_poll(s, poll_s)
-            recv(s)
+            trip(msg)
         barrier.wait(60)
         lat = np.empty(iters)
         t_start = pc()
         for i in range(iters):
             t0 = pc()
-            send(s, msg)
-            if poll_s:
-                busy_poll(s, poll_s)
-            recv(s)
+            trip(msg)
             lat[i] = pc() - t0
         results[index] = (pc() - t_start, float(np.percentile(lat, 50)), float(np.percentile(lat, 99)))
     finally:
