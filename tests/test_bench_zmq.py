@@ -150,6 +150,7 @@ def test_the_echo_floor_waits_as_the_client_and_the_daemon_do(monkeypatch):
     from kvd.bench.zmq_bench import floor_polls
 
     monkeypatch.setattr(C.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("KVD_BUSY_POLL_US", raising=False)
     args = SimpleNamespace(client_busy_poll_us=None, daemon_arg=[])
     assert floor_polls(args) == (0.001, 0.005)  # the Client's default on 2 CPUs, the daemon's config default
     monkeypatch.setattr(C.os, "sched_getaffinity", lambda pid: {0})
@@ -158,3 +159,6 @@ def test_the_echo_floor_waits_as_the_client_and_the_daemon_do(monkeypatch):
     assert floor_polls(args) == (0.00025, 0.0)
     args = SimpleNamespace(client_busy_poll_us=0, daemon_arg=["--busy-poll-us", "2000"])
     assert floor_polls(args) == (0.0, 0.002)
+    monkeypatch.setenv("KVD_BUSY_POLL_US", "300")  # the daemon the bench starts inherits it; a flag wins
+    assert floor_polls(args) == (0.0, 0.002)
+    assert floor_polls(SimpleNamespace(client_busy_poll_us=0, daemon_arg=[])) == (0.0, 0.0003)

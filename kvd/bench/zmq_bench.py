@@ -825,13 +825,14 @@ def _echo_round_trip(sock, poll_s: float):
 def floor_polls(args) -> tuple[float, float]:
     """(client, server) busy-poll seconds of the echo that waits as kvd does: the clients'
     ``busy_poll_us`` (``--client-busy-poll-us``, else the Client's default on this machine) and the
-    daemon's (``--daemon-arg --busy-poll-us=N``, else its config default; a daemon given by
-    ``--endpoint`` is taken to have the default)."""
-    from kvd.config import ServeConfig
+    daemon's (``--daemon-arg --busy-poll-us=N``, else ``$KVD_BUSY_POLL_US``, which the daemon this
+    script starts inherits, else the config default; a daemon given by ``--endpoint`` is taken to
+    have the default)."""
+    from kvd.config import ENV_PREFIX, ServeConfig
     from kvd_client.client import default_busy_poll_us
 
     client_us = args.client_busy_poll_us if args.client_busy_poll_us is not None else default_busy_poll_us()
-    server_us = ServeConfig.busy_poll_us
+    server_us = int(os.environ.get(ENV_PREFIX + "BUSY_POLL_US") or ServeConfig.busy_poll_us)
     daemon_args = list(getattr(args, "daemon_arg", []) or [])
     for i, a in enumerate(daemon_args):
         if a.startswith("--busy-poll-us="):
