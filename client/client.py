@@ -690,8 +690,9 @@ _EMPTY_COPIES.flags.writeable = False
 
 DEFAULT_BUSY_POLL_US = 1000
 # On one CPU a polling engine holds the CPU the daemon needs. Measured on the 2-core box (session 16,
-# six alternating runs each): a polling client's step p50 108-129 µs against 125-181 sleeping; with
-# 4 clients the aggregate steps/s fell ~6 % (7,686-8,118 against 8,234-9,205), worst p99 within 2 ms.
+# six alternating runs each, two sittings): a polling client's step p50 108-132 µs against 125-222
+# sleeping; 4 clients' aggregate steps/s fell ~6 % in one sitting (7,686-8,118 against 8,234-9,205)
+# and not in the other, worst p99 within 2 ms.
 BUSY_POLL_MIN_CPUS = 2
 
 
