@@ -50,6 +50,8 @@ def _check_row(R: str, row: dict, checks: dict, vllm: bool) -> None:
     d, e, i = row["daemon_p50_us"], row["echo_p50_us"], row["inproc_p50_us"]
     # one repetition: the per-run figures are the reported ones
     assert row["runs_daemon_p50_us"] == [round(d, 1)]
+    assert row["runs_echo_p50_us"] == [round(e, 1)]
+    assert 0 < row["echo_sleeping_p50_us"]  # the sleeping echo beside the one that waits as kvd does
     assert math.isclose(row["extra_us"], d - e - i, rel_tol=1e-9, abs_tol=1e-9)
     assert math.isclose(row["daemon_over_inproc"], d / i, rel_tol=1e-9)
     assert math.isclose(row["extra_budget_us"], 25 + 0.05 * i, rel_tol=1e-9)

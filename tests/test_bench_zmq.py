@@ -85,6 +85,7 @@ def test_standard_workload_two_clients_with_baselines():
     assert report["floor"]["echo_client_poll_us"] == default_busy_poll_us()
     assert report["floor"]["echo_server_poll_us"] == 5000
     assert report["floor"]["echo_sleeping_p50_us"] > 0
+    assert len(report["floor"]["runs_echo_p50_us"]) == 2  # one floor after each run (1 and 2 clients)
     assert set(report["ratios"]) == {"c1_step_p50_over_inproc", "c1_step_p50_over_echo", "c1_extra_us",
                                      "c2_step_p50_over_inproc", "c2_step_p50_over_echo", "c2_extra_us",
                                      "c2_steps_per_s_over_echo_c2"}

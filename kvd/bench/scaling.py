@@ -142,6 +142,7 @@ def _row(reps: list[dict], blocks: int, vllm_ran: bool) -> dict:
     row["vllm_over_inproc"] = _median(vv["step_p50_us"] / ip for vv, (_, _, ip) in zip(v, per_rep))
     row["vllm_over_daemon"] = _median(vv["step_p50_us"] / dp for vv, (dp, _, _) in zip(v, per_rep))
     row["runs_daemon_p50_us"] = [round(x[0], 1) for x in per_rep]
+    row["runs_echo_p50_us"] = [round(x[1], 1) for x in per_rep]  # the floor varies run to run too
     row["runs_extra_us"] = [round(x, 1) for x in extras]
     return row
 

@@ -1256,6 +1256,7 @@ def main(argv=None) -> int:
                 floor = median_figures(floors)
                 floor["_samples"] = np.concatenate([f["_samples"] for f in floors])
                 report["floor"] = {k: v for k, v in floor.items() if not k.startswith("_")}
+                report["floor"]["runs_echo_p50_us"] = [round(f["echo_p50_us"], 1) for f in floors]
                 for n, runs_n in multi_floors.items():
                     report["floor"].update(median_figures(runs_n))
                     if str(n) in results:
