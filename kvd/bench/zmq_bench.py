@@ -825,21 +825,18 @@ def _echo_round_trip(sock, poll_s: float):
 def floor_polls(args) -> tuple[float, float]:
     """(client, server) busy-poll seconds of the echo that waits as kvd does: the clients'
     ``busy_poll_us`` (``--client-busy-poll-us``, else the Client's default on this machine) and the
-    daemon's (``--daemon-arg --busy-poll-us=N``, else ``$KVD_BUSY_POLL_US``, which the daemon this
-    script starts inherits, else the config default; a daemon given by ``--endpoint`` is taken to
-    have the default)."""
-    from kvd.config import ENV_PREFIX, ServeConfig
+    daemon's, resolved as the daemon this script starts resolves it (its ``--daemon-arg`` flags,
+    then the environment it inherits, its config file, the default; a daemon given by
+    ``--endpoint`` is taken to have the default)."""
+    import argparse
+
+    from kvd.config import add_config_flags, load_config
     from kvd_client.client import default_busy_poll_us
 
     client_us = args.client_busy_poll_us if args.client_busy_poll_us is not None else default_busy_poll_us()
-    server_us = int(os.environ.get(ENV_PREFIX + "BUSY_POLL_US") or ServeConfig.busy_poll_us)
-    daemon_args = list(getattr(args, "daemon_arg", []) or [])
-    for i, a in enumerate(daemon_args):
-        if a.startswith("--busy-poll-us="):
-            server_us = int(a.split("=", 1)[1])
-        elif a == "--busy-poll-us" and i + 1 < len(daemon_args):
-            server_us = int(daemon_args[i + 1])
-    return client_us / 1e6, server_us / 1e6
+    flags, _ = add_config_flags(argparse.ArgumentParser(add_help=False)).parse_known_args(
+        list(getattr(args, "daemon_arg", []) or []))
+    return client_us / 1e6, load_config(flags).busy_poll_us / 1e6
 
 
 def decode_message_sizes(spec: WorkloadSpec) -> tuple[list[int], list[int]]:
