@@ -140,7 +140,7 @@ def _hit_round(a, b, tag, system, tail, dev):
             "hit_phases_ms": hit}
 
 
-def _ttft(endpoint, model, cfg, dev, rng, graph_tokens, rounds=3, kvd_slots=False):
+def _ttft(endpoint, model, cfg, dev, rng, graph_tokens, rounds=3, kvd_slots=False, fused=True):
     """A cold ``--prefix``-token prefill in engine A vs engine B's admission with A's prefix cached.
     Both sides are warm at their timed shapes first (a round on another prefix: every kernel variant
     of both steps compiled, both sessions' first-call costs paid), then ``rounds`` timed rounds on
@@ -148,8 +148,8 @@ def _ttft(endpoint, model, cfg, dev, rng, graph_tokens, rounds=3, kvd_slots=Fals
     tail = lambda: rng.integers(1, cfg["vocab"], 16).tolist()  # noqa: E731
     with Client(endpoint, name="A", steps_in_flight=0, slot_mapping=kvd_slots) as ca, \
             Client(endpoint, name="B", steps_in_flight=0, slot_mapping=kvd_slots) as cb:
-        a = Engine(ca, model, device=dev, max_tokens=4096, keep_logits=False, graph_tokens=graph_tokens)
-        b = Engine(cb, model, device=dev, max_tokens=4096, keep_logits=False, graph_tokens=graph_tokens)
+        a = Engine(ca, model, device=dev, max_tokens=4096, keep_logits=False, graph_tokens=graph_tokens, fused=fused)
+        b = Engine(cb, model, device=dev, max_tokens=4096, keep_logits=False, graph_tokens=graph_tokens, fused=fused)
         warm = _hit_round(a, b, "warm", rng.integers(1, cfg["vocab"], cfg["prefix"]).tolist(), tail, dev)
         gcheap.freeze()
         runs = [_hit_round(a, b, str(k), rng.integers(1, cfg["vocab"], cfg["prefix"]).tolist(), tail, dev)
@@ -177,6 +177,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kvd-slots", action="store_true",
                     help="sessions with the daemon's slot mappings (default: without; the engines compute "
                          "their slots from the tables, a graph always does)")
+    ap.add_argument("--no-fused", action="store_true",
+                    help="HF's own RMSNorm and rotary embedding in the engine's forwards (default: the engine's "
+                         "fused Triton kernels, kvd_engine/fused.py)")
     ap.add_argument("--no-prestage", action="store_true",
                     help="stage a steady decode step's inputs after the previous forward (default: during it)")
     args = ap.parse_args(argv)
@@ -190,7 +193,8 @@ def main(argv=None) -> int:
     dev = torch.device(args.device or ("cpu" if args.tiny else "cuda:0"))
     dtype = getattr(torch, cfg["dtype"])
     gt = args.graph_tokens if args.graph_tokens is not None else (512 if dev.type == "cuda" else 0)
-    eng_opts = dict(keep_logits=False, graph_tokens=gt, overlap=not args.no_overlap, prestage=not args.no_prestage)
+    eng_opts = dict(keep_logits=False, graph_tokens=gt, overlap=not args.no_overlap, prestage=not args.no_prestage,
+                    fused=not args.no_fused)
     torch.set_num_threads(1 if args.tiny else torch.get_num_threads())
     model = build_model(tiny_config("llama", layers=cfg["layers"], hidden=cfg["hidden"], heads=cfg["heads"],
                                     kv_heads=cfg["kv_heads"], vocab=cfg["vocab"], max_pos=4096),
@@ -245,9 +249,10 @@ def main(argv=None) -> int:
                   f"{daemon['round_trip_exposed_ms']:.3f} ms + meta {daemon['meta_exposed_ms']:.3f} ms)  in-process {inproc['tokens_per_s']:9.1f} tok/s "
                   f"{inproc['step_ms']:7.2f} ms  HF generate {hf['tokens_per_s']:9.1f} tok/s {hf['step_ms']:7.2f} ms  "
                   f"agreement {rows[n]['token_agreement']:.3f}", flush=True)
-        ttft = _ttft(d.endpoint, model, cfg, dev, rng, gt, kvd_slots=args.kvd_slots)
+        ttft = _ttft(d.endpoint, model, cfg, dev, rng, gt, kvd_slots=args.kvd_slots, fused=not args.no_fused)
         # honesty: the same with the cold prefill graphed too (GPU work against GPU work)
-        ttft_all = _ttft(d.endpoint, model, cfg, dev, rng, 2 * (cfg["prefix"] + 16), kvd_slots=args.kvd_slots) if gt else None
+        ttft_all = _ttft(d.endpoint, model, cfg, dev, rng, 2 * (cfg["prefix"] + 16), kvd_slots=args.kvd_slots,
+                         fused=not args.no_fused) if gt else None
     finally:
         d.stop()
         gcheap.thaw()
@@ -268,6 +273,7 @@ def main(argv=None) -> int:
     out = {"device": str(dev), "dtype": cfg["dtype"], "layers": cfg["layers"], "hidden": cfg["hidden"],
            "heads": [cfg["heads"], cfg["kv_heads"]], "prompt": cfg["prompt"], "decode_steps": cfg["steps"],
            "graph_tokens": gt, "overlap": not args.no_overlap, "prestage": not args.no_prestage, "kvd_slots": args.kvd_slots,
+           "fused": not args.no_fused,
            "batches": {str(k): v for k, v in rows.items()}, "ttft": ttft,
            "ttft_ratio": ttft["ttft_hit_ms"] / ttft["ttft_cold_ms"],
            "ttft_all_graphed": None if ttft_all is None else {

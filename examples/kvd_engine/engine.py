@@ -28,6 +28,7 @@ import torch
 from kvd.api import STATUS_NO_SPACE, STATUS_OK, AdmitRequest, StepBatch
 
 from .forward import ForwardMixin
+from .fused import install as install_fused
 from .graphs import GraphRunner
 from .inputs import Staging
 from .model import layer_groups
@@ -43,7 +44,7 @@ class Engine(ForwardMixin, OverlapMixin):
 
     def __init__(self, client, model, *, kv: OwnedKv | None = None, max_tokens: int = 256, max_running: int = 64,
                  device="cpu", keep_logits: bool = True, graph_tokens: int = 0, overlap: bool = False,
-                 prestage: bool = True):
+                 prestage: bool = True, fused: bool = True):
         """``keep_logits``: keep every sampled row's logits (float32, on the host) in ``Request.logits``
         (the tests compare them with HF's); False: only the sampled token ids leave the device.
         ``graph_tokens``: on CUDA, steps of at most that many tokens replay CUDA graphs
@@ -55,13 +56,16 @@ class Engine(ForwardMixin, OverlapMixin):
         >= 1); slots then come from the block tables (kvd rewrites its slot buffer for the next step
         while this forward may still read it). ``prestage``: with graphs and overlap, stage a steady
         decode step's inputs while the previous forward runs (``graphs.Bucket.prestage``; its tokens
-        are checked by tests/test_engine_gpu.py, its speed by scripts/bench_engine.py --no-prestage)."""
+        are checked by tests/test_engine_gpu.py, its speed by scripts/bench_engine.py --no-prestage).
+        ``fused``: on CUDA, the model's RMSNorms and rotary embedding run as fused Triton kernels in
+        the engine's forwards (``fused.py``; ``--no-fused`` in the bench)."""
         self.c = client
         self.model = model
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.owned = kv
+        self.fused = self.device.type == "cuda" and install_fused(model, fused)
         dtype = next(model.parameters()).dtype
         self.kv = kv.gpu if kv is not None else daemon_kv(client, dtype)
         self.groups = layer_groups(model.config)

@@ -103,8 +103,13 @@ def build_model(config=None, *, seed: int = 0, dtype=torch.float32, device="cpu"
 
 
 def use_paged(model, paged: bool) -> None:
-    """Switch the model between kvd's paged attention and HF's eager attention (the reference)."""
+    """Switch the model between kvd's paged attention and HF's eager attention (the reference); a
+    model given ``fused.install`` runs its fused kernels only while paged."""
     model.config._attn_implementation = ATTN_NAME if paged else "eager"
+    if getattr(model, "_kvd_fused", False):
+        from .fused import ACTIVE
+
+        ACTIVE[0] = paged
 
 
 def layer_groups(config) -> list[int]:
