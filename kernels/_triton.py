@@ -80,3 +80,10 @@ class Relauncher:
             self.kernel[self.grid](**self.args, **self.options)
         else:
             self.runner(*[self.args[n] for n in self.names], **self.stream_kw)
+
+    def launch_on(self, stream: int) -> None:
+        """One launch on the raw stream handle ``stream`` (a CUDA graph capture's stream), whatever
+        stream the plan was made for."""
+        if self.runner is None or not self.stream_kw:
+            raise RuntimeError("launch_on needs a compiled plan made with a stream")
+        self.runner(*[self.args[n] for n in self.names], stream=stream)
