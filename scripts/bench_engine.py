@@ -18,7 +18,7 @@ after that forward had finished on the GPU (all of the metadata built while the 
 count the timed steps only, not the frees of the finished batch after them. Tokens: the daemon run's tokens vs
 per-request HF generate (identity required in float32, agreement reported in bf16). TTFT: engine B
 (its own kvd session) admits a prompt sharing engine A's ``--prefix``-token system prompt after A
-confirmed it, vs A's cold prefill; both engines warm at their timed shapes first, median of 3 rounds,
+confirmed it, vs A's cold prefill; both engines warm at their timed shapes first, median of 5 rounds,
 each step's phases (plan, round trip, kvd metadata, model launch, device wait + sampling). The cold
 prefill is longer than ``--graph-tokens`` and runs eagerly, the hit's suffix replays a graph (the
 engine's policy for every step); the same with every step graphed is reported beside it. Ends with
@@ -140,7 +140,7 @@ def _hit_round(a, b, tag, system, tail, dev):
             "hit_phases_ms": hit}
 
 
-def _ttft(endpoint, model, cfg, dev, rng, graph_tokens, rounds=3, kvd_slots=False, fused=True):
+def _ttft(endpoint, model, cfg, dev, rng, graph_tokens, rounds=5, kvd_slots=False, fused=True):
     """A cold ``--prefix``-token prefill in engine A vs engine B's admission with A's prefix cached.
     Both sides are warm at their timed shapes first (a round on another prefix: every kernel variant
     of both steps compiled, both sessions' first-call costs paid), then ``rounds`` timed rounds on
