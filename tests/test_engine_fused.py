@@ -120,3 +120,27 @@ def test_install_switches_only_paged_cuda_forwards():
     use_paged(model, True)
     assert fused.ACTIVE[0] is False  # a model turned off never switches the kernels on
     use_paged(model, False)
+
+
+def test_patched_rope_keeps_hf_for_what_the_kernel_does_not_take():
+    """The patched apply_rotary_pos_emb calls HF's function with the same arguments unless a paged
+    forward runs on CUDA tensors of the one layout the kernel takes."""
+    calls = []
+
+    def orig(*args, **kwargs):
+        calls.append((len(args), sorted(kwargs)))
+        return "hf"
+
+    apply = fused._fused_rope(orig)
+    q, k, cos, sin = _qk_cos_sin(torch.device("cpu"), torch.float32, 3, 2, 1, 8)
+    was = fused.ACTIVE[0]
+    try:
+        fused.ACTIVE[0] = True
+        assert apply(q, k, cos, sin) == "hf"  # CPU tensors
+        assert apply(q, k, cos, sin, 2) == "hf"
+        assert apply(q, k, cos, sin, unsqueeze_dim=1) == "hf"
+        fused.ACTIVE[0] = False
+        assert apply(q, k, cos, sin) == "hf"
+    finally:
+        fused.ACTIVE[0] = was
+    assert calls == [(4, []), (5, []), (4, ["unsqueeze_dim"]), (4, [])]

@@ -150,6 +150,18 @@ _ARCHS = ("llama", "qwen2", "mistral")
 _NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
 
 
+def _fused_rope(orig):
+    """``apply_rotary_pos_emb`` that takes the kernel where it fits (else, or with any other
+    argument, HF's ``orig``)."""
+    def apply(q, k, cos, sin, *args, **kwargs):
+        if ACTIVE[0] and not kwargs and args in ((), (1,)) and _rope_fits(q, k, cos, sin, 1):
+            return rope(q, k, cos, sin)
+        return orig(q, k, cos, sin, *args, **kwargs)
+
+    apply._kvd_fused = True
+    return apply
+
+
 def _patch_rope() -> None:
     import importlib
 
@@ -158,14 +170,7 @@ def _patch_rope() -> None:
         orig = mod.apply_rotary_pos_emb
         if getattr(orig, "_kvd_fused", False):
             continue
-
-        def apply(q, k, cos, sin, unsqueeze_dim=1, _orig=orig):
-            if ACTIVE[0] and _rope_fits(q, k, cos, sin, unsqueeze_dim):
-                return rope(q, k, cos, sin)
-            return _orig(q, k, cos, sin, unsqueeze_dim)
-
-        apply._kvd_fused = True
-        mod.apply_rotary_pos_emb = apply
+        mod.apply_rotary_pos_emb = _fused_rope(orig)
 
 
 def install(model, on: bool = True) -> bool:
