@@ -294,6 +294,7 @@ class GpuPool:
         # the session's CUDA graph of it
         self.graphs = self.cuda and os.environ.get("KVD_GPU_GRAPHS", "1") != "0"
         self.graph_pool = None
+        self.apply_replays = self.apply_launches = 0  # flushes' apply kernels: graph replays, plan launches
         self.inflight = None  # the event of the last flush nobody has waited for yet
         self.times = np.zeros(1 << 16, np.float64)  # flush host seconds (ring)
         self.n_flush = 0
@@ -343,11 +344,12 @@ class GpuPool:
 
     def stats(self) -> dict:
         n = min(self.n_flush, self.times.size)
+        launches = {"apply_graph_replays": self.apply_replays, "apply_plan_launches": self.apply_launches}
         if not n:
-            return {"flushes": 0}
+            return {"flushes": 0, **launches}
         a = self.times[:n] * 1e6
         return {"flushes": self.n_flush, "p50_us": float(np.percentile(a, 50)),
-                "p99_us": float(np.percentile(a, 99)), "mean_us": float(a.mean())}
+                "p99_us": float(np.percentile(a, 99)), "mean_us": float(a.mean()), **launches}
 
 
 class GpuSession:
@@ -453,6 +455,7 @@ class GpuSession:
         graph = self._apply_graphs.get(bucket)
         if graph is not None:
             graph.replay()
+            pool.apply_replays += 1
             return
         plans = self._apply_plans.get(bucket)
         if plans is None:
@@ -473,6 +476,7 @@ class GpuSession:
                 plans.append(Relauncher(_apply_updates_kernel, (bucket,), kw, stream=pool.stream_handle))
             self._apply_plans[bucket] = plans
             return
+        pool.apply_launches += 1
         for p in plans:
             p()
 

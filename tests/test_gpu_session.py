@@ -238,7 +238,10 @@ def test_daemon_gpu_path_emulated(monkeypatch, groups):
             else:
                 step(StepBatch(append_ids=live))
             check(f"step{k}")
-        assert d.gpu_pool.stats()["flushes"] > 15
+        st = d.gpu_pool.stats()
+        assert st["flushes"] > 15
+        # no CUDA graphs on the CPU emulation: each flush with table changes launched the plans
+        assert st["apply_graph_replays"] == 0 and 0 < st["apply_plan_launches"] <= st["flushes"]
         c._do((  # goodbye ends the session and drops its GPU buffers
             "goodbye", {}, [], lambda h, f: None))
         assert sess.gpu is None and c.sid not in d.sessions
@@ -442,6 +445,8 @@ def test_gpu_buffers_equal_shared_memory(daemon_factory, short_tmp):
     results, d, ready_s = run_workers(daemon_factory, short_tmp)
     for r in results:
         assert r["checks"] == 68  # hello, 2 admissions, 60 steps, 4 single ops, after the timed loop
+        # every flush's apply kernel was a replay of the session's CUDA graph of it
+        assert r["gpu_flush"]["apply_graph_replays"] > 15 and r["gpu_flush"]["apply_plan_launches"] == 0
         print(f"\nGPU daemon worker: ready {ready_s:.1f}s {json.dumps(r)}")
     assert d.stop() == 0, d.stderr[-3000:]
     assert shm_segments(d.pid) == []
