@@ -273,7 +273,7 @@ def main(argv=None) -> int:
     out = {"device": str(dev), "dtype": cfg["dtype"], "layers": cfg["layers"], "hidden": cfg["hidden"],
            "heads": [cfg["heads"], cfg["kv_heads"]], "prompt": cfg["prompt"], "decode_steps": cfg["steps"],
            "graph_tokens": gt, "overlap": not args.no_overlap, "prestage": not args.no_prestage, "kvd_slots": args.kvd_slots,
-           "fused": not args.no_fused,
+           "fused": not args.no_fused and dev.type == "cuda",
            "batches": {str(k): v for k, v in rows.items()}, "ttft": ttft,
            "ttft_ratio": ttft["ttft_hit_ms"] / ttft["ttft_cold_ms"],
            "ttft_all_graphed": None if ttft_all is None else {
