@@ -135,8 +135,9 @@ def rope(q, k, cos, sin):
     return qo.unsqueeze(0).transpose(1, 2), ko.unsqueeze(0).transpose(1, 2)
 
 
-def _rope_fits(q, k, cos, sin, unsqueeze_dim) -> bool:
-    return (unsqueeze_dim == 1 and q.is_cuda and q.dim() == 4 and q.shape[0] == 1 and k.shape[0] == 1
+def _rope_fits(q, k, cos, sin) -> bool:
+    """Whether the kernel takes these (HF's default unsqueeze_dim=1 is the caller's to check)."""
+    return (q.is_cuda and q.dim() == 4 and q.shape[0] == 1 and k.shape[0] == 1
             and q.shape[2:] == k.shape[2:] and q.shape[-1] % 2 == 0 and q.stride(-1) == 1 and k.stride(-1) == 1
             and cos.shape == sin.shape == (1, q.shape[2], q.shape[3]) and cos.stride(-1) == 1 and sin.stride(-1) == 1
             and q.dtype == k.dtype == cos.dtype == sin.dtype)
@@ -154,7 +155,7 @@ def _fused_rope(orig):
     """``apply_rotary_pos_emb`` that takes the kernel where it fits (else, or with any other
     argument, HF's ``orig``)."""
     def apply(q, k, cos, sin, *args, **kwargs):
-        if ACTIVE[0] and not kwargs and args in ((), (1,)) and _rope_fits(q, k, cos, sin, 1):
+        if ACTIVE[0] and not kwargs and args in ((), (1,)) and _rope_fits(q, k, cos, sin):
             return rope(q, k, cos, sin)
         return orig(q, k, cos, sin, *args, **kwargs)
 
