@@ -813,6 +813,7 @@ class Client(_Core):
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
         self._hb: _Heartbeat | None = None
+        self._pending: PendingStep | None = None  # a started step whose reply is not taken yet
         try:
             self._open()
             self._hello()
@@ -847,8 +848,26 @@ class Client(_Core):
         self._start_heartbeat()
 
     def _call(self, op: str, fields: dict, frames: list, sid: int | None = None) -> tuple[dict, list]:
+        return self._exchange(op, *self._send_first(op, fields, frames, sid))
+
+    def _send_first(self, op: str, fields: dict, frames: list, sid: int | None = None) -> tuple[int, list, bool]:
+        """Number and send a request without waiting: (seq, frames, whether it went out). Refused
+        while a ``start_step`` waits for its reply (one request in flight per session socket)."""
+        if self._pending is not None:
+            raise InvalidArgument("a started step waits for its reply: call its result() first")
         seq = self._next_seq()
         msg = [self._header(op, self.sid if sid is None else sid, seq, fields), *frames]
+        if self._sock is None:
+            raise SessionError("client is closed")
+        try:
+            P.send_frames(self._sock, msg, P.NOBLOCK)
+        except zmq.Again:
+            return seq, msg, False
+        return seq, msg, True
+
+    def _exchange(self, op: str, seq: int, msg: list, sent: bool) -> tuple[dict, list]:
+        """Wait for the reply to request ``seq`` (sent already when ``sent``), resending it on a
+        timeout: every attempt waits ``timeout_s``."""
         sock = self._sock
         if sock is None:
             raise SessionError("client is closed")
@@ -858,12 +877,13 @@ class Client(_Core):
         if timeo != self._rcvtimeo:
             sock.setsockopt(zmq.RCVTIMEO, timeo)
             self._rcvtimeo = timeo
-        for _attempt in range(self.retries + 1):
-            try:
-                P.send_frames(sock, msg, P.NOBLOCK)
-            except zmq.Again:
-                time.sleep(min(self.timeout_s, 0.05))
-                continue
+        for attempt in range(self.retries + 1):
+            if attempt or not sent:
+                try:
+                    P.send_frames(sock, msg, P.NOBLOCK)
+                except zmq.Again:
+                    time.sleep(min(self.timeout_s, 0.05))
+                    continue
             deadline = 0.0
             while True:
                 if self._poll_s:
@@ -886,9 +906,20 @@ class Client(_Core):
         raise Timeout(f"no reply to {op} from {self.endpoint} after {self.retries + 1} attempts")
 
     def _do(self, spec: tuple) -> Any:
-        op, fields, frames, post = spec[:4]
+        return self._done(spec, self._start(spec))
+
+    def _start(self, spec: tuple) -> tuple[int, list, bool]:
         try:
-            h, f = self._call(op, fields, frames)
+            return self._send_first(*spec[:3])
+        except BaseException:
+            if len(spec) > 4:
+                spec[4]()
+            raise
+
+    def _done(self, spec: tuple, sent: tuple[int, list, bool]) -> Any:
+        op, post = spec[0], spec[3]
+        try:
+            h, f = self._exchange(op, *sent)
         except BaseException:
             if len(spec) > 4:
                 spec[4]()
@@ -902,6 +933,7 @@ class Client(_Core):
         """Re-attach to the daemon. Returns True when the old session survived (same daemon boot),
         False when a new session was opened (every request of the old one is gone)."""
         old_sid, old_epoch = self.sid, self.epoch
+        self._drop_pending()
         if self._sock is not None:
             self._sock.close(0)
         self._open()
@@ -922,6 +954,7 @@ class Client(_Core):
             self._hb.stop_event.set()
             self._hb.join(timeout=2)
             self._hb = None
+        self._drop_pending()
         if goodbye and self._sock is not None and self.sid:
             try:
                 saved = self.retries
@@ -1028,6 +1061,23 @@ class Client(_Core):
         hold. ``append_rows`` with one int token count takes the decode fast path."""
         return self._do(self._req_step(batch))
 
+    def start_step(self, batch: StepBatch) -> "PendingStep":
+        """``step`` in two halves: send the step now and return; ``result()`` of what this returns
+        waits for the reply (resending on a timeout, as ``step`` does) and returns the
+        ``StepResult``. Between the two the caller may do anything but another call on this
+        client (``InvalidArgument``): an engine overlaps the round trip with its own work, such as
+        waiting for the GPU. The step's tables are written when ``result()`` returns."""
+        spec = self._req_step(batch)
+        pending = PendingStep(self, spec, self._start(spec))
+        self._pending = pending
+        return pending
+
+    def _drop_pending(self) -> None:
+        """Forget a started step's reply (closing or reconnecting: it is skipped as stale)."""
+        if self._pending is not None:
+            self._pending._client = None
+            self._pending = None
+
     def mark_computed(self, tick: int | None = None) -> None:
         """Confirm that the forward passes of this session's calls up to ``tick`` (default: the
         last reply's, ``self.tick``) have finished: the blocks they filled become prefix hits for
@@ -1043,6 +1093,34 @@ class Client(_Core):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class PendingStep:
+    """A step sent by ``Client.start_step`` whose reply is not taken yet."""
+
+    __slots__ = ("_client", "_spec", "_sent", "_result")
+
+    def __init__(self, client: Client, spec: tuple, sent: tuple[int, list, bool]) -> None:
+        self._client, self._spec, self._sent = client, spec, sent
+        self._result: StepResult | None = None
+
+    def ready(self) -> bool:
+        """Whether ``result()`` would return without waiting: taken already, or a reply waits on
+        the socket now (checked without receiving)."""
+        c = self._client
+        return self._result is not None or (c is not None and c._sock is not None and P.has_input(c._sock))
+
+    def result(self) -> StepResult:
+        """Wait for the reply (at once when it has arrived) and return the step's result; later
+        calls return the same result."""
+        if self._result is None:
+            c = self._client
+            if c is None or c._pending is not self:
+                raise SessionError("no reply to wait for: the client closed or reconnected, or an "
+                                   "earlier result() failed")
+            c._pending, self._client = None, None
+            self._result = c._done(self._spec, self._sent)
+        return self._result
 
 
 # ---- asyncio client -----------------------------------------------------------------------------

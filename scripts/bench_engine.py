@@ -11,10 +11,15 @@ KV cache: shm on CPU, CUDA IPC on GPU), (b) kvd's in-process BlockManager (engin
 prefills N prompts, runs two untimed decode steps (the first captures the CUDA graph, the second
 pays the wake-ups after that pause), then times ``--steps`` decode steps. The engines (a) and (b)
 replay CUDA graphs for steps of at most ``--graph-tokens`` tokens and send each steady decode step's
-round trip while the previous forward runs (``--no-overlap``: they wait for it). kvd's share = (step round trips +
-building slots, table views and the varlen layout) / decode step time; its exposed share counts only
-the part of the round trips, and of the next step's inputs staged during a forward (``prestage``),
-after that forward had finished on the GPU (all of the metadata built while the GPU waits); both
+round trip while the previous forward runs (``--no-overlap``: they wait for it), taking its reply
+after they have waited for that forward and sampled. kvd's share = (the engine thread's time in
+step round trips + building slots, table views and the varlen layout) / decode step time: a round
+trip sent ahead counts its send and the wait for its reply, not the time between (the thread waits
+for the GPU and samples then; ``round_trip_wall_ms`` is send to reply taken); its exposed share
+counts only the part of the round trips, and of the next step's inputs staged during a forward
+(``prestage``), after that forward had finished on the GPU (a round trip sent ahead: its send's part
+after that, and the wait for its reply after the sampling), and all of the metadata built while the
+GPU waits; both
 count the timed steps only, not the frees of the finished batch after them. Tokens: the daemon run's tokens vs
 per-request HF generate (identity required in float32, agreement reported in bf16). TTFT: engine B
 (its own kvd session) admits a prompt sharing engine A's ``--prefix``-token system prompt after A
@@ -73,6 +78,7 @@ def _decode_run(eng, prompts, steps, dev):
     # H200 host); the timed steps then start in the steady state they measure
     eng.step()
     k0, m0, x0, mx0, s0 = eng.kvd_s, eng.meta_s, eng.kvd_exposed_s, eng.meta_exposed_s, eng.steady_steps
+    w0 = eng.kvd_wall_s
     phases = []
     gc0 = gcheap.status()["collections"]
     t0 = time.perf_counter()
@@ -84,14 +90,15 @@ def _decode_run(eng, prompts, steps, dev):
     gc_timed = [b - a for a, b in zip(gc0, gcheap.status()["collections"])]
     # kvd's figures of the timed steps only: read before run() frees the finished batch (those
     # round trips come after the wall clock stopped)
-    kvd_s, meta_s = eng.kvd_s - k0, eng.meta_s - m0
+    kvd_s, meta_s, wall_rt = eng.kvd_s - k0, eng.meta_s - m0, eng.kvd_wall_s - w0
     rt_x, meta_x, steady = eng.kvd_exposed_s - x0, eng.meta_exposed_s - mx0, eng.steady_steps - s0
     eng.run()
     n = len(prompts)
     exposed = np.array([p.get("rt_exposed", 0.0) + p.get("prestage_exposed", 0.0) for p in phases]) * 1e3
     return {"step_ms": wall / steps * 1e3, "tokens_per_s": n * steps / wall,
             "kvd_share": (kvd_s + meta_s) / wall, "kvd_exposed_share": (rt_x + meta_x) / wall,
-            "round_trip_ms": kvd_s / steps * 1e3, "meta_ms": meta_s / steps * 1e3,
+            "round_trip_ms": kvd_s / steps * 1e3, "round_trip_wall_ms": wall_rt / steps * 1e3,
+            "meta_ms": meta_s / steps * 1e3,
             "round_trip_exposed_ms": rt_x / steps * 1e3, "meta_exposed_ms": meta_x / steps * 1e3,
             "overlap_exposed_ms_p50_p99_max": [round(float(x), 3) for x in np.percentile(exposed, [50, 99, 100])],
             "steps_sent_ahead": eng.ahead_steps, "steady_steps": steady, "gc_collections_in_timed_steps": gc_timed,
@@ -244,7 +251,8 @@ def main(argv=None) -> int:
                        "inproc_tokens_equal_daemon": all(ieng.reqs[r].output == eng.reqs[r].output for r in prompts)}
             checks[f"pool_empty_after_{n}"] = used_after == 0
             print(f"N={n:4d}  daemon {daemon['tokens_per_s']:9.1f} tok/s {daemon['step_ms']:7.2f} ms/step "
-                  f"(kvd {daemon['kvd_share'] * 100:5.2f} %: rt {daemon['round_trip_ms']:.3f} ms + meta "
+                  f"(kvd {daemon['kvd_share'] * 100:5.2f} %: rt {daemon['round_trip_ms']:.3f} ms (wall "
+                  f"{daemon['round_trip_wall_ms']:.3f}) + meta "
                   f"{daemon['meta_ms']:.3f} ms; exposed {daemon['kvd_exposed_share'] * 100:5.2f} %: rt "
                   f"{daemon['round_trip_exposed_ms']:.3f} ms + meta {daemon['meta_exposed_ms']:.3f} ms)  in-process {inproc['tokens_per_s']:9.1f} tok/s "
                   f"{inproc['step_ms']:7.2f} ms  HF generate {hf['tokens_per_s']:9.1f} tok/s {hf['step_ms']:7.2f} ms  "

@@ -34,7 +34,7 @@ def test_decode_run_counts_only_the_timed_steps():
     import torch
 
     class Counting:
-        kvd_s = meta_s = kvd_exposed_s = meta_exposed_s = 0.0
+        kvd_s = meta_s = kvd_exposed_s = meta_exposed_s = kvd_wall_s = 0.0
         steady_steps = ahead_steps = 0
         graphs = None
         reqs: dict = {}
@@ -42,6 +42,7 @@ def test_decode_run_counts_only_the_timed_steps():
 
         def step(self):
             self.kvd_s += 0.001
+            self.kvd_wall_s += 0.003
             self.kvd_exposed_s += 0.0002
             self.meta_s += 0.0005
             self.steady_steps += 1
@@ -49,11 +50,12 @@ def test_decode_run_counts_only_the_timed_steps():
 
         def run(self):  # the batch's frees, after the timed steps
             self.kvd_s += 1.0
+            self.kvd_wall_s += 1.0
             self.kvd_exposed_s += 1.0
             self.meta_exposed_s += 1.0
 
     out = bench_engine._decode_run(Counting(), {}, 4, torch.device("cpu"))
-    assert out["round_trip_ms"] == pytest.approx(1.0)
+    assert out["round_trip_ms"] == pytest.approx(1.0) and out["round_trip_wall_ms"] == pytest.approx(3.0)
     assert out["round_trip_exposed_ms"] == pytest.approx(0.2)
     assert out["meta_ms"] == pytest.approx(0.5) and out["meta_exposed_ms"] == 0.0
     assert out["steady_steps"] == 4

@@ -87,12 +87,18 @@ class Engine(ForwardMixin, OverlapMixin):
         self.copies = 0
         self.swaps_out = self.swaps_in = 0
         self.forward_s = 0.0
-        self.kvd_s = 0.0   # kvd's share of the steps: the round trips ...
+        # kvd's share of the steps: the engine thread's time in round trips (a step sent ahead:
+        # its send and the wait for its reply, not the time between, when the thread waits for the
+        # GPU and samples) ...
+        self.kvd_s = 0.0
         self.meta_s = 0.0  # ... and building slots / table views / varlen layout from its answer
         self.meta_exposed_s = 0.0  # the part of meta_s the GPU waited for (not done during a forward)
+        self.kvd_wall_s = 0.0  # the round trips from send to reply taken, overlapped or not
         # the last step's phases (seconds): plan (scheduling, hashing), rt (kvd round trip), inputs
-        # (token ids), meta (kvd's metadata), model (the forward's launch), sample (waiting for the
-        # device, sampling), total
+        # (token ids), meta (kvd's metadata), launch (the forward's), model (the launch and, with
+        # overlap, the next step's plan and send), gpu (launch to the forward's end on the GPU, when
+        # timed), sample (waiting for the device, sampling), rt_wait (overlap: waiting for the
+        # reply after sampling), total
         self.phases: dict[str, float] = {}
         self.freed_since_preempt = True
         self.keep_logits = keep_logits
@@ -101,8 +107,10 @@ class Engine(ForwardMixin, OverlapMixin):
             raise ValueError("overlap needs one full-attention KV-cache group and a client with steps_in_flight >= 1")
         self.overlap = overlap
         # (ids, decode count, hash counts, StepResult, plan s, rt s, (SteadyBatch, its row order) or
-        # None) of the step sent ahead
+        # None) of the step sent ahead (until its reply is taken: the pending reply, plan s, send start, ...)
         self._ahead = None
+        self._took = None  # host (start, end) of taking the reply of the step sent ahead
+        self._forward_end = None  # the CUDA event after the running forward (overlap, CUDA)
         self._batch: SteadyBatch | None = None  # overlap: the steady decode batch's arrays
         self.ahead_steps = 0
         self.steady_steps = 0  # steps that ran on the steady batch's arrays
@@ -200,6 +208,7 @@ class Engine(ForwardMixin, OverlapMixin):
         res = self.c.step(batch)
         t1 = time.perf_counter()
         self.kvd_s += t1 - t0
+        self.kvd_wall_s += t1 - t0
         self.kvd_exposed_s += t1 - t0  # nothing runs meanwhile
         self.phases.update(plan=t0 - t_start, rt=t1 - t0)
         self._took_reply(res)

@@ -163,6 +163,7 @@ class ForwardMixin:
         """Account a launched forward's metadata time; what :meth:`_finish` needs."""
         if events is not None:
             events[1].record()
+        self.phases["launch"] = time.perf_counter() - t_model
         self.meta_s += t_model - t_meta
         self.meta_exposed_s += t_model - t_meta  # the GPU waits for it
         self.phases.update(inputs=t_meta - t0, meta=t_model - t_meta)
@@ -170,9 +171,12 @@ class ForwardMixin:
 
     def _finish(self, launched, ahead_rt: tuple[float, float] | None = None) -> None:
         """Wait for the launched forward, sample, account. ``ahead_rt``: host (start, end) of the
-        round trip sent during this forward; the part after the GPU finished is exposed."""
+        send of the step sent during this forward, whose reply is taken as soon as it arrives while
+        the forward runs, else after the sampling (see ``OverlapMixin._reply_or_gpu``); the parts of
+        both after the GPU finished are exposed."""
         (sched, done), logits, t0, t_model, events = launched
         t_sample = time.perf_counter()
+        self._forward_end = events[1] if events is not None and ahead_rt is not None else None
         pre = self._sample_steady(sched, logits) if done is None else self._sample(sched, done, logits)
         self.forwards += 1
         t1 = time.perf_counter()
@@ -181,19 +185,21 @@ class ForwardMixin:
         # when the GPU finished the forward (an upper bound: its start counted from the launch);
         # the CPU's forward has returned before anything after it starts
         gpu_done = t_model + events[0].elapsed_time(events[1]) / 1e3 if events is not None else 0.0
-        if ahead_rt is not None:
-            exposed = max(0.0, ahead_rt[1] - max(ahead_rt[0], gpu_done))
-            self.kvd_exposed_s += exposed
-            self.phases["rt_exposed"] = exposed
+        if events is not None:
+            self.phases["gpu"] = gpu_done - t_model
         if pre is not None:  # the next step's inputs, staged during this forward: exposed after it
             exposed = max(0.0, pre[1] - max(pre[0], gpu_done))
             self.meta_s += pre[1] - pre[0]
             self.meta_exposed_s += exposed
             self.phases.update(prestage=pre[1] - pre[0], prestage_exposed=exposed)
+        if ahead_rt is not None:
+            self._ahead_exposed(ahead_rt, gpu_done)
 
     def _sample(self, sched, done, logits) -> None:
         """Greedy tokens (argmax on the model's device; only the ids come back) unless forced."""
-        best = torch.argmax(logits, dim=-1).tolist()  # the step's one device synchronization
+        best = torch.argmax(logits, dim=-1)
+        self._reply_or_gpu(self._forward_end)
+        best = best.tolist()  # the step's one device synchronization
         kept = logits.float().cpu() if self.keep_logits else None
         for r, s, n in sched:
             r.computed = s + n
@@ -224,6 +230,7 @@ class ForwardMixin:
             self._bucket.prestage(batch.stamp, best, pos1, (pos1 + 1).astype(np.int32))
             self.prestaged_steps += 1
             pre = (p0, time.perf_counter())
+        self._reply_or_gpu(self._forward_end)
         toks = best.cpu().numpy()  # the step's one device synchronization
         kept = logits.float().cpu() if self.keep_logits else None
         if batch.forced:

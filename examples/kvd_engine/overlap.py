@@ -60,18 +60,55 @@ class OverlapMixin:
         return self._send(np.asarray(self.c.rows_of(ids), np.int32), ntok, hs, cnt, (ids, len(nxt), counts), t0)
 
     def _send(self, rows, ntok, hs, cnt, ahead: tuple, t0: float, steady=None):
-        """Send the next step's message (with the frees waiting for it) and keep its reply for the
-        next step: ``self._ahead`` = (*ahead, reply, plan time, round trip, steady)."""
+        """Send the next step's message (with the frees waiting for it) without waiting for its
+        reply, which :meth:`_take_ahead` takes once this step's forward is done and sampled (the
+        round trip overlaps the forward, the wait for the GPU and the sampling):
+        ``self._ahead`` = (*ahead, pending reply, plan time, send start, steady)."""
         msg = StepBatch(free=self._free_later, append_rows=rows, append_num_tokens=ntok, append_hashes=hs,
                         append_hash_counts=cnt)
         self._free_later = []
         t1 = time.perf_counter()
-        res = self.c.step(msg)
+        pending = self.c.start_step(msg)
         t2 = time.perf_counter()
         self.kvd_s += t2 - t1
         self.ahead_steps += 1
-        self._ahead = (*ahead, res, t1 - t0, t2 - t1, steady)
+        self._ahead = (*ahead, pending, t1 - t0, t1, steady)
         return t1, t2
+
+    def _take_ahead(self) -> None:
+        """Take the reply of the step sent during this forward (waiting for it if it has not
+        arrived); ``self._took`` = its host (start, end)."""
+        *ahead, pending, plan_s, t_sent, steady = self._ahead
+        t0 = time.perf_counter()
+        res = pending.result()
+        t1 = time.perf_counter()
+        self.kvd_s += t1 - t0
+        self.kvd_wall_s += t1 - t_sent
+        self._took = (t0, t1)
+        self._ahead = (*ahead, res, plan_s, t1 - t_sent, steady)
+
+    def _reply_or_gpu(self, forward_end) -> None:
+        """Before the engine blocks on its forward: poll for whichever comes first, the reply of the
+        step sent ahead (taken at once, its decoding overlapping the forward too) or the forward's
+        end (``forward_end``, a CUDA event recorded after it; the reply is then taken after the
+        sampling, which needs no reply)."""
+        if self._ahead is None or self._took is not None or forward_end is None:
+            return
+        pending = self._ahead[3]
+        while not forward_end.query():
+            if pending.ready():
+                self._take_ahead()
+                return
+
+    def _ahead_exposed(self, sent: tuple[float, float], gpu_done: float) -> None:
+        """Account the round trip sent during the forward that ended (on the GPU) at ``gpu_done``:
+        taken already or now, its host time after that end is exposed."""
+        if self._took is None:
+            self._take_ahead()
+        exposed = sum(max(0.0, b - max(a, gpu_done)) for a, b in (sent, self._took))
+        self._took = None
+        self.kvd_exposed_s += exposed
+        self.phases.update(rt_exposed=exposed, rt_wall=self._ahead[5])
 
     def _send_ahead_steady(self, batch):
         """:meth:`_send_ahead` from a steady batch's arrays (falls back to it, dropping the batch,
