@@ -117,6 +117,26 @@ def test_lockstep_fills_spread_over_steps_and_a_finishing_row_drains_its_chain()
     assert b.queued[35] == 0 and b.nh[35] == 3 and b.queued[32] == 1
 
 
+def test_queued_blocks_register_by_their_requests_last_message():
+    """Beyond ``cap``, a message takes as many queued blocks as an even rate needs to register each
+    by its request's last message, the earliest deadlines first: rows 20..39 have 2 tokens to
+    sample (2 messages), rows 0..19 27."""
+    bs = 4
+    reqs = [_decoding(f"r{i}", [i + 1] * 5, [100 + i, 200 + i, 300 + i], 5 if i >= 20 else 30, bs)
+            for i in range(40)]
+    b = SteadyBatch(reqs, np.arange(40), bs, "S16")
+    b.cap = 4
+    assert b.left.tolist() == [27] * 20 + [2] * 20
+    b.push(b.filled())
+    rows, _ = b.take(np.zeros(40, bool), hash_next_blocks)
+    assert rows.tolist() == list(range(20, 30))  # 20 blocks due within 2 messages: 10 now
+    _sample(b, [7] * 40)
+    rows, hashes = b.take(b.left <= 1, hash_next_blocks)  # rows 30..39 finish: theirs, and cap others
+    assert rows.tolist() == [0, 1, 2, 3] + list(range(30, 40))
+    assert hashes[4] == [hash_prompt(np.array(reqs[30].seq[:8]), bs)[1]]
+    assert b.q_rows.tolist() == list(range(4, 20)) and b.queued.tolist() == [0] * 4 + [1] * 16 + [0] * 20
+
+
 def test_steady_batch_refuses_a_first_block_without_parent():
     r = _decoding("a", [1, 2], [3, 4], 8, 4)  # position 3 ends the first block: no parent hash
     assert len(r.hashes) == 0

@@ -136,7 +136,9 @@ class OverlapMixin:
         else:
             order = np.concatenate([np.flatnonzero(nxt), np.flatnonzero(fin)])
             ids, counts, rows = [batch.rids[i] for i in order.tolist()], fill[order], batch.rows[order]
-            if len(order) > n_next:
+            if not n_next:  # every request finishes: one count for all, kvd's decode fast path
+                ntok = 0
+            elif len(order) > n_next:
                 ntok = np.zeros(len(order), np.int32)
                 ntok[:n_next] = 1
         hs = cnt = ()

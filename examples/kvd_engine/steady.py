@@ -15,10 +15,11 @@ step needs in numpy arrays indexed by the request's row in the forward (its inde
     recent    int64 [B, block_size]  the tokens of the block being filled, column position % block_size
 
 so the blocks a step fills are hashed in one ``hash_next_blocks`` call from ``recent`` and
-``last_hash``. Filled blocks queue (FIFO) and at most ``cap`` of them are hashed and registered per
-message (a finishing request's all at once): a batch that fills its blocks in lockstep (equal prompt
-lengths) would otherwise put every request's hash and registration into one step's message, longer
-than the forward it should hide behind. The ``Request`` objects stay the truth for everything else in the engine, with one
+``last_hash``. Filled blocks queue and ``cap`` of them are hashed and registered per message, more
+where needed to register every queued block by its request's last message at an even rate (earliest
+deadline first; a finishing request's all at once): a batch that fills its blocks in lockstep (equal
+prompt lengths) would otherwise put every request's hash and registration into one step's message,
+longer than the forward it should hide behind, and finishing together, into its last one. The ``Request`` objects stay the truth for everything else in the engine, with one
 exception: the hashes computed here are appended to ``Request.hashes`` only by :meth:`flush`
 (``Engine`` flushes before any step that is not a steady one, and when requests leave the batch),
 because a concatenation per request and block would cost more than the hashing. ``output``,
@@ -100,13 +101,13 @@ class SteadyBatch:
 
     def take(self, must: np.ndarray, hash_next) -> tuple[np.ndarray, list[np.ndarray]]:
         """Hash the queued blocks this step registers: every block of the rows where ``must``, and
-        up to ``cap`` others, oldest first. Returns (rows, hashes of each row in chain order);
+        those of :meth:`_also_take`. Returns (rows, hashes of each row in chain order);
         ``hash_next(tokens, parents)`` is the client's ``hash_next_blocks``."""
         q = self.q_rows
         if not q.size:
             return q, []
         sel = must[q]
-        sel[np.flatnonzero(~sel)[:self.cap]] = True
+        sel[self._also_take(q, sel)] = True
         rows, tokens = q[sel], self.q_tokens[sel]
         self.q_rows, self.q_tokens = q[~sel], self.q_tokens[~sel]
         out: dict[int, list] = {}
@@ -125,6 +126,20 @@ class SteadyBatch:
             rows, tokens = rows[~now], tokens[~now]
         done = np.fromiter(out, np.int64, len(out))
         return done, [out[i] for i in done.tolist()]
+
+    def _also_take(self, q: np.ndarray, sel: np.ndarray) -> np.ndarray:
+        """Indices into the queue of the blocks registered now besides ``sel``: ``cap``, or more
+        where needed for every queued block to register by its request's last message at an even
+        rate (a request with ``left`` tokens to sample has ``left`` messages, this one included),
+        earliest deadline first, oldest first among equals."""
+        rest = np.flatnonzero(~sel)
+        if not rest.size:
+            return rest
+        left = np.where(sel, 1, np.maximum(self.left[q], 1))
+        by_deadline = np.sort(left, kind="stable")
+        need = int(np.max(-(-np.arange(1, q.size + 1) // by_deadline)))  # ceil((i + 1) / deadline_i)
+        k = max(self.cap, need - int(np.count_nonzero(sel)))
+        return rest[np.argsort(left[rest], kind="stable")[:k]]
 
     def flush(self) -> None:
         """Append the hashes computed here to their requests' ``hashes`` (queued blocks not hashed
