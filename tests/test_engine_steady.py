@@ -137,6 +137,55 @@ def test_queued_blocks_register_by_their_requests_last_message():
     assert b.q_rows.tolist() == list(range(4, 20)) and b.queued.tolist() == [0] * 4 + [1] * 16 + [0] * 20
 
 
+def test_prehashed_blocks_are_what_a_message_registers():
+    """``prehash`` hashes each row's oldest queued block (up to ``cap``, 16 a chunk, until
+    ``stop``); with ``prehashing`` a message registers those (and what deadlines need), with the
+    same hashes ``take`` would compute; a row's second block waits for its first."""
+    bs = 4
+    reqs = [_decoding(f"r{i}", [i + 1] * 5, [100 + i, 200 + i, 300 + i], 30, bs) for i in range(40)]
+    b = SteadyBatch(reqs, np.arange(40), bs, "S16")
+    b.prehashing, b.cap = True, 20
+    b.push(b.filled())
+    b.push(np.array([3]))  # row 3 queues a second block (chained on its first)
+    calls = []
+    b.prehash(hash_next_blocks, lambda: (calls.append(1), len(calls) > 1)[1])  # stops before chunk 2
+    assert b.q_hashed.tolist() == [True] * 16 + [False] * 25 and len(calls) == 2
+    assert b.q_hash[5] == hash_prompt(np.array(reqs[5].seq[:8]), bs)[1]
+    b.prehash(hash_next_blocks, lambda: False)  # 4 more: cap 20
+    assert b.q_hashed.tolist() == [True] * 20 + [False] * 21
+    assert b.nh.tolist() == [1] * 40 and b.queued[3] == 2  # nothing taken yet
+    rows, hashes = b.take(np.zeros(40, bool), hash_next_blocks)
+    assert rows.tolist() == list(range(20)) and b.q_rows.tolist() == list(range(20, 40)) + [3]
+    assert all(h == [hash_prompt(np.array(reqs[i].seq[:8]), bs)[1]] for i, h in zip(rows.tolist(), hashes))
+    b.cap = 24
+    b.prehash(hash_next_blocks, lambda: False)
+    assert b.q_hashed.tolist() == [True] * 21  # row 3's second block has its parent now
+    must = np.zeros(40, bool)
+    must[3] = True
+    rows, hashes = b.take(must, hash_next_blocks)
+    assert rows.tolist() == list(range(20, 40)) + [3] and b.q_rows.size == 0
+    first = hash_prompt(np.array(reqs[3].seq[:8]), bs)[1]
+    assert hashes[-1] == [hash_next_blocks(np.array([[4, 103, 203, 303]]), np.array([first]))[0]]
+
+
+def test_prehash_keeps_up_with_near_deadlines():
+    """Rows with 3 tokens to sample: the next message has 2 messages left for their blocks, so
+    prehash hashes 20 of 40 (the even rate), not ``cap`` (4); the message registers only those."""
+    bs = 4
+    reqs = [_decoding(f"r{i}", [i + 1] * 5, [100 + i, 200 + i, 300 + i], 6, bs) for i in range(40)]
+    b = SteadyBatch(reqs, np.arange(40), bs, "S16")
+    b.prehashing, b.cap = True, 4
+    b.push(b.filled())
+    assert b.left.tolist() == [3] * 40
+    rows, _ = b.take(np.zeros(40, bool), hash_next_blocks)  # nothing prehashed: nothing in the plan
+    assert rows.size == 0
+    b.prehash(hash_next_blocks, lambda: False)
+    assert int(b.q_hashed.sum()) == 20 and b.q_hashed[:20].all()
+    _sample(b, [7] * 40)
+    rows, _ = b.take(b.left <= 1, hash_next_blocks)
+    assert rows.tolist() == list(range(20)) and b.q_rows.tolist() == list(range(20, 40))
+
+
 def test_steady_batch_refuses_a_first_block_without_parent():
     r = _decoding("a", [1, 2], [3, 4], 8, 4)  # position 3 ends the first block: no parent hash
     assert len(r.hashes) == 0

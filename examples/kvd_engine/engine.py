@@ -238,6 +238,7 @@ class Engine(ForwardMixin, OverlapMixin):
             if self._steady(sched, res):  # from now on the steps run on arrays (steady.py)
                 batch = self._batch = SteadyBatch([r for r, _, _ in sched], self.c.rows_of([r.rid for r, _, _ in sched]),
                                                   self.bs, self.hashes_dtype)
+                batch.prehashing = self._timed()  # the wait for a timed forward hashes ahead
                 launched = ((batch, None),) + launched[1:]
                 rt = self._send_ahead_steady(batch)
             self._finish(launched, rt)

@@ -89,15 +89,18 @@ class OverlapMixin:
 
     def _reply_or_gpu(self, forward_end) -> None:
         """Before the engine blocks on its forward: poll for whichever comes first, the reply of the
-        step sent ahead (taken at once, its decoding overlapping the forward too) or the forward's
-        end (``forward_end``, a CUDA event recorded after it; the reply is then taken after the
-        sampling, which needs no reply)."""
+        step sent ahead (taken at once, its decoding overlapping the forward too, then the steady
+        batch's queued blocks are hashed for the next messages until the forward ends) or the
+        forward's end (``forward_end``, a CUDA event recorded after it; the reply is then taken
+        after the sampling, which needs no reply)."""
         if self._ahead is None or self._took is not None or forward_end is None:
             return
         pending = self._ahead[3]
         while not forward_end.query():
             if pending.ready():
                 self._take_ahead()
+                if self._batch is not None:  # the next messages' hashes, while the GPU works
+                    self._batch.prehash(self.c.hash_next_blocks, forward_end.query)
                 return
 
     def _ahead_exposed(self, sent: tuple[float, float], gpu_done: float) -> None:

@@ -19,7 +19,9 @@ so the blocks a step fills are hashed in one ``hash_next_blocks`` call from ``re
 where needed to register every queued block by its request's last message at an even rate (earliest
 deadline first; a finishing request's all at once): a batch that fills its blocks in lockstep (equal
 prompt lengths) would otherwise put every request's hash and registration into one step's message,
-longer than the forward it should hide behind, and finishing together, into its last one. The ``Request`` objects stay the truth for everything else in the engine, with one
+longer than the forward it should hide behind, and finishing together, into its last one. With
+``prehashing`` (an engine that waits for its GPU after taking a reply) the hashing moves out of the
+message's planning: ``prehash`` hashes, while a forward runs, what the next message registers. The ``Request`` objects stay the truth for everything else in the engine, with one
 exception: the hashes computed here are appended to ``Request.hashes`` only by :meth:`flush`
 (``Engine`` flushes before any step that is not a steady one, and when requests leave the batch),
 because a concatenation per request and block would cost more than the hashing. ``output``,
@@ -62,7 +64,13 @@ class SteadyBatch:
         # filled blocks waiting for their hash and registration (FIFO): rows, tokens [Q, block_size]
         self.q_rows = np.zeros(0, np.int64)
         self.q_tokens = np.zeros((0, block_size), np.int64)
+        # a queued block's hash computed ahead (``prehash``): its value, whether computed
+        self.q_hash = np.zeros(0, hashes_dtype)
+        self.q_hashed = np.zeros(0, bool)
         self.queued = np.zeros(n, np.int64)
+        # True: ``prehash`` runs between messages (the engine waits for its GPU then), and a message
+        # registers what it computed instead of ``cap`` blocks (still every block a deadline needs)
+        self.prehashing = False
         self._layout()
 
     def __len__(self) -> int:
@@ -97,7 +105,32 @@ class SteadyBatch:
         """Queue the blocks rows ``idx`` just filled (their tokens are copied out of ``recent``)."""
         self.q_rows = np.concatenate([self.q_rows, idx])
         self.q_tokens = np.concatenate([self.q_tokens, self.recent[idx]])
+        self.q_hash = np.concatenate([self.q_hash, np.zeros(idx.size, self.q_hash.dtype)])
+        self.q_hashed = np.concatenate([self.q_hashed, np.zeros(idx.size, bool)])
         self.queued[idx] += 1
+
+    def prehash(self, hash_next, stop) -> None:
+        """Hash queued blocks before a message takes them (called while this step's forward runs,
+        so the next message registers them): ``cap`` in all, or as many as the next message's
+        even rate needs (see :meth:`_also_take`), earliest deadline first, each row's oldest only
+        (its parent, the row's newest hash, is known), 16 at a time until ``stop()`` (the
+        engine: its forward has ended on the GPU)."""
+        q = self.q_rows
+        if not q.size:
+            return
+        left = np.maximum(self.left[q] - 1, 1)  # the next message's deadlines
+        room = max(self.cap, _even_rate(left)) - int(np.count_nonzero(self.q_hashed))
+        if room <= 0:
+            return
+        _, first = np.unique(q, return_index=True)
+        first = first[~self.q_hashed[first]]
+        first = first[np.lexsort((first, left[first]))][:room]
+        for i in range(0, first.size, 16):
+            if stop():
+                return
+            at = first[i:i + 16]
+            self.q_hash[at] = hash_next(self.q_tokens[at], self.last_hash[q[at]])
+            self.q_hashed[at] = True
 
     def take(self, must: np.ndarray, hash_next) -> tuple[np.ndarray, list[np.ndarray]]:
         """Hash the queued blocks this step registers: every block of the rows where ``must``, and
@@ -108,37 +141,40 @@ class SteadyBatch:
             return q, []
         sel = must[q]
         sel[self._also_take(q, sel)] = True
-        rows, tokens = q[sel], self.q_tokens[sel]
+        rows, tokens, pre, hashed = q[sel], self.q_tokens[sel], self.q_hash[sel], self.q_hashed[sel]
         self.q_rows, self.q_tokens = q[~sel], self.q_tokens[~sel]
+        self.q_hash, self.q_hashed = self.q_hash[~sel], self.q_hashed[~sel]
         out: dict[int, list] = {}
         while rows.size:  # a row queued twice: its second block chains on its first
             _, first = np.unique(rows, return_index=True)
             now = np.zeros(rows.shape[0], bool)
             now[first] = True
             r = rows[now]
-            new = hash_next(tokens[now], self.last_hash[r])
+            new, miss = pre[now], ~hashed[now]  # a prehashed block is its row's oldest: in ``now``
+            if miss.any():
+                new[miss] = hash_next(tokens[now][miss], self.last_hash[r[miss]])
             self.last_hash[r] = new
             self.nh[r] += 1
             self.queued[r] -= 1
             self.pending.append((r, new))
             for i, h in zip(r.tolist(), new):
                 out.setdefault(i, []).append(h)
-            rows, tokens = rows[~now], tokens[~now]
+            rows, tokens, pre, hashed = rows[~now], tokens[~now], pre[~now], hashed[~now]
         done = np.fromiter(out, np.int64, len(out))
         return done, [out[i] for i in done.tolist()]
 
     def _also_take(self, q: np.ndarray, sel: np.ndarray) -> np.ndarray:
-        """Indices into the queue of the blocks registered now besides ``sel``: ``cap``, or more
-        where needed for every queued block to register by its request's last message at an even
-        rate (a request with ``left`` tokens to sample has ``left`` messages, this one included),
-        earliest deadline first, oldest first among equals."""
+        """Indices into the queue of the blocks registered now besides ``sel``. With
+        ``prehashing``, the prehashed ones (``prehash`` keeps up with the deadlines; a finishing
+        row's ``must`` catches what it could not). Else ``cap``, or more where an even rate is
+        needed for every queued block to register by its request's last message (a request with
+        ``left`` tokens to sample has ``left`` messages, this one included), earliest deadline
+        first, oldest first among equals."""
         rest = np.flatnonzero(~sel)
-        if not rest.size:
-            return rest
+        if self.prehashing or not rest.size:
+            return rest[self.q_hashed[rest]]
         left = np.where(sel, 1, np.maximum(self.left[q], 1))
-        by_deadline = np.sort(left, kind="stable")
-        need = int(np.max(-(-np.arange(1, q.size + 1) // by_deadline)))  # ceil((i + 1) / deadline_i)
-        k = max(self.cap, need - int(np.count_nonzero(sel)))
+        k = max(self.cap, _even_rate(left) - int(np.count_nonzero(sel)))
         return rest[np.argsort(left[rest], kind="stable")[:k]]
 
     def flush(self) -> None:
@@ -176,8 +212,17 @@ class SteadyBatch:
         new_index = np.cumsum(keep) - 1
         q = keep[self.q_rows]  # a request leaving had its blocks taken (``must``) at its last step
         self.q_rows, self.q_tokens = new_index[self.q_rows[q]], self.q_tokens[q]
+        self.q_hash, self.q_hashed = self.q_hash[q], self.q_hashed[q]
         self.reqs = [r for r, k in zip(self.reqs, keep.tolist()) if k]
         self.rids = [r.rid for r in self.reqs]
         for name in ("rows", "pos", "last", "left", "nh", "reg", "last_hash", "recent", "queued"):
             setattr(self, name, getattr(self, name)[keep])
         self._layout()
+
+
+def _even_rate(deadlines: np.ndarray) -> int:
+    """The fewest blocks a message must register, the same number every message, for each queued
+    block (``deadlines``: messages left to it, >= 1) to register by its deadline:
+    max over i of ceil((i + 1) / d_i), d sorted."""
+    d = np.sort(deadlines)
+    return int(np.max(-(-np.arange(1, d.size + 1) // d))) if d.size else 0
