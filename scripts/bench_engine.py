@@ -101,7 +101,7 @@ def _decode_run(eng, prompts, steps, dev):
             "meta_ms": meta_s / steps * 1e3,
             "round_trip_exposed_ms": rt_x / steps * 1e3, "meta_exposed_ms": meta_x / steps * 1e3,
             "overlap_exposed_ms_p50_p99_max": [round(float(x), 3) for x in np.percentile(exposed, [50, 99, 100])],
-            "steps_sent_ahead": eng.ahead_steps, "steady_steps": steady, "gc_collections_in_timed_steps": gc_timed,
+            "steps_sent_ahead": eng.ahead_steps, "steady_steps": steady, "prehashed_blocks": eng.prehashed_blocks, "gc_collections_in_timed_steps": gc_timed,
             "graph_replays": eng.graphs.replays if eng.graphs else 0,
             "phases_p50_ms": {k: round(float(np.median([p.get(k, 0.0) for p in phases])) * 1e3, 3)
                               for k in sorted({k for p in phases for k in p})}}

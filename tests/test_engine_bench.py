@@ -35,7 +35,7 @@ def test_decode_run_counts_only_the_timed_steps():
 
     class Counting:
         kvd_s = meta_s = kvd_exposed_s = meta_exposed_s = kvd_wall_s = 0.0
-        steady_steps = ahead_steps = 0
+        steady_steps = ahead_steps = prehashed_blocks = 0
         graphs = None
         reqs: dict = {}
         phases: dict = {}

@@ -5,6 +5,8 @@ buffers)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -47,12 +49,13 @@ def _prompts(seed, n=12):
                          ids=["sync", "overlap", "overlap-own-slots"])
 def test_graphs_through_a_gpu_daemon_match_hf(daemon_factory, overlap, slot_mapping):
     _cuda()
-    d = daemon_factory(wait=False, device="cuda:0", **DAEMON)
+    d = daemon_factory(wait=False, device="cuda:0", tenants=f"t=uid:{os.getuid()}", **DAEMON)
     d.wait_ready(300)
     model = model_of(LLAMA).to("cuda")
     prompts = _prompts(12)
     # the daemon compiles its kernels before it serves: the hello may wait for that
-    with Client(d.endpoint, name="gpu-engine", steps_in_flight=1, timeout_s=300.0, slot_mapping=slot_mapping) as c:
+    with Client(d.endpoint, tenant="t", name="gpu-engine", steps_in_flight=1, timeout_s=300.0,
+                slot_mapping=slot_mapping) as c:
         assert (c.gpu_slot_mappings is None) != slot_mapping  # without them: every slot from the tables
         # steps of up to 16 tokens replay graphs; prefills (chunks up to 48 tokens) run eagerly
         eng = Engine(c, model, device="cuda", max_tokens=48, graph_tokens=16, overlap=overlap, prestage=True)
@@ -65,6 +68,11 @@ def test_graphs_through_a_gpu_daemon_match_hf(daemon_factory, overlap, slot_mapp
         assert (eng.prestaged_replays > 0) == overlap  # device tables: a prestaged step only replays
         assert_matches_hf(model, eng, prompts, 12)
         assert c.stats()["num_requests"] == 0
+        c.mark_computed()
+        with Client(d.endpoint, tenant="t", name="reader", timeout_s=300.0) as rd:  # every written block cached
+            for rid, p in prompts.items():
+                seq = np.array(p + eng.reqs[rid].output[:-1])
+                assert rd.lookup(c.hash_prompt(seq)) == len(seq) // BLOCK, rid
 
 
 def test_graphs_with_host_tables_match_hf():

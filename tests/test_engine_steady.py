@@ -139,12 +139,12 @@ def test_queued_blocks_register_by_their_requests_last_message():
 
 def test_prehashed_blocks_are_what_a_message_registers():
     """``prehash`` hashes each row's oldest queued block (up to ``cap``, 16 a chunk, until
-    ``stop``); with ``prehashing`` a message registers those (and what deadlines need), with the
+    ``stop``); after a prehash a message registers those (and what deadlines need), with the
     same hashes ``take`` would compute; a row's second block waits for its first."""
     bs = 4
     reqs = [_decoding(f"r{i}", [i + 1] * 5, [100 + i, 200 + i, 300 + i], 30, bs) for i in range(40)]
     b = SteadyBatch(reqs, np.arange(40), bs, "S16")
-    b.prehashing, b.cap = True, 20
+    b.cap = 20
     b.push(b.filled())
     b.push(np.array([3]))  # row 3 queues a second block (chained on its first)
     calls = []
@@ -170,20 +170,21 @@ def test_prehashed_blocks_are_what_a_message_registers():
 
 def test_prehash_keeps_up_with_near_deadlines():
     """Rows with 3 tokens to sample: the next message has 2 messages left for their blocks, so
-    prehash hashes 20 of 40 (the even rate), not ``cap`` (4); the message registers only those."""
+    prehash hashes 20 of 40 (the even rate), not ``cap`` (4), and that message registers only
+    those; a message with no prehash before it hashes by the rule without (cap, or the even rate)."""
     bs = 4
     reqs = [_decoding(f"r{i}", [i + 1] * 5, [100 + i, 200 + i, 300 + i], 6, bs) for i in range(40)]
     b = SteadyBatch(reqs, np.arange(40), bs, "S16")
-    b.prehashing, b.cap = True, 4
+    b.cap = 4
     b.push(b.filled())
     assert b.left.tolist() == [3] * 40
-    rows, _ = b.take(np.zeros(40, bool), hash_next_blocks)  # nothing prehashed: nothing in the plan
-    assert rows.size == 0
-    b.prehash(hash_next_blocks, lambda: False)
-    assert int(b.q_hashed.sum()) == 20 and b.q_hashed[:20].all()
+    assert b.prehash(hash_next_blocks, lambda: False) == 20
+    assert b.q_hashed.tolist() == [True] * 20 + [False] * 20
     _sample(b, [7] * 40)
     rows, _ = b.take(b.left <= 1, hash_next_blocks)
     assert rows.tolist() == list(range(20)) and b.q_rows.tolist() == list(range(20, 40))
+    rows, _ = b.take(np.zeros(40, bool), hash_next_blocks)  # no prehash since: 20 due in 2 messages
+    assert rows.tolist() == list(range(20, 30))
 
 
 def test_steady_batch_refuses_a_first_block_without_parent():

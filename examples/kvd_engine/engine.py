@@ -114,6 +114,7 @@ class Engine(ForwardMixin, OverlapMixin):
         self._batch: SteadyBatch | None = None  # overlap: the steady decode batch's arrays
         self.ahead_steps = 0
         self.steady_steps = 0  # steps that ran on the steady batch's arrays
+        self.prehashed_blocks = 0  # blocks hashed while waiting for a forward (SteadyBatch.prehash)
         # the step round trips' time on the critical path: all of a round trip the engine waits for,
         # the part of one sent ahead after the forward it overlapped had finished on the GPU (on the
         # CPU the forward is done before it starts: all of it)
@@ -238,7 +239,6 @@ class Engine(ForwardMixin, OverlapMixin):
             if self._steady(sched, res):  # from now on the steps run on arrays (steady.py)
                 batch = self._batch = SteadyBatch([r for r, _, _ in sched], self.c.rows_of([r.rid for r, _, _ in sched]),
                                                   self.bs, self.hashes_dtype)
-                batch.prehashing = self._timed()  # the wait for a timed forward hashes ahead
                 launched = ((batch, None),) + launched[1:]
                 rt = self._send_ahead_steady(batch)
             self._finish(launched, rt)

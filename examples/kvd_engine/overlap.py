@@ -100,7 +100,7 @@ class OverlapMixin:
             if pending.ready():
                 self._take_ahead()
                 if self._batch is not None:  # the next messages' hashes, while the GPU works
-                    self._batch.prehash(self.c.hash_next_blocks, forward_end.query)
+                    self.prehashed_blocks += self._batch.prehash(self.c.hash_next_blocks, forward_end.query)
                 return
 
     def _ahead_exposed(self, sent: tuple[float, float], gpu_done: float) -> None:

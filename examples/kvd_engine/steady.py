@@ -19,9 +19,10 @@ so the blocks a step fills are hashed in one ``hash_next_blocks`` call from ``re
 where needed to register every queued block by its request's last message at an even rate (earliest
 deadline first; a finishing request's all at once): a batch that fills its blocks in lockstep (equal
 prompt lengths) would otherwise put every request's hash and registration into one step's message,
-longer than the forward it should hide behind, and finishing together, into its last one. With
-``prehashing`` (an engine that waits for its GPU after taking a reply) the hashing moves out of the
-message's planning: ``prehash`` hashes, while a forward runs, what the next message registers. The ``Request`` objects stay the truth for everything else in the engine, with one
+longer than the forward it should hide behind, and finishing together, into its last one. An
+engine that waits for its GPU after taking a reply moves the hashing out of the message's planning:
+``prehash`` hashes, while the forward runs, what the next message registers (where it did not run,
+the next message hashes as above). The ``Request`` objects stay the truth for everything else in the engine, with one
 exception: the hashes computed here are appended to ``Request.hashes`` only by :meth:`flush`
 (``Engine`` flushes before any step that is not a steady one, and when requests leave the batch),
 because a concatenation per request and block would cost more than the hashing. ``output``,
@@ -68,9 +69,8 @@ class SteadyBatch:
         self.q_hash = np.zeros(0, hashes_dtype)
         self.q_hashed = np.zeros(0, bool)
         self.queued = np.zeros(n, np.int64)
-        # True: ``prehash`` runs between messages (the engine waits for its GPU then), and a message
-        # registers what it computed instead of ``cap`` blocks (still every block a deadline needs)
-        self.prehashing = False
+        # ``prehash`` ran since the last ``take``: the next message registers what it hashed
+        self.prehashed_since_take = False
         self._layout()
 
     def __len__(self) -> int:
@@ -109,28 +109,32 @@ class SteadyBatch:
         self.q_hashed = np.concatenate([self.q_hashed, np.zeros(idx.size, bool)])
         self.queued[idx] += 1
 
-    def prehash(self, hash_next, stop) -> None:
+    def prehash(self, hash_next, stop) -> int:
         """Hash queued blocks before a message takes them (called while this step's forward runs,
         so the next message registers them): ``cap`` in all, or as many as the next message's
         even rate needs (see :meth:`_also_take`), earliest deadline first, each row's oldest only
         (its parent, the row's newest hash, is known), 16 at a time until ``stop()`` (the
-        engine: its forward has ended on the GPU)."""
+        engine: its forward has ended on the GPU). Returns how many it hashed."""
         q = self.q_rows
+        self.prehashed_since_take = True
         if not q.size:
-            return
+            return 0
         left = np.maximum(self.left[q] - 1, 1)  # the next message's deadlines
         room = max(self.cap, _even_rate(left)) - int(np.count_nonzero(self.q_hashed))
         if room <= 0:
-            return
+            return 0
         _, first = np.unique(q, return_index=True)
         first = first[~self.q_hashed[first]]
         first = first[np.lexsort((first, left[first]))][:room]
+        done = 0
         for i in range(0, first.size, 16):
             if stop():
-                return
+                break
             at = first[i:i + 16]
             self.q_hash[at] = hash_next(self.q_tokens[at], self.last_hash[q[at]])
             self.q_hashed[at] = True
+            done += at.size
+        return done
 
     def take(self, must: np.ndarray, hash_next) -> tuple[np.ndarray, list[np.ndarray]]:
         """Hash the queued blocks this step registers: every block of the rows where ``must``, and
@@ -165,13 +169,14 @@ class SteadyBatch:
 
     def _also_take(self, q: np.ndarray, sel: np.ndarray) -> np.ndarray:
         """Indices into the queue of the blocks registered now besides ``sel``. With
-        ``prehashing``, the prehashed ones (``prehash`` keeps up with the deadlines; a finishing
-        row's ``must`` catches what it could not). Else ``cap``, or more where an even rate is
+        ``prehash`` run since the last message, the prehashed ones (``prehash`` keeps up with the
+        deadlines; a finishing row's ``must`` catches what it could not). Else ``cap``, or more where an even rate is
         needed for every queued block to register by its request's last message (a request with
         ``left`` tokens to sample has ``left`` messages, this one included), earliest deadline
         first, oldest first among equals."""
         rest = np.flatnonzero(~sel)
-        if self.prehashing or not rest.size:
+        prehashed, self.prehashed_since_take = self.prehashed_since_take, False
+        if prehashed or not rest.size:
             return rest[self.q_hashed[rest]]
         left = np.where(sel, 1, np.maximum(self.left[q], 1))
         k = max(self.cap, _even_rate(left) - int(np.count_nonzero(sel)))
