@@ -301,3 +301,43 @@ def test_a_session_without_slot_mappings_gets_tables_and_no_slots(daemon):
     finally:
         own.close()
         usual.close()
+
+
+def test_a_started_step_is_the_step_and_the_client_refuses_calls_meanwhile(daemon):
+    """``start_step`` + ``result()`` gives what ``step`` gives (the same tables and statuses as the
+    in-process manager); while a step waits for its reply every other call is refused and changes
+    nothing; ``result()`` returns the same result again; close drops a pending step."""
+    m = local_manager()
+    c = Client(daemon.endpoint, tenant="p")
+    try:
+        prompt = np.arange(40, dtype=np.int32)
+        hs = hash_prompt(prompt, BS)
+        admit = StepBatch(admit=[AdmitRequest("a", 40, hs[:2]), AdmitRequest("b", 33, ())])
+        pending = c.start_step(admit)
+        with pytest.raises(InvalidArgument, match="result"):
+            c.step(StepBatch(append_ids=["a"]))
+        with pytest.raises(InvalidArgument, match="result"):
+            c.start_step(StepBatch(append_ids=["a"]))
+        res = pending.result()
+        assert pending.ready() and pending.result() is res
+        want = m.step(admit)
+        assert res.admit_status.tolist() == want.admit_status.tolist() == [0, 0]
+        for rid in ("a", "b"):
+            assert c.block_table(rid).tolist() == m.block_table(rid).tolist()
+        for k in range(20):  # decode steps, half started and taken later
+            batch = StepBatch(append_rows=c.rows_of(["a", "b"]).astype(np.int32), append_num_tokens=1)
+            res = c.start_step(batch).result() if k % 2 else c.step(batch)
+            want = m.step(StepBatch(append_ids=["a", "b"]))
+            assert res.append_status.tolist() == want.append_status.tolist() == [0, 0]
+            assert res.sched_start.tolist() == want.sched_start.tolist()
+            for rid in ("a", "b"):
+                assert c.block_table(rid).tolist() == m.block_table(rid).tolist()
+        assert c.stats()["num_requests"] == 2  # the refused calls changed nothing
+        left = c.start_step(StepBatch(free=["a", "b"]))
+    finally:
+        c.close()
+    from kvd.errors import SessionError
+    with pytest.raises(SessionError, match="closed"):
+        left.result()
+    with Client(daemon.endpoint, tenant="p") as c2:  # the goodbye freed the session's requests
+        assert c2.stats()["num_requests"] == 0
