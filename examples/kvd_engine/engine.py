@@ -97,8 +97,9 @@ class Engine(ForwardMixin, OverlapMixin):
         # the last step's phases (seconds): plan (scheduling, hashing), rt (kvd round trip), inputs
         # (token ids), meta (kvd's metadata), launch (the forward's), model (the launch and, with
         # overlap, the next step's plan and send), gpu (launch to the forward's end on the GPU, when
-        # timed), sample (waiting for the device, sampling), rt_wait (overlap: waiting for the
-        # reply after sampling), total
+        # timed), sample (waiting for the device, sampling), rt_wall and rt_exposed (overlap: the
+        # round trip sent during the forward, from its send to its reply taken, and its exposed
+        # part), total
         self.phases: dict[str, float] = {}
         self.freed_since_preempt = True
         self.keep_logits = keep_logits

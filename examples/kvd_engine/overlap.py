@@ -14,6 +14,7 @@ buffer for the next step); ``Engine`` refuses the rest.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -61,9 +62,9 @@ class OverlapMixin:
 
     def _send(self, rows, ntok, hs, cnt, ahead: tuple, t0: float, steady=None):
         """Send the next step's message (with the frees waiting for it) without waiting for its
-        reply, which :meth:`_take_ahead` takes once this step's forward is done and sampled (the
-        round trip overlaps the forward, the wait for the GPU and the sampling):
-        ``self._ahead`` = (*ahead, pending reply, plan time, send start, steady)."""
+        reply, which :meth:`_take_ahead` takes when it arrives during this step's forward, else
+        after the sampling (:meth:`_reply_or_gpu`): ``self._ahead`` = (*ahead, pending reply, plan
+        time, send start, steady)."""
         msg = StepBatch(free=self._free_later, append_rows=rows, append_num_tokens=ntok, append_hashes=hs,
                         append_hash_counts=cnt)
         self._free_later = []
@@ -97,11 +98,13 @@ class OverlapMixin:
             return
         pending = self._ahead[3]
         while not forward_end.query():
-            if pending.ready():
-                self._take_ahead()
-                if self._batch is not None:  # the next messages' hashes, while the GPU works
-                    self.prehashed_blocks += self._batch.prehash(self.c.hash_next_blocks, forward_end.query)
-                return
+            if not pending.ready():
+                os.sched_yield()  # as kvd_client's busy polling: a daemon sharing the CPU runs
+                continue
+            self._take_ahead()
+            if self._batch is not None:  # the next messages' hashes, while the GPU works
+                self.prehashed_blocks += self._batch.prehash(self.c.hash_next_blocks, forward_end.query)
+            return
 
     def _ahead_exposed(self, sent: tuple[float, float], gpu_done: float) -> None:
         """Account the round trip sent during the forward that ended (on the GPU) at ``gpu_done``:
