@@ -454,6 +454,13 @@ class _Core:
             return ticks[0]
         return None
 
+    def _result(self, op: str, h: dict, f: list, post) -> Any:
+        """A reply arrived: note its tick, order the GPU after the daemon's writes, build the result."""
+        self._on_reply(op, h)
+        if self.gpu is not None:
+            self.gpu.wait()
+        return post(h, f)
+
     def _on_reply(self, op: str, h: dict) -> None:
         t = h.get("t")
         if t is not None:
@@ -702,6 +709,12 @@ def default_busy_poll_us() -> int:
     return DEFAULT_BUSY_POLL_US if len(os.sched_getaffinity(0)) >= BUSY_POLL_MIN_CPUS else 0
 
 
+def _undo(spec: tuple) -> None:
+    """A request that failed: undo what building it did on the client (its optional 5th item)."""
+    if len(spec) > 4:
+        spec[4]()
+
+
 def _decode_post(rows_b: bytes, an: int, h: dict, f: list) -> StepResult:
     body = f[0]
     na = len(rows_b) >> 2
@@ -906,28 +919,31 @@ class Client(_Core):
         raise Timeout(f"no reply to {op} from {self.endpoint} after {self.retries + 1} attempts")
 
     def _do(self, spec: tuple) -> Any:
-        return self._done(spec, self._start(spec))
+        op, fields, frames, post = spec[:4]
+        try:
+            h, f = self._call(op, fields, frames)
+        except BaseException:
+            _undo(spec)
+            raise
+        return self._result(op, h, f, post)
 
     def _start(self, spec: tuple) -> tuple[int, list, bool]:
+        """``_do``'s first half (``start_step``): send."""
         try:
             return self._send_first(*spec[:3])
         except BaseException:
-            if len(spec) > 4:
-                spec[4]()
+            _undo(spec)
             raise
 
     def _done(self, spec: tuple, sent: tuple[int, list, bool]) -> Any:
-        op, post = spec[0], spec[3]
+        """``_do``'s second half (``PendingStep.result``): wait for the reply."""
         try:
-            h, f = self._exchange(op, *sent)
+            h, f = self._exchange(spec[0], *sent)
         except BaseException:
-            if len(spec) > 4:
-                spec[4]()
+            _undo(spec)
             raise
-        self._on_reply(op, h)
-        if self.gpu is not None:
-            self.gpu.wait()
-        return post(h, f)
+        return self._result(spec[0], h, f, spec[3])
+
 
     def reconnect(self) -> bool:
         """Re-attach to the daemon. Returns True when the old session survived (same daemon boot),
@@ -1219,13 +1235,9 @@ class AsyncClient(_Core):
         try:
             h, f = await self._call(op, fields, frames)
         except BaseException:
-            if len(spec) > 4:
-                spec[4]()
+            _undo(spec)
             raise
-        self._on_reply(op, h)
-        if self.gpu is not None:
-            self.gpu.wait()
-        return post(h, f)
+        return self._result(op, h, f, post)
 
     async def heartbeat(self) -> None:
         """Renew the session's lease now (the background thread does it on its own)."""

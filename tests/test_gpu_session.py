@@ -134,7 +134,7 @@ def test_arena_layout_is_aligned_and_owns_its_allocation():
 def _inproc_client(d, **opts):
     """A kvd_client core that calls ``Daemon.handle`` directly (no socket)."""
     from kvd import protocol as P
-    from kvd_client.client import _Core
+    from kvd_client.client import Client, _Core
 
     class InProc(_Core):
         def _call(self, op, fields, frames, sid=None):
@@ -144,11 +144,7 @@ def _inproc_client(d, **opts):
             assert self._check(h, seq)
             return h, rep[1:]
 
-        def _do(self, spec):
-            op, fields, frames, post = spec[:4]
-            h, f = self._call(op, fields, frames)
-            self._on_reply(op, h)
-            return post(h, f)
+        _do = Client._do
 
     c = InProc("inproc://x", heartbeat=False, gpu=False, **opts)
     op, fields, frames = c._hello_msg()
