@@ -187,6 +187,20 @@ def test_prehash_keeps_up_with_near_deadlines():
     assert rows.tolist() == list(range(20, 30))
 
 
+def test_a_prehash_counts_for_the_next_message_only():
+    """A prehash before a message with nothing queued does not make a later message wait for
+    prehashed blocks: that one hashes by the rule without prehash (``cap``)."""
+    bs = 4
+    reqs = [_decoding(f"r{i}", [i + 1] * 5, [100 + i, 200 + i, 300 + i], 30, bs) for i in range(8)]
+    b = SteadyBatch(reqs, np.arange(8), bs, "S16")
+    b.cap = 3
+    assert b.prehash(hash_next_blocks, lambda: False) == 0  # nothing queued yet
+    assert b.take(np.zeros(8, bool), hash_next_blocks)[0].size == 0
+    b.push(b.filled())
+    rows, _ = b.take(np.zeros(8, bool), hash_next_blocks)
+    assert rows.tolist() == [0, 1, 2]
+
+
 def test_steady_batch_refuses_a_first_block_without_parent():
     r = _decoding("a", [1, 2], [3, 4], 8, 4)  # position 3 ends the first block: no parent hash
     assert len(r.hashes) == 0

@@ -141,10 +141,11 @@ class SteadyBatch:
         those of :meth:`_also_take`. Returns (rows, hashes of each row in chain order);
         ``hash_next(tokens, parents)`` is the client's ``hash_next_blocks``."""
         q = self.q_rows
+        prehashed, self.prehashed_since_take = self.prehashed_since_take, False
         if not q.size:
             return q, []
         sel = must[q]
-        sel[self._also_take(q, sel)] = True
+        sel[self._also_take(q, sel, prehashed)] = True
         rows, tokens, pre, hashed = q[sel], self.q_tokens[sel], self.q_hash[sel], self.q_hashed[sel]
         self.q_rows, self.q_tokens = q[~sel], self.q_tokens[~sel]
         self.q_hash, self.q_hashed = self.q_hash[~sel], self.q_hashed[~sel]
@@ -167,15 +168,14 @@ class SteadyBatch:
         done = np.fromiter(out, np.int64, len(out))
         return done, [out[i] for i in done.tolist()]
 
-    def _also_take(self, q: np.ndarray, sel: np.ndarray) -> np.ndarray:
-        """Indices into the queue of the blocks registered now besides ``sel``. With
-        ``prehash`` run since the last message, the prehashed ones (``prehash`` keeps up with the
-        deadlines; a finishing row's ``must`` catches what it could not). Else ``cap``, or more where an even rate is
-        needed for every queued block to register by its request's last message (a request with
-        ``left`` tokens to sample has ``left`` messages, this one included), earliest deadline
-        first, oldest first among equals."""
+    def _also_take(self, q: np.ndarray, sel: np.ndarray, prehashed: bool) -> np.ndarray:
+        """Indices into the queue of the blocks registered now besides ``sel``. ``prehashed`` (a
+        prehash ran since the last message): the prehashed ones (``prehash`` keeps up with the
+        deadlines; a finishing row's ``must`` catches what it could not). Else ``cap``, or more
+        where an even rate is needed for every queued block to register by its request's last
+        message (a request with ``left`` tokens to sample has ``left`` messages, this one
+        included), earliest deadline first, oldest first among equals."""
         rest = np.flatnonzero(~sel)
-        prehashed, self.prehashed_since_take = self.prehashed_since_take, False
         if prehashed or not rest.size:
             return rest[self.q_hashed[rest]]
         left = np.where(sel, 1, np.maximum(self.left[q], 1))
