@@ -275,3 +275,66 @@ def test_in_process_overlap_with_forced_tokens_on_the_arrays(forced):
         assert eng.reqs[rid].output == hf_generate(model, p, 14, force.get(rid, {}))[0], rid
     if forced:
         assert [eng.reqs["r1"].output[i] for i in (5, 9)] == [77, 3]
+
+
+class _Event:
+    """A CUDA event stand-in: ``query()`` turns True after ``n`` calls."""
+
+    def __init__(self, n):
+        self.n, self.calls = n, 0
+
+    def query(self):
+        self.calls += 1
+        return self.calls > self.n
+
+
+class _Pending:
+    """A PendingStep stand-in: ready after ``n`` polls, its result a marker."""
+
+    def __init__(self, n):
+        self.n, self.polls, self.taken = n, 0, 0
+
+    def ready(self):
+        self.polls += 1
+        return self.polls > self.n
+
+    def result(self):
+        self.taken += 1
+        return "reply"
+
+
+def _overlapping(batch, pending):
+    from kvd_engine.overlap import OverlapMixin
+
+    class Eng(OverlapMixin):
+        pass
+
+    e = Eng()
+    e._ahead, e._took, e._batch, e.prehashed_blocks = ("ids", 2, [0, 0], pending, 1e-4, 0.0, None), None, batch, 0
+    e.kvd_s = e.kvd_wall_s = e.kvd_exposed_s = 0.0
+    e.phases = {}
+    e.c = type("C", (), {"hash_next_blocks": staticmethod(hash_next_blocks)})()
+    return e
+
+
+def test_the_reply_is_taken_during_the_forward_when_it_comes_first_and_the_queue_prehashed():
+    bs = 4
+    reqs = [_decoding(f"r{i}", [i + 1] * 5, [100 + i, 200 + i, 300 + i], 30, bs) for i in range(4)]
+    b = SteadyBatch(reqs, np.arange(4), bs, "S16")
+    b.push(b.filled())
+    e = _overlapping(b, _Pending(3))
+    e._reply_or_gpu(_Event(100))  # the reply after 3 polls, the forward still running
+    assert e._ahead[3] == "reply" and e._took is not None and e.prehashed_blocks == 4
+    assert b.q_hashed.tolist() == [True] * 4
+    e._ahead_exposed((0.0, 1e-6), gpu_done=1e9)  # the forward ended long after: nothing exposed
+    assert e.kvd_exposed_s == 0.0 and e._took is None and e.phases["rt_exposed"] == 0.0
+
+
+def test_the_reply_waits_for_the_sampling_when_the_forward_ends_first():
+    b = SteadyBatch([_decoding("a", [1] * 5, [2, 3, 4], 30, 4)], np.arange(1), 4, "S16")
+    pending = _Pending(100)
+    e = _overlapping(b, pending)
+    e._reply_or_gpu(_Event(2))
+    assert pending.taken == 0 and e._took is None and e.prehashed_blocks == 0
+    e._ahead_exposed((0.0, 0.0), gpu_done=0.0)  # after the sampling: taking it is exposed
+    assert pending.taken == 1 and e._ahead[3] == "reply" and e.kvd_exposed_s > 0
