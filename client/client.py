@@ -944,7 +944,6 @@ class Client(_Core):
             raise
         return self._result(spec[0], h, f, spec[3])
 
-
     def reconnect(self) -> bool:
         """Re-attach to the daemon. Returns True when the old session survived (same daemon boot),
         False when a new session was opened (every request of the old one is gone)."""

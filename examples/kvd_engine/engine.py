@@ -111,7 +111,6 @@ class Engine(ForwardMixin, OverlapMixin):
         # None) of the step sent ahead (until its reply is taken: the pending reply, plan s, send start, ...)
         self._ahead = None
         self._took = None  # host (start, end) of taking the reply of the step sent ahead
-        self._forward_end = None  # the CUDA event after the running forward (overlap, CUDA)
         self._batch: SteadyBatch | None = None  # overlap: the steady decode batch's arrays
         self.ahead_steps = 0
         self.steady_steps = 0  # steps that ran on the steady batch's arrays

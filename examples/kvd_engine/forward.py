@@ -176,8 +176,8 @@ class ForwardMixin:
         both after the GPU finished are exposed."""
         (sched, done), logits, t0, t_model, events = launched
         t_sample = time.perf_counter()
-        self._forward_end = events[1] if events is not None and ahead_rt is not None else None
-        pre = self._sample_steady(sched, logits) if done is None else self._sample(sched, done, logits)
+        end = events[1] if events is not None and ahead_rt is not None else None  # polled for the reply
+        pre = self._sample_steady(sched, logits, end) if done is None else self._sample(sched, done, logits, end)
         self.forwards += 1
         t1 = time.perf_counter()
         self.forward_s += t1 - t0
@@ -195,10 +195,10 @@ class ForwardMixin:
         if ahead_rt is not None:
             self._ahead_exposed(ahead_rt, gpu_done)
 
-    def _sample(self, sched, done, logits) -> None:
+    def _sample(self, sched, done, logits, forward_end=None) -> None:
         """Greedy tokens (argmax on the model's device; only the ids come back) unless forced."""
         best = torch.argmax(logits, dim=-1)
-        self._reply_or_gpu(self._forward_end)
+        self._reply_or_gpu(forward_end)
         best = best.tolist()  # the step's one device synchronization
         kept = logits.float().cpu() if self.keep_logits else None
         for r, s, n in sched:
@@ -216,7 +216,7 @@ class ForwardMixin:
             if r.first_token_step < 0:
                 r.first_token_step, r.first_token_at = self.steps, now
 
-    def _sample_steady(self, batch, logits) -> tuple[float, float] | None:
+    def _sample_steady(self, batch, logits, forward_end=None) -> tuple[float, float] | None:
         """:meth:`_sample` for a steady decode batch: every row samples its next token. When the next
         step is this batch again (sent ahead, no row finishes, no forced token) its graph inputs are
         staged before waiting for the device (``Bucket.prestage``); returns that host (start, end)."""
@@ -230,7 +230,7 @@ class ForwardMixin:
             self._bucket.prestage(batch.stamp, best, pos1, (pos1 + 1).astype(np.int32))
             self.prestaged_steps += 1
             pre = (p0, time.perf_counter())
-        self._reply_or_gpu(self._forward_end)
+        self._reply_or_gpu(forward_end)
         toks = best.cpu().numpy()  # the step's one device synchronization
         kept = logits.float().cpu() if self.keep_logits else None
         if batch.forced:

@@ -92,9 +92,10 @@ class OverlapMixin:
         """Before the engine blocks on its forward: poll for whichever comes first, the reply of the
         step sent ahead (taken at once, its decoding overlapping the forward too, then the steady
         batch's queued blocks are hashed for the next messages until the forward ends) or the
-        forward's end (``forward_end``, a CUDA event recorded after it; the reply is then taken
-        after the sampling, which needs no reply)."""
-        if self._ahead is None or self._took is not None or forward_end is None:
+        forward's end (``forward_end``, a CUDA event recorded after it; None: no step was sent
+        during this forward, or it is not timed; the reply is then taken after the sampling, which
+        needs no reply)."""
+        if forward_end is None:
             return
         pending = self._ahead[3]
         while not forward_end.query():
