@@ -12,16 +12,15 @@ prefills N prompts, runs two untimed decode steps (the first captures the CUDA g
 pays the wake-ups after that pause), then times ``--steps`` decode steps. The engines (a) and (b)
 replay CUDA graphs for steps of at most ``--graph-tokens`` tokens and send each steady decode step's
 round trip while the previous forward runs (``--no-overlap``: they wait for it), taking its reply
-after they have waited for that forward and sampled. kvd's share = (the engine thread's time in
-step round trips + building slots, table views and the varlen layout) / decode step time: a round
-trip sent ahead counts its send and the wait for its reply, not the time between (the thread waits
-for the GPU and samples then; ``round_trip_wall_ms`` is send to reply taken); its exposed share
-counts only the part of the round trips, and of the next step's inputs staged during a forward
-(``prestage``), after that forward had finished on the GPU (a round trip sent ahead: its send's part
-after that, and the wait for its reply after the sampling), and all of the metadata built while the
-GPU waits; both
-count the timed steps only, not the frees of the finished batch after them. Tokens: the daemon run's tokens vs
-per-request HF generate (identity required in float32, agreement reported in bf16). TTFT: engine B
+when it arrives during that forward, else after the sampling. kvd's share = (the engine thread's
+time in step round trips + building slots, table views and the varlen layout) / decode step time: a
+round trip sent ahead counts its send and the taking of its reply, not the time between (the thread
+polls, waits for the GPU, samples; ``round_trip_wall_ms`` is send to reply taken); its exposed share
+counts only the part of the round trips (a round trip sent ahead: its send and the taking of its
+reply), and of the next step's inputs staged during a forward (``prestage``), after that forward had
+finished on the GPU, and all of the metadata built while the GPU waits; both count the timed steps
+only, not the frees of the finished batch after them. Tokens: the daemon run's tokens vs per-request
+HF generate (identity required in float32, agreement reported in bf16). TTFT: engine B
 (its own kvd session) admits a prompt sharing engine A's ``--prefix``-token system prompt after A
 confirmed it, vs A's cold prefill; both engines warm at their timed shapes first, median of 5 rounds,
 each step's phases (plan, round trip, kvd metadata, model launch, device wait + sampling). The cold
@@ -101,7 +100,8 @@ def _decode_run(eng, prompts, steps, dev):
             "meta_ms": meta_s / steps * 1e3,
             "round_trip_exposed_ms": rt_x / steps * 1e3, "meta_exposed_ms": meta_x / steps * 1e3,
             "overlap_exposed_ms_p50_p99_max": [round(float(x), 3) for x in np.percentile(exposed, [50, 99, 100])],
-            "steps_sent_ahead": eng.ahead_steps, "steady_steps": steady, "prehashed_blocks": eng.prehashed_blocks, "gc_collections_in_timed_steps": gc_timed,
+            "steps_sent_ahead": eng.ahead_steps, "steady_steps": steady, "prehashed_blocks": eng.prehashed_blocks,
+            "gc_collections_in_timed_steps": gc_timed,
             "graph_replays": eng.graphs.replays if eng.graphs else 0,
             "phases_p50_ms": {k: round(float(np.median([p.get(k, 0.0) for p in phases])) * 1e3, 3)
                               for k in sorted({k for p in phases for k in p})}}
