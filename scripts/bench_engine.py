@@ -17,8 +17,9 @@ time in step round trips + building slots, table views and the varlen layout) / 
 round trip sent ahead counts its send and the taking of its reply, not the time between (the thread
 polls, waits for the GPU, samples; ``round_trip_wall_ms`` is send to reply taken); its exposed share
 counts only the part of the round trips (a round trip sent ahead: its send and the taking of its
-reply), and of the next step's inputs staged during a forward (``prestage``), after that forward had
-finished on the GPU, and all of the metadata built while the GPU waits; both count the timed steps
+reply) after the forward it overlapped had finished on the GPU, and all of the metadata built while
+the GPU waits (a steady step whose inputs the last forward's graph advanced on the device builds
+none: ``Bucket.advance``); both count the timed steps
 only, not the frees of the finished batch after them. Tokens: the daemon run's tokens vs per-request
 HF generate (identity required in float32, agreement reported in bf16). TTFT: engine B
 (its own kvd session) admits a prompt sharing engine A's ``--prefix``-token system prompt after A
@@ -93,7 +94,7 @@ def _decode_run(eng, prompts, steps, dev):
     rt_x, meta_x, steady = eng.kvd_exposed_s - x0, eng.meta_exposed_s - mx0, eng.steady_steps - s0
     eng.run()
     n = len(prompts)
-    exposed = np.array([p.get("rt_exposed", 0.0) + p.get("prestage_exposed", 0.0) for p in phases]) * 1e3
+    exposed = np.array([p.get("rt_exposed", 0.0) for p in phases]) * 1e3
     return {"step_ms": wall / steps * 1e3, "tokens_per_s": n * steps / wall,
             "kvd_share": (kvd_s + meta_s) / wall, "kvd_exposed_share": (rt_x + meta_x) / wall,
             "round_trip_ms": kvd_s / steps * 1e3, "round_trip_wall_ms": wall_rt / steps * 1e3,
@@ -188,7 +189,8 @@ def main(argv=None) -> int:
                     help="HF's own RMSNorm and rotary embedding in the engine's forwards (default: the engine's "
                          "fused Triton kernels, kvd_engine/fused.py)")
     ap.add_argument("--no-prestage", action="store_true",
-                    help="stage a steady decode step's inputs after the previous forward (default: during it)")
+                    help="stage a steady decode step's inputs from the host (default: the previous step's graph "
+                         "advances them on the device)")
     args = ap.parse_args(argv)
     cfg = dict(TINY if args.tiny else GPU)
     if args.dtype:

@@ -58,6 +58,7 @@ def test_graph_bucket_pads_every_array():
 
     assert [pow2(n) for n in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
     bk = Bucket(8, 4, 2, torch.device("cpu"))
+    assert not bk.advances and bk.next_ids is None  # more tokens than requests: no decode step to advance
     qsl, seq_lens, pos = varlen_layout(np.array([7, 0, 40]), np.array([1, 3, 1]))
     bk.stage([11, 12, 13, 14, 15], pos, np.array([0, 3, 4]), np.array([0, 1, 1, 1, 2]), np.array([9, 2, 5], np.int32),
              seq_lens, qsl)
@@ -77,10 +78,11 @@ def test_graph_bucket_pads_every_array():
     assert bk.qsl.tolist() == [0, 2, 2, 2, 2]
 
 
-def test_steady_layout_stages_moving_arrays_then_prestages_the_next_step():
+def test_steady_layout_stages_moving_arrays_then_advances_on_the_device():
     """A steady decode batch's layout: the first step stages every array, the next ones only ids,
-    positions and seq_lens; a step prestaged during the previous forward (``Bucket.prestage``: ids
-    from the device, positions and seq_lens from the host) stages nothing at ``prepare``."""
+    positions and seq_lens; a decode bucket's graph then advances its inputs after the forward
+    (``Bucket.advance``: each real token's id becomes its row's argmax, its position and its request's
+    seq_len grow by one, padding stays), and a step marked prestaged stages nothing at ``prepare``."""
     from kvd_engine.graphs import GraphRunner
 
     g = GraphRunner(None, torch.zeros(1), [0], 1, 16, max_tokens=64)
@@ -88,6 +90,7 @@ def test_steady_layout_stages_moving_arrays_then_prestages_the_next_step():
     qsl = np.arange(4, dtype=np.int32)
     rows = np.array([7, 2, 5], np.int32)
     bk = g.prepare([11, 12, 13], np.array([4, 9, 20]), ar, ar, rows, np.array([5, 10, 21], np.int32), qsl, [], 42)
+    assert (bk.tp, bk.bp) == (4, 4) and bk.advances
     assert bk.layout == 42 and bk.prestaged == 0
     assert bk.ids.tolist() == [11, 12, 13, 0] and bk.rows.tolist() == [7, 2, 5, 0] and bk.qsl.tolist() == [0, 1, 2, 3, 3]
     bk.rows[0] = 99  # a moving-only staging leaves the rest alone
@@ -95,13 +98,18 @@ def test_steady_layout_stages_moving_arrays_then_prestages_the_next_step():
                      [], 42) is bk
     assert bk.ids.tolist() == [21, 22, 23, 0] and bk.positions.tolist() == [5, 10, 21, 0]
     assert bk.seq_lens.tolist() == [6, 11, 22, 0] and bk.rows.tolist() == [99, 2, 5, 0] and bk.keep.tolist() == [0, 1, 2, 3]
-    bk.prestage(42, torch.tensor([31, 32, 33]), np.array([6, 11, 22]), np.array([7, 12, 23], np.int32))
-    assert bk.prestaged == 42
+    logits = torch.full((4, 50), -1.0)
+    for row, tok in enumerate([31, 32, 33, 44]):  # the padding row's argmax (44) is no token's id
+        logits[row, tok] = 1.0
+    bk.advance(logits)
+    assert bk.next_ids.tolist() == [31, 32, 33, 44]
     assert bk.ids.tolist() == [31, 32, 33, 0] and bk.positions.tolist() == [6, 11, 22, 0]
-    assert bk.seq_lens.tolist() == [7, 12, 23, 0]
+    assert bk.seq_lens.tolist() == [7, 12, 23, 0] and bk.rows.tolist() == [99, 2, 5, 0] and bk.qsl.tolist() == [0, 1, 2, 3, 3]
+    bk.prestaged = 42
     # the prepare of that step writes nothing (these arguments would be wrong on purpose)
     g.prepare([0, 0, 0], np.array([0, 0, 0]), ar, ar, rows, np.array([1, 1, 1], np.int32), qsl, [], 42)
     assert bk.prestaged == 0 and bk.ids.tolist() == [31, 32, 33, 0] and bk.seq_lens.tolist() == [7, 12, 23, 0]
+    assert bk.positions.tolist() == [6, 11, 22, 0]
     # another layout (the batch compacted) stages everything again
     g.prepare([1, 2, 3], np.array([7, 12, 23]), ar, ar, rows, np.array([8, 13, 24], np.int32), qsl, [], 43)
     assert bk.layout == 43 and bk.rows.tolist() == [7, 2, 5, 0] and bk.ids.tolist() == [1, 2, 3, 0]

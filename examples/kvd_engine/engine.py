@@ -54,9 +54,10 @@ class Engine(ForwardMixin, OverlapMixin):
         releases, or a fork's copy-on-write, would change blocks the running forward reads), no
         forks, and a client that confirms a step only once a later one is sent (``steps_in_flight``
         >= 1); slots then come from the block tables (kvd rewrites its slot buffer for the next step
-        while this forward may still read it). ``prestage``: with graphs and overlap, stage a steady
-        decode step's inputs while the previous forward runs (``graphs.Bucket.prestage``; its tokens
-        are checked by tests/test_engine_gpu.py, its speed by scripts/bench_engine.py --no-prestage).
+        while this forward may still read it). ``prestage``: with graphs and overlap, a steady decode
+        step replays the inputs the previous step's graph advanced on the device
+        (``graphs.Bucket.advance``) instead of staging them from the host (its tokens are checked by
+        tests/test_engine_gpu.py, its speed by scripts/bench_engine.py --no-prestage).
         ``fused``: on CUDA, the model's RMSNorms and rotary embedding run as fused Triton kernels in
         the engine's forwards (``fused.py``; ``--no-fused`` in the bench)."""
         self.c = client

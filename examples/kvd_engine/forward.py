@@ -75,8 +75,8 @@ class ForwardMixin:
 
     def _launch_steady(self, batch):
         """:meth:`_launch` for a steady decode batch (``steady.SteadyBatch``): its arrays as they are,
-        one token per row, every row sampling. A step staged during the last forward
-        (``Bucket.prestage``: the same bucket, tables and layout) only replays."""
+        one token per row, every row sampling. A step the last forward staged on the device
+        (``Bucket.advance``: the same bucket, tables and layout) only replays."""
         t0 = time.perf_counter()
         bk = self._prestaged(batch)
         if bk is not None:
@@ -177,7 +177,10 @@ class ForwardMixin:
         (sched, done), logits, t0, t_model, events = launched
         t_sample = time.perf_counter()
         end = events[1] if events is not None and ahead_rt is not None else None  # polled for the reply
-        pre = self._sample_steady(sched, logits, end) if done is None else self._sample(sched, done, logits, end)
+        if done is None:
+            self._sample_steady(sched, logits, end)
+        else:
+            self._sample(sched, done, logits, end)
         self.forwards += 1
         t1 = time.perf_counter()
         self.forward_s += t1 - t0
@@ -187,17 +190,12 @@ class ForwardMixin:
         gpu_done = t_model + events[0].elapsed_time(events[1]) / 1e3 if events is not None else 0.0
         if events is not None:
             self.phases["gpu"] = gpu_done - t_model
-        if pre is not None:  # the next step's inputs, staged during this forward: exposed after it
-            exposed = max(0.0, pre[1] - max(pre[0], gpu_done))
-            self.meta_s += pre[1] - pre[0]
-            self.meta_exposed_s += exposed
-            self.phases.update(prestage=pre[1] - pre[0], prestage_exposed=exposed)
         if ahead_rt is not None:
             self._ahead_exposed(ahead_rt, gpu_done)
 
     def _sample(self, sched, done, logits, forward_end=None) -> None:
         """Greedy tokens (argmax on the model's device; only the ids come back) unless forced."""
-        best = torch.argmax(logits, dim=-1)
+        best = self._greedy(logits)
         self._reply_or_gpu(forward_end)
         best = best.tolist()  # the step's one device synchronization
         kept = logits.float().cpu() if self.keep_logits else None
@@ -216,20 +214,17 @@ class ForwardMixin:
             if r.first_token_step < 0:
                 r.first_token_step, r.first_token_at = self.steps, now
 
-    def _sample_steady(self, batch, logits, forward_end=None) -> tuple[float, float] | None:
+    def _sample_steady(self, batch, logits, forward_end=None) -> None:
         """:meth:`_sample` for a steady decode batch: every row samples its next token. When the next
-        step is this batch again (sent ahead, no row finishes, no forced token) its graph inputs are
-        staged before waiting for the device (``Bucket.prestage``); returns that host (start, end)."""
-        best = torch.argmax(logits, dim=-1)
-        pre = None
-        ahead = self._ahead
-        if (self.prestage and self._bucket is not None and ahead is not None and ahead[6] is not None
+        step is this batch again (sent ahead, no row finishes, no forced token) and this step's graph
+        advanced its inputs on the device (``Bucket.advance``), that next step is staged already
+        (``Bucket.prestaged``)."""
+        best = self._greedy(logits)
+        ahead, bk = self._ahead, self._bucket
+        if (self.prestage and bk is not None and bk.advances and ahead is not None and ahead[6] is not None
                 and ahead[6][0] is batch and not batch.forced and (batch.left > 1).all()):
-            p0 = time.perf_counter()
-            pos1 = batch.pos + 1
-            self._bucket.prestage(batch.stamp, best, pos1, (pos1 + 1).astype(np.int32))
+            bk.prestaged = batch.stamp
             self.prestaged_steps += 1
-            pre = (p0, time.perf_counter())
         self._reply_or_gpu(forward_end)
         toks = best.cpu().numpy()  # the step's one device synchronization
         kept = logits.float().cpu() if self.keep_logits else None
@@ -245,4 +240,11 @@ class ForwardMixin:
             for r, row in zip(batch.reqs, kept):
                 r.logits.append(row)
         batch.advance(toks)
-        return pre
+
+    def _greedy(self, logits):
+        """Each row's argmax, on the device: the replayed graph's own (``Bucket.next_ids``) when it
+        computed them (the same kernel on the same logits), else one more launch."""
+        bk = self._bucket
+        if bk is not None and bk.advances:
+            return bk.next_ids[:logits.shape[0]]
+        return torch.argmax(logits, dim=-1)

@@ -7,24 +7,29 @@ smallest powers of two >= T and >= B. Larger steps (long prefills) run eagerly.
 
 Each bucket owns fixed buffers (a graph replays on the addresses it was captured with). Device
 int64 words, laid out like ``inputs.Staging``'s with K = Bp and R = Tp, written by ONE copy from one
-of two pinned host twins, used in turn (so a steady decode step can be staged while the previous
-copy may still wait on the stream: ``Bucket.prestage``; a steady batch's later steps rewrite only
-ids, positions and seq_lens, ``Bucket.stage_moving``)::
+of two pinned host twins, used in turn (a steady batch's later steps rewrite only ids, positions and
+seq_lens, ``Bucket.stage_moving``, while the copy of the previous ones may still wait on the
+stream)::
 
     ids [Tp], positions [Tp], keep [Bp], rep [Tp], then int32 rows [Bp], seq_lens [Bp], qsl [Bp + 1]
 
 plus ``slots`` int64 [G, Tp] and, when the block tables live on the host (the in-process manager),
 ``tables[g]`` int32 [Bp, max_blocks]. The graph computes the slots itself, first: slot =
 table[rows[rep[t]], position // block_size] * block_size + position % block_size for t < qsl[Bp] (the
-step's token count), PAD_SLOT_ID after; no host launch per step but the one copy. Padding: tokens
+step's token count), PAD_SLOT_ID after; no host launch per step but the one copy. A bucket of one
+token per request (Tp = Bp: decode) also advances its inputs after the forward, in the graph
+(``Bucket.advance``): each real token's next id is its row's argmax (``next_ids``, the step's greedy
+tokens), its position and its request's seq_len grow by one. That is the next step of a steady
+decode batch, staged on the device with no host work (``Bucket.prestaged``); any other next step
+stages over it. Padding: tokens
 T..Tp-1 have id 0, position 0, slot PAD_SLOT_ID (no K/V written) and belong to no request (qsl[B..Bp]
 = T), so attention leaves their rows alone; requests B..Bp-1 are empty (seq_len 0, row 0); logits
 rows K..Bp-1 are computed from a padding token and never read.
 
 Capture: at a bucket's first use, from that step's own inputs: two eager passes on a side stream
 (Triton compiles, allocator warm), then the capture (all buckets share one memory pool), then the
-replay that serves the step. Re-running a forward rewrites the same K/V at the same slots, so the
-extra passes change nothing. The graphs hold the addresses of the KV cache and of the tables they
+replay that serves the step. Re-running a forward rewrites the same K/V at the same slots, and the
+inputs the passes advanced are put back before the capture, so the extra passes change nothing. The graphs hold the addresses of the KV cache and of the tables they
 read (kvd's GPU tables of the session): when those change (a new session) every graph is dropped
 and the next captures use a new memory pool (a pool whose graphs are all gone cannot take new ones).
 """
@@ -34,6 +39,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .advance import advance
 from .model import StepMeta, use_paged
 
 PAD_SLOT_ID = -1
@@ -50,7 +56,7 @@ class Bucket:
         self.tp, self.bp = tp, bp
         self.words = 3 * tp + bp + (3 * bp + 2) // 2
         cuda = device.type == "cuda"
-        # two pinned host twins, used in turn: a step's inputs can be staged (``prestage``) while the
+        # two pinned host twins, used in turn: a step's inputs can be staged while the
         # copy of the previous ones may still wait on the stream (without CUDA: one buffer, the "device" one)
         first = torch.zeros(self.words, dtype=torch.int64, pin_memory=cuda)
         self.hosts = [first, torch.zeros(self.words, dtype=torch.int64, pin_memory=True)] if cuda else [first, first]
@@ -65,6 +71,8 @@ class Bucket:
         self.rows, self.seq_lens, self.qsl = small[:bp], small[bp:2 * bp], small[2 * bp:3 * bp + 1]
         self.slots = torch.full((num_groups, tp), PAD_SLOT_ID, dtype=torch.int64, device=device)
         self.token_index = torch.arange(tp, device=device)
+        self.advances = tp == bp  # one token per request: the graph advances its inputs (``advance``)
+        self.next_ids = torch.zeros(bp, dtype=torch.int64, device=device) if self.advances else None
         self.tables = [torch.zeros(bp, table_width, dtype=torch.int32, device=device)
                        for _ in range(num_groups)] if table_width else None
         self.tables_now: list[torch.Tensor] | None = None  # the tables the staged step reads
@@ -72,7 +80,7 @@ class Bucket:
         self.out = None
         self.key = None
         self.layout = 0  # the steady batch layout (``SteadyBatch.stamp``) last staged in full; 0: none
-        self.prestaged = 0  # that layout's next step is on the device already (``prestage``); 0: none
+        self.prestaged = 0  # that layout's next step is on the device already (``advance``); 0: none
 
     def _flip(self) -> None:
         self.cur ^= 1
@@ -118,15 +126,11 @@ class Bucket:
         if self.dev is not self.host:
             self.dev.copy_(self.host, non_blocking=True)
 
-    def prestage(self, layout: int, ids: torch.Tensor, positions: np.ndarray, seq_lens: np.ndarray) -> None:
-        """Stage the next step of the steady batch ``layout`` while this one's forward runs: its
-        positions and seq_lens from the host, its input ids (this step's sampled tokens, on the
-        device) copied on the device; both are queued behind the running forward on the stream, so
-        they land once it has read this step's. The next :meth:`GraphRunner.prepare` of that
-        layout then stages nothing."""
-        self.stage_moving(None, positions, seq_lens)
-        self.ids[:ids.shape[0]].copy_(ids)
-        self.prestaged = layout
+    def advance(self, logits: torch.Tensor) -> None:
+        """After the forward (captured in the graph; Tp = Bp): ``next_ids`` = each row's argmax of
+        ``logits`` [Bp, vocab], and the inputs become the next step of the same requests, one token
+        each (``advance.advance``: one kernel on CUDA)."""
+        advance(logits, self.next_ids, self.ids, self.positions, self.seq_lens, self.qsl)
 
 
 class GraphRunner:
@@ -162,7 +166,7 @@ class GraphRunner:
         if bk is None:
             bk = self.buckets[key] = Bucket(*key, self.G, self.device, self.table_width)
         if layout and bk.prestaged == layout:
-            bk.prestaged = 0  # staged during the last forward (``Bucket.prestage``)
+            bk.prestaged = 0  # staged on the device by the last forward (``Bucket.advance``)
         elif layout and bk.layout == layout:
             bk.stage_moving(ids, positions, seq_lens)
         else:
@@ -200,20 +204,25 @@ class GraphRunner:
             req_rows = bk.rows[bk.rep].long()
             for g, tb in enumerate(bk.tables_now):
                 bk.slots[g].copy_(torch.where(real, tb[req_rows, pos // bs].long() * bs + pos % bs, PAD_SLOT_ID))
-            return self.model(input_ids=bk.ids[None], position_ids=bk.positions[None], kvd_meta=meta,
-                              use_cache=False, logits_to_keep=bk.keep).logits
+            logits = self.model(input_ids=bk.ids[None], position_ids=bk.positions[None], kvd_meta=meta,
+                                use_cache=False, logits_to_keep=bk.keep).logits
+            if bk.advances:
+                bk.advance(logits[0])
+            return logits
 
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         use_paged(self.model, True)
         try:
             with torch.no_grad():
+                inputs = bk.dev.clone()  # the passes below advance them (``Bucket.advance``)
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
                     run()
                     run()
                 torch.cuda.current_stream(self.device).wait_stream(side)
+                bk.dev.copy_(inputs)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
                     out = run()
