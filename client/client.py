@@ -90,9 +90,10 @@ class GpuBuffers:
     """The session's GPU buffers mapped over CUDA IPC (see kvd.gpu_session): torch CUDA tensors that
     never move while the session lives. ``tables[g]`` int32 [max_reqs, max_blocks_g],
     ``num_blocks[g]`` int32 [max_reqs], ``slot_array`` int64 [G, max_tokens] (``slot_mappings[g]`` its
-    rows). The daemon replies before its writes to them have run on the GPU; the client makes the
-    current CUDA stream wait for them after every reply (:meth:`wait`), so work queued on that stream
-    afterwards (kernels, ``.cpu()``) sees the reply's contents. Another stream: ``wait(stream)``.
+    rows). The daemon replies before its writes to them have run on the GPU; after every reply the
+    client makes the current CUDA stream wait for them unless they have run by then (:meth:`wait`), so
+    work queued on that stream afterwards (kernels, ``.cpu()``) sees the reply's contents. Another
+    stream: ``wait(stream)``.
     torch is imported here, only when the daemon has a GPU pool."""
 
     def __init__(self, info: dict, num_groups: int):
@@ -114,12 +115,22 @@ class GpuBuffers:
         done = info.get("done")  # absent from an older daemon, which synchronizes before replying
         self._done = torch.cuda.Event.from_ipc_handle(self.device, bytes.fromhex(done)) if done else None
         self._current_stream = torch.cuda.current_stream
+        self.waits = self.waits_skipped = 0
 
     def wait(self, stream=None) -> None:
         """Make ``stream`` (default: the current stream of the buffers' device) wait for the daemon's
-        writes of the last reply."""
-        if self._done is not None:
-            (stream or self._current_stream(self.device)).wait_event(self._done)
+        writes of the last reply. When they have run already (their event has completed: work
+        launched from now on sees them), there is nothing to order: the usual case for a reply
+        taken while the engine's forward runs, and ~1 µs against ~30 for a stream wait in situ on
+        an H100 host (``waits`` counts the stream waits, ``waits_skipped`` the others)."""
+        done = self._done
+        if done is None:
+            return
+        if done.query():
+            self.waits_skipped += 1
+            return
+        self.waits += 1
+        (stream or self._current_stream(self.device)).wait_event(done)
 
     def close(self) -> None:
         self._done = None

@@ -389,8 +389,9 @@ for k in range(300):
 check("timed")
 st = c.stats()
 a = np.array(times[20:]) * 1e6
+waits = [c.gpu.waits, c.gpu.waits_skipped] if c.gpu is not None else None
 print(json.dumps({"checks": checks, "decode_reqs": len(live), "rt_p50_us": float(np.percentile(a, 50)),
-                  "rt_p99_us": float(np.percentile(a, 99)), "gpu_flush": st.get("gpu_flush")}))
+                  "rt_p99_us": float(np.percentile(a, 99)), "gpu_flush": st.get("gpu_flush"), "gpu_waits": waits}))
 c.close()
 """
 
@@ -404,14 +405,14 @@ def _wait_ready(sock: socket.socket, timeout: float) -> float:
             return time.monotonic() - t0
 
 
-def run_workers(daemon_factory, short_tmp, n_workers: int = 2, device: str = "cuda:0", **opts):
-    """Start a daemon (waits for READY=1), run n worker processes; returns (results, daemon,
-    seconds to READY)."""
+def run_workers(daemon_factory, short_tmp, n_workers: int = 2, device: str = "cuda:0", env=None, **opts):
+    """Start a daemon (waits for READY=1; ``env``: more of its environment), run n worker
+    processes; returns (results, daemon, seconds to READY)."""
     path = str(short_tmp / f"notify{device[:3]}")
     ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     ns.bind(path)
     try:
-        d = daemon_factory(wait=False, env={"NOTIFY_SOCKET": path}, device=device,
+        d = daemon_factory(wait=False, env={"NOTIFY_SOCKET": path, **(env or {})}, device=device,
                            **{"lease_s": 5.0, **opts})
         ready_s = _wait_ready(ns, 300)
     finally:
@@ -445,6 +446,8 @@ def test_gpu_buffers_equal_shared_memory(daemon_factory, short_tmp):
     results, d, ready_s = run_workers(daemon_factory, short_tmp)
     for r in results:
         assert r["checks"] == 68  # hello, 2 admissions, 60 steps, 4 single ops, after the timed loop
+        # every reply (at least the 362 steps'): a stream wait, or none as its writes had run
+        assert sum(r["gpu_waits"]) >= 362
         # every flush's apply kernel was a replay of the session's CUDA graph of it
         assert r["gpu_flush"]["apply_graph_replays"] > 15 and r["gpu_flush"]["apply_plan_launches"] == 0
         print(f"\nGPU daemon worker: ready {ready_s:.1f}s {json.dumps(r)}")
@@ -457,3 +460,20 @@ def test_gpu_buffers_equal_shared_memory(daemon_factory, short_tmp):
     print(f"\nCPU daemon worker: ready {ready2:.1f}s {json.dumps(results[0])}")
     assert d2.stop() == 0
     assert shm_segments(d2.pid) == []
+
+
+@pytest.mark.cuda
+def test_replies_whose_writes_have_run_need_no_stream_wait(daemon_factory, short_tmp):
+    """A daemon that synchronizes before replying (``KVDSRV_GPU_SYNC=1``): every reply's event has
+    completed when the client takes it, so ``GpuBuffers.wait`` never makes a stream wait, and the
+    GPU views still equal shared memory after every step."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pytest.importorskip("triton")
+    results, d, _ = run_workers(daemon_factory, short_tmp, n_workers=1, env={"KVDSRV_GPU_SYNC": "1"})
+    r = results[0]
+    assert r["checks"] == 68
+    waits, skipped = r["gpu_waits"]
+    assert waits == 0 and skipped >= 362, r["gpu_waits"]  # at least one per step
+    assert d.stop() == 0, d.stderr[-3000:]
