@@ -6,9 +6,10 @@ tokens of B requests (T <= ``max_tokens``) instead replays the graph of its buck
 smallest powers of two >= T and >= B. Larger steps (long prefills) run eagerly.
 
 Each bucket owns fixed buffers (a graph replays on the addresses it was captured with). Device
-int64 words, laid out like ``inputs.Staging``'s with K = Bp and R = Tp, written by ONE copy from a
-pinned host twin (a steady batch's later steps rewrite only ids, positions and seq_lens there,
-``Bucket.stage_moving``)::
+int64 words, laid out like ``inputs.Staging``'s with K = Bp and R = Tp, written by ONE copy from one
+of two pinned host twins, used in turn (a steady batch's later steps rewrite only ids, positions and
+seq_lens, ``Bucket.stage_moving``, while the copy of the previous ones may still wait on the
+stream)::
 
     ids [Tp], positions [Tp], keep [Bp], rep [Tp], then int32 rows [Bp], seq_lens [Bp], qsl [Bp + 1]
 
@@ -55,9 +56,12 @@ class Bucket:
         self.tp, self.bp = tp, bp
         self.words = 3 * tp + bp + (3 * bp + 2) // 2
         cuda = device.type == "cuda"
-        # pinned, written again by the next step's staging: the engine synchronizes with the device
-        # at the end of every step, so the copy of the last one is done (without CUDA: the "device" one)
-        self.host = torch.zeros(self.words, dtype=torch.int64, pin_memory=cuda)
+        # two pinned host twins, used in turn: a step's inputs can be staged while the
+        # copy of the previous ones may still wait on the stream (without CUDA: one buffer, the "device" one)
+        first = torch.zeros(self.words, dtype=torch.int64, pin_memory=cuda)
+        self.hosts = [first, torch.zeros(self.words, dtype=torch.int64, pin_memory=True)] if cuda else [first, first]
+        self.cur = 0
+        self.host = self.hosts[0]
         self.h = self.host.numpy()
         self.dev = torch.zeros(self.words, dtype=torch.int64, device=device) if cuda else self.host
         d = self.dev
@@ -78,10 +82,16 @@ class Bucket:
         self.layout = 0  # the steady batch layout (``SteadyBatch.stamp``) last staged in full; 0: none
         self.prestaged = 0  # that layout's next step is on the device already (``advance``); 0: none
 
+    def _flip(self) -> None:
+        self.cur ^= 1
+        self.host = self.hosts[self.cur]
+        self.h = self.host.numpy()
+        self.prestaged = 0
+
     def stage(self, ids, positions: np.ndarray, keep: np.ndarray, rep: np.ndarray, rows: np.ndarray,
               seq_lens: np.ndarray, qsl: np.ndarray) -> None:
         """Write one step's inputs, padded to the bucket, and copy them to the device."""
-        self.prestaged = 0
+        self._flip()
         tp, bp, h = self.tp, self.bp, self.h
         t, k, b = positions.shape[0], keep.shape[0], rows.shape[0]
         h[:t] = ids
@@ -99,16 +109,18 @@ class Bucket:
         small[bp + b:2 * bp] = 0
         small[2 * bp:2 * bp + b + 1] = qsl
         small[2 * bp + b + 1:3 * bp + 1] = qsl[-1]
+        self.hosts[self.cur ^ 1].numpy()[:] = h  # the twin holds the layout too (``stage_moving``)
         if self.dev is not self.host:
             self.dev.copy_(self.host, non_blocking=True)
 
     def stage_moving(self, ids, positions: np.ndarray, seq_lens: np.ndarray) -> None:
         """Rewrite only what moves between two steps of one steady decode batch (ids, positions,
         seq_lens; the rest is staged already), and copy the buffer to the device."""
-        self.prestaged = 0
+        self._flip()
         tp, bp, h = self.tp, self.bp, self.h
         t, b = positions.shape[0], seq_lens.shape[0]
-        h[:t] = ids
+        if ids is not None:
+            h[:t] = ids
         h[tp:tp + t] = positions
         h[3 * tp + bp:].view(np.int32)[bp:bp + b] = seq_lens
         if self.dev is not self.host:
