@@ -32,10 +32,10 @@ Per reply the daemon mirrors onto the GPU exactly the shared-memory writes the r
 * the session's interprocess CUDA event (``done``, exported beside the arena) is recorded after
   them and the reply goes out at once: the client makes its stream wait on that event after every
   reply unless it has completed by then (``kvd_client.GpuBuffers.wait``), so its kernels read
-  complete data and nobody waits on the host. Measured on an H100 host (an engine decoding 256 requests, a step every ~15 ms): the flush's
-  p50 went from 299 us (synchronized) to 191 us. The staging buffers are pool-wide: every write to
-  them first waits for the previous flush's event (:meth:`GpuPool.settle`), by then normally long
-  complete.
+  complete data and nobody waits on the host. Measured on an H100 host (an engine decoding 256
+  requests, a step every ~15 ms): the flush's p50 went from 299 us (synchronized) to 191 us. The
+  staging buffers are pool-wide: every write to them first waits for the previous flush's event
+  (:meth:`GpuPool.settle`), by then normally long complete.
   ``KVDSRV_GPU_SYNC=1`` (environment, debugging aid) synchronizes before every reply instead.
 
 Warm-up: :meth:`GpuPool.warm` builds a throwaway session with the same layout and runs every

@@ -21,17 +21,17 @@ token per request (Tp = Bp: decode) also advances its inputs after the forward, 
 (``Bucket.advance``): each real token's next id is its row's argmax (``next_ids``, the step's greedy
 tokens), its position and its request's seq_len grow by one. That is the next step of a steady
 decode batch, staged on the device with no host work (``Bucket.prestaged``); any other next step
-stages over it. Padding: tokens
-T..Tp-1 have id 0, position 0, slot PAD_SLOT_ID (no K/V written) and belong to no request (qsl[B..Bp]
-= T), so attention leaves their rows alone; requests B..Bp-1 are empty (seq_len 0, row 0); logits
-rows K..Bp-1 are computed from a padding token and never read.
+stages over it. Padding: tokens T..Tp-1 have id 0, position 0, slot PAD_SLOT_ID (no K/V written)
+and belong to no request (qsl[B..Bp] = T), so attention leaves their rows alone; requests B..Bp-1
+are empty (seq_len 0, row 0); logits rows K..Bp-1 are computed from a padding token and never read.
 
 Capture: at a bucket's first use, from that step's own inputs: two eager passes on a side stream
 (Triton compiles, allocator warm), then the capture (all buckets share one memory pool), then the
 replay that serves the step. Re-running a forward rewrites the same K/V at the same slots, and the
-inputs the passes advanced are put back before the capture, so the extra passes change nothing. The graphs hold the addresses of the KV cache and of the tables they
-read (kvd's GPU tables of the session): when those change (a new session) every graph is dropped
-and the next captures use a new memory pool (a pool whose graphs are all gone cannot take new ones).
+inputs the passes advanced are put back before the capture, so the extra passes change nothing. The
+graphs hold the addresses of the KV cache and of the tables they read (kvd's GPU tables of the
+session): when those change (a new session) every graph is dropped and the next captures use a new
+memory pool (a pool whose graphs are all gone cannot take new ones).
 """
 
 from __future__ import annotations
@@ -119,8 +119,7 @@ class Bucket:
         self._flip()
         tp, bp, h = self.tp, self.bp, self.h
         t, b = positions.shape[0], seq_lens.shape[0]
-        if ids is not None:
-            h[:t] = ids
+        h[:t] = ids
         h[tp:tp + t] = positions
         h[3 * tp + bp:].view(np.int32)[bp:bp + b] = seq_lens
         if self.dev is not self.host:
