@@ -30,7 +30,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 def _case(dev, dtype, b, v, real, seed=0):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(b, v, generator=g).to(dtype)
-    logits[0, 3] = logits[0, v - 2] = logits[0].max() + 1  # a tie across chunks: the first index wins
+    logits[0, 3] = logits[0, v - 2] = logits[0].max() + 1  # a tie (across chunks when v > BLOCK_V): the first wins
     if b > 1:
         logits[1, :] = 0.5  # a whole row of ties: index 0
     if b > 2:
@@ -44,8 +44,8 @@ def _case(dev, dtype, b, v, real, seed=0):
 
 
 @pytest.mark.parametrize("devname", DEVICES)
-@pytest.mark.parametrize("b,v,real", [(4, 3000, 3), (8, 1024, 8), (1, 50, 1), (16, 2049, 5)],
-                         ids=["padded", "one_chunk", "single", "chunk_edge"])
+@pytest.mark.parametrize("b,v,real", [(4, 3000, 3), (8, 1024, 8), (1, 50, 1), (16, 2049, 5), (3, 20000, 2)],
+                         ids=["padded", "one_chunk", "single", "pow2_edge", "three_chunks"])
 def test_advance_kernel_equals_reference(devname, b, v, real):
     dev = _device(devname)
     for dtype in [torch.float32] if dev.type == "cpu" else [torch.float32, torch.bfloat16, torch.float16]:
