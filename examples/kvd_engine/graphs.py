@@ -28,10 +28,11 @@ are empty (seq_len 0, row 0); logits rows K..Bp-1 are computed from a padding to
 Capture: at a bucket's first use, from that step's own inputs: two eager passes on a side stream
 (Triton compiles, allocator warm), then the capture (all buckets share one memory pool), then the
 replay that serves the step. Re-running a forward rewrites the same K/V at the same slots, and the
-inputs the passes advanced are put back before the capture, so the extra passes change nothing. The
-graphs hold the addresses of the KV cache and of the tables they read (kvd's GPU tables of the
-session): when those change (a new session) every graph is dropped and the next captures use a new
-memory pool (a pool whose graphs are all gone cannot take new ones).
+inputs a pass advanced are put back after it (a pass on advanced inputs would write the K/V of a
+position whose block may not be allocated yet, through a stale table entry), so the extra passes
+change nothing. The graphs hold the addresses of the KV cache and of the tables they read (kvd's GPU
+tables of the session): when those change (a new session) every graph is dropped and the next
+captures use a new memory pool (a pool whose graphs are all gone cannot take new ones).
 """
 
 from __future__ import annotations
@@ -214,14 +215,14 @@ class GraphRunner:
         use_paged(self.model, True)
         try:
             with torch.no_grad():
-                inputs = bk.dev.clone()  # the passes below advance them (``Bucket.advance``)
+                inputs = bk.dev.clone()  # each pass advances them (``Bucket.advance``): put back after it
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
-                    run()
-                    run()
+                    for _ in range(2):
+                        run()
+                        bk.dev.copy_(inputs)
                 torch.cuda.current_stream(self.device).wait_stream(side)
-                bk.dev.copy_(inputs)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
                     out = run()
