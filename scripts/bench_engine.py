@@ -19,9 +19,9 @@ polls, waits for the GPU, samples; ``round_trip_wall_ms`` is send to reply taken
 counts only the part of the round trips (a round trip sent ahead: its send and the taking of its
 reply) after the forward it overlapped had finished on the GPU, and all of the metadata built while
 the GPU waits (a steady step whose inputs the last forward's graph advanced on the device builds
-none: ``Bucket.advance``); both count the timed steps
-only, not the frees of the finished batch after them. Tokens: the daemon run's tokens vs per-request
-HF generate (identity required in float32, agreement reported in bf16). TTFT: engine B
+none: ``Bucket.advance``); both count the timed steps only, not the frees of the finished batch
+after them. Tokens: the daemon run's tokens vs per-request HF generate (identity required in
+float32, agreement reported in bf16). TTFT: engine B
 (its own kvd session) admits a prompt sharing engine A's ``--prefix``-token system prompt after A
 confirmed it, vs A's cold prefill; both engines warm at their timed shapes first, median of 5 rounds,
 each step's phases (plan, round trip, kvd metadata, model launch, device wait + sampling). The cold

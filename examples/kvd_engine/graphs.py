@@ -8,8 +8,9 @@ smallest powers of two >= T and >= B. Larger steps (long prefills) run eagerly.
 Each bucket owns fixed buffers (a graph replays on the addresses it was captured with). Device
 int64 words, laid out like ``inputs.Staging``'s with K = Bp and R = Tp, written by ONE copy from one
 of two pinned host twins, used in turn (a steady batch's later steps rewrite only ids, positions and
-seq_lens, ``Bucket.stage_moving``, while the copy of the previous ones may still wait on the
-stream)::
+seq_lens, ``Bucket.stage_moving``). The twins date from the host prestage, which staged a step while
+the previous copy could still wait on the stream; every staging now follows the last step's device
+synchronization, so one buffer would do (not changed yet: untested on a GPU)::
 
     ids [Tp], positions [Tp], keep [Bp], rep [Tp], then int32 rows [Bp], seq_lens [Bp], qsl [Bp + 1]
 
@@ -57,8 +58,8 @@ class Bucket:
         self.tp, self.bp = tp, bp
         self.words = 3 * tp + bp + (3 * bp + 2) // 2
         cuda = device.type == "cuda"
-        # two pinned host twins, used in turn: a step's inputs can be staged while the
-        # copy of the previous ones may still wait on the stream (without CUDA: one buffer, the "device" one)
+        # two pinned host twins, used in turn (see the module docstring; without CUDA: one buffer,
+        # the "device" one)
         first = torch.zeros(self.words, dtype=torch.int64, pin_memory=cuda)
         self.hosts = [first, torch.zeros(self.words, dtype=torch.int64, pin_memory=True)] if cuda else [first, first]
         self.cur = 0
