@@ -1798,21 +1798,37 @@ class BlockManager:
             tick=self.tick,
         )
 
-    def decode_rows(self, rows: np.ndarray, n_new: int, lookahead: int = 0):
-        """The daemon's plain decode step, without a ``StepBatch`` or a ``StepResult``: every
-        request of ``rows`` (manager rows, int32) appends ``n_new`` tokens (an int) with
-        ``lookahead`` slots and registers nothing. Returns (their sizes before, int64, a view of
-        scratch valid until the next append; the rows whose tables changed, a new array; the
-        copy-on-write copies), or None, having changed nothing, whenever anything is unusual
-        (misuse, no space, another configuration): ``step`` then decides request by request.
-        Like a decode ``step`` it may run before the deferred prefix-cache work (it reads no cache)."""
+    def decode_rows(self, rows: np.ndarray, n_new: int, lookahead: int = 0, hashes: np.ndarray | None = None,
+                    counts: np.ndarray | None = None):
+        """The daemon's decode step, without a ``StepBatch`` or a ``StepResult``: every request of
+        ``rows`` (manager rows, int32) appends ``n_new`` tokens (an int) with ``lookahead`` slots,
+        and with ``hashes`` (the one group's, ``hash_dtype``) and ``counts`` (int32, one per row)
+        registers the blocks that filled, as a decode ``step`` does. Returns (their sizes before,
+        int64, a view of scratch valid until the next append; the rows whose tables changed, a new
+        array; the copy-on-write copies), or None, having changed nothing (beyond running deferred
+        prefix-cache work that was due anyway), whenever anything is unusual (misuse, no space,
+        another configuration): ``step`` then decides request by request. Registering nothing, it
+        may run before the deferred prefix-cache work (it reads no cache); registering, after it.
+        Why one entry for both: the step that registers is one in 16 of a decode run, and on the
+        general path its code is cold in the daemon (2-3x its warm cost)."""
         if not self._simple or not rows.size or type(n_new) is not int or type(lookahead) is not int:
             return None
-        copies_before = len(self._copies)
-        fast = self._append_fast(rows, n_new, self._empty_hashes, None, lookahead)
-        if fast is None:
+        if hashes is None:
+            hashes, counts = self._empty_hashes, None
+        elif not (type(hashes) is np.ndarray and hashes.dtype == self.hash_dtype and hashes.ndim == 1
+                  and type(counts) is np.ndarray and counts.dtype == np.int32 and counts.shape == rows.shape
+                  and count_total(counts) == hashes.size):
             return None
-        self.tick += 1  # (the appends read no tick: registering nothing, they defer nothing)
+        else:
+            counts = counts.astype(np.int64)  # the step path's counts (its compiled loops' types)
+            if self._deferred or self._waiting:  # registrations keep their order
+                self.flush_deferred()
+        copies_before = len(self._copies)
+        self.tick += 1  # a deferred registration carries the step's tick
+        fast = self._append_fast(rows, n_new, hashes, counts, lookahead, self.config.defer_cache_registration)
+        if fast is None:
+            self.tick -= 1
+            return None
         old, grown = fast
         self._debug_check()
         return old, grown.copy(), self._copies_since(copies_before)

@@ -870,29 +870,30 @@ class Daemon:
         if na * an > self.max_tokens:
             raise InvalidArgument(f"{na * an} append tokens > max_num_batched_tokens {self.max_tokens}")
         mrows = self._mapped_rows(sess, rows_b, "append rows", na)
-        batch = None
+        hs = cnt = tokens = None
         if hashes_b or counts_b:
             hs = P.frame_hashes(hashes_b, "append hashes", na * (self.max_model_len // self.block_sizes[0] + 1), dtype=self.hash_dtype)
             if not counts_b:
                 raise ProtocolError("append hashes without counts")
             cnt = _hash_counts(counts_b, na, hs.shape[0])
-            batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la,
-                              append_hashes=(hs,), append_hash_counts=(cnt,))
             if tokens_b:
-                batch.append_token_ids = (self._token_frame(tokens_b, "append token ids", na * self.max_model_len),)
+                tokens = self._token_frame(tokens_b, "append token ids", na * self.max_model_len)
         elif tokens_b:
             raise ProtocolError("append token ids without hashes")
         if c != P.NO_CONFIRM and sess.writer:
             self.manager.mark_computed(sess.writer, c)
         m = self.manager
-        fast = m.decode_rows(mrows, an, la) if batch is None else None
+        fast = m.decode_rows(mrows, an, la, hs, cnt) if tokens is None else None
         if fast is not None:  # the usual step: every request appended
             old, grown, copies = fast
             tick, status_b, sched_rows, lens = m.tick, bytes(2 * na), mrows, np.full(na, an, np.int32)
             sched_start = old.astype(np.int32)
-        else:
-            if batch is None:  # declined: the manager decides request by request
-                batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la)
+        else:  # declined (or token ids for KV events): the manager decides request by request
+            batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la)
+            if hs is not None:
+                batch.append_hashes, batch.append_hash_counts = (hs,), (cnt,)
+            if tokens is not None:
+                batch.append_token_ids = (tokens,)
             res = m.step(batch, namespace=sess.namespace, writer=sess.writer)
             grown, copies, tick = res.changed_rows, res.copies, res.tick
             status_b = res.append_status.astype(P.I16, copy=False).tobytes()

@@ -429,6 +429,56 @@ def test_decode_rows_is_a_decode_step_without_the_batch_and_result_objects():
     direct.check_invariants(heavy=True)
 
 
+@pytest.mark.parametrize("defer", [False, True])
+def test_decode_rows_registers_the_blocks_that_filled_as_a_decode_step_does(defer):
+    toks_a, toks_b = prompt(16), prompt(32, 100)
+
+    def fresh():  # without debug checks, whose invariant check runs deferred work
+        m = BlockManager(ManagerConfig(num_gpu_blocks=16, max_model_len=256, max_num_reqs=8,
+                                       defer_cache_registration=defer))
+        m.allocate("a", 15)  # the next token fills its first block
+        m.allocate("b", 31, hash_prompt(toks_b[:31], 16))  # one block registered, the next fills
+        return m
+
+    hashes = np.concatenate([hash_prompt(toks_a, 16)[-1:], hash_prompt(toks_b, 16)[-1:]])
+    counts = np.ones(2, np.int32)
+    via_step, direct = fresh(), fresh()
+    res = via_step.step(StepBatch(append_rows=via_step.rows_of(["a", "b"]), append_num_tokens=1,
+                                  append_hashes=(hashes,), append_hash_counts=(counts,)))
+    old, grown, copies = direct.decode_rows(direct.rows_of(["a", "b"]), 1, 0, hashes, counts)
+    assert old.tolist() == res.sched_start.tolist() == [15, 31]
+    assert grown.tolist() == res.changed_rows.tolist() == []  # both filled the block they had
+    assert copies.tolist() == res.copies.tolist() == []
+    assert direct.tick == via_step.tick
+    assert direct.num_deferred == via_step.num_deferred == (1 if defer else 0)
+    assert snapshot(direct) == snapshot(via_step)
+    for m in (direct, via_step):
+        m.flush_deferred()
+        assert m.lookup(hash_prompt(toks_a, 16)) == 1 and m.lookup(hash_prompt(toks_b, 16)) == 2  # blocks
+    assert snapshot(direct) == snapshot(via_step)
+    direct.check_invariants(heavy=True)
+
+
+def test_decode_rows_declines_hashes_it_cannot_take_and_changes_nothing():
+    m = make(num_blocks=3, defer_cache_registration=True)
+    m.allocate("a", 15)
+    m.allocate("b", 16)  # full: its next token needs a block
+    rows = m.rows_of(["a", "b"])
+    h = hash_prompt(prompt(16), 16)
+    good_h, good_c = np.concatenate([h, h]), np.ones(2, np.int32)
+    before, tick = snapshot(m), m.tick
+    assert m.decode_rows(rows, 1, 0, good_h.astype("S16"), good_c) is None  # another hash width
+    assert m.decode_rows(rows, 1, 0, good_h, good_c.astype(np.int64)) is None  # not the daemon's int32 counts
+    assert m.decode_rows(rows, 1, 0, good_h, np.array([2, 1], np.int32)) is None  # counts do not add up
+    assert m.decode_rows(rows, 1, 0, good_h, np.array([-1, 3], np.int32)) is None  # a negative count
+    assert m.decode_rows(rows, 1, 0, good_h, np.ones(3, np.int32)) is None  # one count per row
+    assert m.decode_rows(rows, 1, 0, good_h[:1], np.array([1, 0], np.int32)) is None  # b fills no block
+    assert snapshot(m) == before and m.tick == tick and m.num_deferred == 0
+    with pytest.raises(errors.BadHashes):  # the step says why
+        m.step(StepBatch(append_rows=rows, append_num_tokens=1, append_hashes=(good_h,),
+                         append_hash_counts=(np.array([2, 1], np.int32),)))
+
+
 def test_decode_rows_declines_unusual_steps_and_changes_nothing():
     m = make(num_blocks=3)
     m.allocate("a", 16)

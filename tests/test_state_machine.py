@@ -361,10 +361,13 @@ class ManagerMachine(RuleBasedStateMachine):
             flat.append(h)
             counts.append(h.size)
         rows = self.mgr.rows_of(chosen)
-        if data.draw(st.booleans()) and not any(counts):  # the daemon's plain decode entry
-            fast = self.mgr.decode_rows(rows, k)
+        if data.draw(st.booleans()):  # the daemon's decode entry (registering what filled, if anything)
+            if any(counts):
+                fast = self.mgr.decode_rows(rows, k, 0, np.concatenate(flat), np.array(counts, np.int32))
+            else:
+                fast = self.mgr.decode_rows(rows, k)
             if fast is not None:  # (declined: nothing changed, and the step below decides)
-                assert self.model.append_batch(chosen, k, 0, [[] for _ in chosen]) == [STATUS_OK] * len(chosen)
+                assert self.model.append_batch(chosen, k, 0, [h.tolist() for h in flat]) == [STATUS_OK] * len(chosen)
                 assert fast[0].tolist() == [self.model.reqs[r]["tokens"] - k for r in chosen]
                 assert fast[2].tolist() == self.model.copies
                 self.model.copies = []
