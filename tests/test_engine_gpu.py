@@ -45,9 +45,10 @@ def _prompts(seed, n=12):
     return {f"r{i}": rng.integers(0, 512, int(rng.integers(3, 40))).tolist() for i in range(n)}
 
 
-@pytest.mark.parametrize("overlap,slot_mapping", [(False, True), (True, True), (True, False)],
-                         ids=["sync", "overlap", "overlap-own-slots"])
-def test_graphs_through_a_gpu_daemon_match_hf(daemon_factory, overlap, slot_mapping):
+@pytest.mark.parametrize("overlap,slot_mapping,per_message", [(False, True, 1), (True, True, 1), (True, False, 1),
+                                                             (True, False, 4)],
+                         ids=["sync", "overlap", "overlap-own-slots", "windows-of-4"])
+def test_graphs_through_a_gpu_daemon_match_hf(daemon_factory, overlap, slot_mapping, per_message):
     _cuda()
     d = daemon_factory(wait=False, device="cuda:0", tenants=f"t=uid:{os.getuid()}", **DAEMON)
     d.wait_ready(300)
@@ -58,7 +59,8 @@ def test_graphs_through_a_gpu_daemon_match_hf(daemon_factory, overlap, slot_mapp
                 slot_mapping=slot_mapping) as c:
         assert (c.gpu_slot_mappings is None) != slot_mapping  # without them: every slot from the tables
         # steps of up to 16 tokens replay graphs; prefills (chunks up to 48 tokens) run eagerly
-        eng = Engine(c, model, device="cuda", max_tokens=48, graph_tokens=16, overlap=overlap, prestage=True)
+        eng = Engine(c, model, device="cuda", max_tokens=48, graph_tokens=16, overlap=overlap, prestage=True,
+                     steps_per_message=per_message)
         eng.check_slots = True
         _drive(eng, prompts, 12)
         g = eng.graphs
@@ -66,6 +68,8 @@ def test_graphs_through_a_gpu_daemon_match_hf(daemon_factory, overlap, slot_mapp
         assert (eng.ahead_steps > 0) == overlap
         assert (eng.steady_steps > 0) == overlap and (eng.prestaged_steps > 0) == overlap
         assert (eng.prestaged_replays > 0) == overlap  # device tables: a prestaged step only replays
+        if per_message > 1:  # windows: fewer messages than steady steps, queued blocks hashed during forwards
+            assert eng.ahead_steps < eng.steady_steps and eng.prehashed_blocks > 0
         assert_matches_hf(model, eng, prompts, 12)
         assert c.stats()["num_requests"] == 0
         c.mark_computed()

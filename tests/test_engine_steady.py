@@ -338,3 +338,99 @@ def test_the_reply_waits_for_the_sampling_when_the_forward_ends_first():
     assert pending.taken == 0 and e._took is None and e.prehashed_blocks == 0
     e._ahead_exposed((0.0, 0.0), gpu_done=0.0)  # after the sampling: taking it is exposed
     assert pending.taken == 1 and e._ahead[3] == "reply" and e.kvd_exposed_s > 0
+
+
+def _windowed(d, model, prompts, max_new, per_message):
+    with Client(d.endpoint, tenant="t", name="e", steps_in_flight=1) as c:
+        eng = Engine(c, model, overlap=True, steps_per_message=per_message)
+        sent = []
+        real = c.start_step
+
+        def start_step(batch):  # every message's append counts, as sent
+            n = batch.append_num_tokens
+            sent.append(n if isinstance(n, int) else sorted(set(np.asarray(n).tolist())))
+            return real(batch)
+
+        c.start_step = start_step
+        for rid, p in prompts.items():
+            eng.add(rid, p, max_new[rid])
+        eng.run()
+        c.mark_computed()
+        assert c.stats()["num_requests"] == 0
+        with Client(d.endpoint, tenant="t", name="reader") as rd:
+            cached = {rid: rd.lookup(c.hash_prompt(np.array(p + eng.reqs[rid].output[:-1])))
+                      for rid, p in prompts.items()}
+    return eng, cached, sent
+
+
+@pytest.mark.parametrize("per_message", [3, 8])
+def test_multi_step_windows_match_hf_with_one_message_per_window(daemon_factory, per_message):
+    """steps_per_message=k: a steady batch's message appends k tokens per request (fewer where a
+    request has fewer left) and k steps run on it; tokens equal HF's, every written full block is
+    cached exactly as with a message per step, and the windows' messages are the only ones sent."""
+    model = model_of(LLAMA)
+    rng = np.random.default_rng(21)
+    # prompts of a full block at least: the batch's first block to fill has a parent hash (a first
+    # block without one makes the steady batch fall back to a generic message for that step)
+    prompts = {f"r{i}": rng.integers(0, 512, int(rng.integers(BLOCK, 30))).tolist() for i in range(4)}
+    max_new = {rid: 20 for rid in prompts}
+    runs = {}
+    for k in (1, per_message):
+        d = daemon_factory(**DAEMON, tenants="t=uid:" + str(os.getuid()))
+        runs[k] = _windowed(d, model, prompts, max_new, k)
+    eng, cached, sent = runs[per_message]
+    for rid, p in prompts.items():
+        assert eng.reqs[rid].output == hf_generate(model, p, 20)[0], rid
+    assert cached == runs[1][1] == {rid: (len(p) + 19) // BLOCK for rid, p in prompts.items()}
+    # the first decode step is generic (it makes the batch steady) and sends the first window with
+    # 18 tokens left to sample after it: windows of k while >= k are left, then what is left, then
+    # the finishing message (0 tokens: the blocks the last window filled register)
+    left, windows = 18, []
+    while left:
+        windows.append(min(per_message, left))
+        left -= windows[-1]
+    assert sent == windows + [0]
+    assert runs[1][2] == [1] * 18  # a message per step (the last blocks registered on the way)
+    # 18 steps on the batch's arrays, and the one that takes the finishing message's reply
+    assert eng.ahead_steps == len(windows) + 1 and eng.steady_steps == 19
+
+
+def test_multi_step_window_refused_in_part_holds_tokens_and_matches_hf(daemon_factory):
+    """A pool too small for a window: kvd grants some requests' k tokens and refuses others; the
+    granted ones hold k - 1 tokens their next steps take with 0-token appends (no second grant),
+    the refused are preempted by swap as usual; tokens equal HF's, the pool ends empty."""
+    d = daemon_factory(**dict(DAEMON, num_gpu_blocks=24, num_cpu_blocks=64))
+    model = model_of(LLAMA)
+    rng = np.random.default_rng(4)
+    prompts = {f"r{i}": rng.integers(0, 512, int(rng.integers(20, 30))).tolist() for i in range(6)}
+    with Client(d.endpoint, name="e", steps_in_flight=1) as c:
+        eng = Engine(c, model, overlap=True, steps_per_message=8)
+        held = []
+        real = Engine._took_reply
+
+        def took(self, res):  # the requests holding tokens after each reply
+            real(self, res)
+            held.append(sum(r.held for r in self.reqs.values()))
+
+        eng._took_reply = took.__get__(eng)
+        for rid, p in prompts.items():
+            eng.add(rid, p, 20)  # 6 x (up to 50 tokens = 7 blocks) > 23 blocks
+        eng.run()
+        assert eng.swaps_out >= 1 and eng.swaps_in == eng.swaps_out
+        assert max(held) > 0 and held[-1] == 0
+        assert all(r.held == 0 for r in eng.reqs.values())
+        assert c.stats()["num_used_blocks"] == 0
+    for rid, p in prompts.items():
+        assert eng.reqs[rid].output == hf_generate(model, p, 20)[0], rid
+
+
+def test_steps_per_message_needs_overlap():
+    model = model_of(LLAMA)
+    from kvd_engine import InProcClient, OwnedKv
+    import torch
+
+    kv = OwnedKv(2, 65, BLOCK, 2, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="steps_per_message"):
+        Engine(InProcClient(64, BLOCK), model, kv=kv, steps_per_message=4)
+    with pytest.raises(ValueError, match="steps_per_message"):
+        Engine(InProcClient(64, BLOCK), model, kv=kv, overlap=True, steps_per_message=0)

@@ -44,7 +44,7 @@ class Engine(ForwardMixin, OverlapMixin):
 
     def __init__(self, client, model, *, kv: OwnedKv | None = None, max_tokens: int = 256, max_running: int = 64,
                  device="cpu", keep_logits: bool = True, graph_tokens: int = 0, overlap: bool = False,
-                 prestage: bool = True, fused: bool = True):
+                 prestage: bool = True, fused: bool = True, steps_per_message: int = 1):
         """``keep_logits``: keep every sampled row's logits (float32, on the host) in ``Request.logits``
         (the tests compare them with HF's); False: only the sampled token ids leave the device.
         ``graph_tokens``: on CUDA, steps of at most that many tokens replay CUDA graphs
@@ -59,7 +59,11 @@ class Engine(ForwardMixin, OverlapMixin):
         (``graphs.Bucket.advance``) instead of staging them from the host (its tokens are checked by
         tests/test_engine_gpu.py, its speed by scripts/bench_engine.py --no-prestage).
         ``fused``: on CUDA, the model's RMSNorms and rotary embedding run as fused Triton kernels in
-        the engine's forwards (``fused.py``; ``--no-fused`` in the bench)."""
+        the engine's forwards (``fused.py``; ``--no-fused`` in the bench). ``steps_per_message``
+        (needs ``overlap``): a steady decode batch appends up to that many tokens per request in one
+        message and runs that many steps on it (multi-step scheduling, as vLLM's
+        ``num_scheduler_steps``: kvd's round trip once per window; a request arriving meanwhile
+        waits for the window's end, a block filled meanwhile registers with the next message)."""
         self.c = client
         self.model = model
         self.device = torch.device(device)
@@ -108,6 +112,10 @@ class Engine(ForwardMixin, OverlapMixin):
         if overlap and (self.num_groups != 1 or max(self.groups) > 0 or (ticks is not None and ticks.maxlen < 2)):
             raise ValueError("overlap needs one full-attention KV-cache group and a client with steps_in_flight >= 1")
         self.overlap = overlap
+        if type(steps_per_message) is not int or steps_per_message < 1 or (steps_per_message > 1 and not overlap):
+            raise ValueError("steps_per_message must be an integer >= 1; more than 1 needs overlap")
+        self.per_message = steps_per_message
+        self._window_left = 0  # steps of the current multi-step window still to run without a message
         # (ids, decode count, hash counts, StepResult, plan s, rt s, (SteadyBatch, its row order) or
         # None) of the step sent ahead (until its reply is taken: the pending reply, plan s, send start, ...)
         self._ahead = None
@@ -153,7 +161,7 @@ class Engine(ForwardMixin, OverlapMixin):
     @property
     def busy(self) -> bool:
         return bool(self.order or self.waiting or self.swapped or self.pending_forks or self._free_later
-                    or self._ahead is not None)
+                    or self._ahead is not None or self._window_left)
 
     def run(self, max_steps: int = 100000) -> None:
         for _ in range(max_steps):
@@ -166,6 +174,8 @@ class Engine(ForwardMixin, OverlapMixin):
     def step(self) -> None:
         t_start = time.perf_counter()
         self.phases = {}
+        if self._window_left:  # a step of a multi-step window: kvd granted it with the window's message
+            return self._step_window(t_start)
         if self._ahead is not None:  # this step's round trip went out during the last forward
             return self._step_ahead(t_start)
         self._drop_batch()
@@ -202,7 +212,8 @@ class Engine(ForwardMixin, OverlapMixin):
             cnt = [np.array(counts, np.int32)] * self.num_groups
         else:
             hs = cnt = ()
-        ntok = 1 if not cont else np.array([1] * len(decode) + [0] * len(cont), np.int32)
+        held = [self.reqs[rid].held > 0 for rid in decode]  # their next token is in kvd already: 0 more
+        ntok = 1 if not cont and not any(held) else np.array([0 if h else 1 for h in held] + [0] * len(cont), np.int32)
         adm = [AdmitRequest(r.rid, len(r.prompt), self._group_hashes(r.hashes[: r.chunk // self.bs])) for r in admits]
         batch = StepBatch(free=free, forks=[(p, c) for p, c, _ in forks], append_rows=rows, append_num_tokens=ntok,
                           append_hashes=hs, append_hash_counts=cnt, admit=adm)
@@ -214,9 +225,11 @@ class Engine(ForwardMixin, OverlapMixin):
         self.kvd_exposed_s += t1 - t0  # nothing runs meanwhile
         self.phases.update(plan=t0 - t_start, rt=t1 - t0)
         self._took_reply(res)
-        for rid, st, n in zip(decode + cont, res.append_status.tolist(), counts):
+        for i, (rid, st, n) in enumerate(zip(decode + cont, res.append_status.tolist(), counts)):
             if st == STATUS_OK:  # a refused append registered nothing: its hashes wait for the retry
                 self.reqs[rid].registered += n
+                if i < len(decode) and held[i]:
+                    self.reqs[rid].held -= 1
         for p, c, _ in forks:
             self.order.append(c)
         sched = self._schedule(decode, res, cont, admits)
@@ -239,7 +252,7 @@ class Engine(ForwardMixin, OverlapMixin):
             rt = None
             if self._steady(sched, res):  # from now on the steps run on arrays (steady.py)
                 batch = self._batch = SteadyBatch([r for r, _, _ in sched], self.c.rows_of([r.rid for r, _, _ in sched]),
-                                                  self.bs, self.hashes_dtype)
+                                                  self.bs, self.hashes_dtype, self.per_message)
                 launched = ((batch, None),) + launched[1:]
                 rt = self._send_ahead_steady(batch)
             self._finish(launched, rt)

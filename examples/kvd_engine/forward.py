@@ -176,7 +176,8 @@ class ForwardMixin:
         both after the GPU finished are exposed."""
         (sched, done), logits, t0, t_model, events = launched
         t_sample = time.perf_counter()
-        end = events[1] if events is not None and ahead_rt is not None else None  # polled for the reply
+        # polled for the reply (a window's step without a message: hashes queued blocks meanwhile)
+        end = events[1] if events is not None and (ahead_rt is not None or self._window_left) else None
         if done is None:
             self._sample_steady(sched, logits, end)
         else:
@@ -221,8 +222,9 @@ class ForwardMixin:
         (``Bucket.prestaged``)."""
         best = self._greedy(logits)
         ahead, bk = self._ahead, self._bucket
-        if (self.prestage and bk is not None and bk.advances and ahead is not None and ahead[6] is not None
-                and ahead[6][0] is batch and not batch.forced and (batch.left > 1).all()):
+        same_next = self._window_left > 0 or (ahead is not None and ahead[6] is not None and ahead[6][0] is batch)
+        if (self.prestage and bk is not None and bk.advances and same_next and not batch.forced
+                and (batch.left > 1).all()):
             bk.prestaged = batch.stamp
             self.prestaged_steps += 1
         self._reply_or_gpu(forward_end)

@@ -10,6 +10,13 @@ written blocks with a 0-token append. Safe only where no message rewrites what t
 reads: one full-attention KV-cache group (a window's release would null a block the forward still
 reads), no forks (copy-on-write replaces a table entry), slots from the tables (kvd rewrites its slot
 buffer for the next step); ``Engine`` refuses the rest.
+
+Multi-step windows (``Engine(steps_per_message=k)``): a steady batch's message appends ``k`` tokens
+per request (fewer where a request has fewer left), and the ``k`` steps it grants run without
+another message, the last one sending the next window's message during its forward. The blocks they
+fill queue as usual (hashed while the forwards run) and register with that message. A message kvd
+grants only in part leaves its granted requests holding ``k - 1`` tokens (``Request.held``), which
+the generic steps then take with 0-token appends.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ class OverlapMixin:
         its append, nothing waits, is swapped, forks or continues a prefill."""
         return (self.overlap and not self.waiting and not self.swapped and not self.pending_forks
                 and len(sched) == len(self.order) and all(n == 1 for _, _, n in sched)
-                and all(self.reqs[rid].state == RUNNING for rid in self.order)
+                and all(self.reqs[rid].state == RUNNING and not self.reqs[rid].held for rid in self.order)
                 and not (res.append_status != STATUS_OK).any())
 
     def _send_ahead(self) -> None:
@@ -97,6 +104,10 @@ class OverlapMixin:
         needs no reply)."""
         if forward_end is None:
             return
+        if self._ahead is None:  # a window's step without a message: only the hashing
+            if self._batch is not None:
+                self.prehashed_blocks += self._batch.prehash(self.c.hash_next_blocks, forward_end.query)
+            return
         pending = self._ahead[3]
         while not forward_end.query():
             if not pending.ready():
@@ -137,7 +148,9 @@ class OverlapMixin:
         n_next = int(np.count_nonzero(nxt))
         if not n_next and not fin.any():
             return None
-        ntok = 1
+        # the next window: as many steps as every continuing request has tokens left after this one
+        k = min(self.per_message, int(batch.left[nxt].min()) - 1) if n_next else 1
+        ntok = k
         if n_next == len(batch):
             order, ids, counts, rows = None, batch.rids, fill, batch.rows
         else:
@@ -147,14 +160,14 @@ class OverlapMixin:
                 ntok = 0
             elif len(order) > n_next:
                 ntok = np.zeros(len(order), np.int32)
-                ntok[:n_next] = 1
+                ntok[:n_next] = k
         hs = cnt = ()
         if hrows.size:  # in message order: each row's hashes in chain order
             by_row = dict(zip(hrows.tolist(), hashes))
             seq = np.flatnonzero(counts) if order is None else order[counts > 0]
             hv = np.array([h for i in seq.tolist() for h in by_row[i]], self.hashes_dtype)
             hs, cnt = [hv] * self.num_groups, [counts] * self.num_groups
-        return self._send(rows, ntok, hs, cnt, (ids, n_next, counts), t0, (batch, order))
+        return self._send(rows, ntok, hs, cnt, (ids, n_next, counts), t0, (batch, order, k))
 
     def _step_ahead(self, t_start: float) -> None:
         """A step whose round trip went out during the last forward: retire what that forward
@@ -162,7 +175,8 @@ class OverlapMixin:
         ids, n_decode, counts, res, plan_s, rt_s, fast = self._ahead
         self._ahead = None
         if fast is not None and fast[0] is self._batch and not (res.append_status != STATUS_OK).any():
-            return self._step_ahead_steady(t_start, fast[1], counts, res, plan_s, rt_s)
+            return self._step_ahead_steady(t_start, fast[1], counts, res, plan_s, rt_s, fast[2])
+        k = fast[2] if fast is not None else 1  # what kvd granted a request beyond this step it holds
         self._drop_batch()
         self._free_later += self._retire()
         self.phases.update(plan=plan_s, rt=rt_s)
@@ -174,11 +188,13 @@ class OverlapMixin:
                 r.registered += n
                 if i < n_decode:
                     sched.append((r, r.computed, 1))
+                    r.held += k - 1
         self._run_forward(sched, res, ids[:n_decode])
         self.phases["total"] = time.perf_counter() - t_start
 
-    def _step_ahead_steady(self, t_start: float, order, counts, res, plan_s: float, rt_s: float) -> None:
-        """:meth:`_step_ahead` of a steady batch whose every append kvd granted."""
+    def _step_ahead_steady(self, t_start: float, order, counts, res, plan_s: float, rt_s: float, k: int) -> None:
+        """:meth:`_step_ahead` of a steady batch whose every append kvd granted (``k`` steps each: the
+        first of a window)."""
         batch = self._batch
         self.steady_steps += 1
         batch.registered(order, counts)
@@ -194,8 +210,29 @@ class OverlapMixin:
         self.phases.update(plan=plan_s, rt=rt_s)
         self._took_reply(res)
         if len(batch):
-            launched = self._launch_steady(batch)
-            self._finish(launched, self._send_ahead_steady(batch))
+            self._window_left = k - 1
+            self._run_steady(batch)
         else:
             self._drop_batch()
         self.phases["total"] = time.perf_counter() - t_start
+
+    def _step_window(self, t_start: float) -> None:
+        """A step of a multi-step window after its first: the batch as it is, no message but on the
+        window's last step (the next window's, sent during its forward)."""
+        self._window_left -= 1
+        self.steps += 1
+        self.steady_steps += 1
+        self._run_steady(self._batch)
+        self.phases["total"] = time.perf_counter() - t_start
+
+    def _run_steady(self, batch) -> None:
+        """Launch a steady step; during its forward, send the next step's message, or within a window
+        queue the blocks it fills (they register with the window's last message)."""
+        launched = self._launch_steady(batch)
+        if not self._window_left:
+            return self._finish(launched, self._send_ahead_steady(batch))
+        idx = batch.filled()
+        assert idx is not None, "a window's steps keep the steady hash bookkeeping"
+        if idx.size:
+            batch.push(idx)
+        self._finish(launched, None)

@@ -29,6 +29,7 @@ class Request:
     first_token_at: float = 0.0
     registered: int = 0        # leading full blocks registered in kvd's prefix cache
     chunk: int = 0             # prompt tokens this step computes (planned before the round trip)
+    held: int = 0              # tokens kvd holds beyond the next one (a multi-step message refused in part)
 
     @property
     def seq(self) -> list[int]:

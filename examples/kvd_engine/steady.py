@@ -41,8 +41,9 @@ _stamps = count(1)
 class SteadyBatch:
     """The arrays of one steady decode batch (see the module docstring)."""
 
-    def __init__(self, reqs, rows: np.ndarray, block_size: int, hashes_dtype: str):
+    def __init__(self, reqs, rows: np.ndarray, block_size: int, hashes_dtype: str, per_message: int = 1):
         self.bs = block_size
+        self.per_message = per_message  # steps a message covers (the engine's multi-step windows)
         self.reqs = list(reqs)
         self.rids = [r.rid for r in self.reqs]
         self.rows = np.ascontiguousarray(rows, np.int32)
@@ -82,9 +83,17 @@ class SteadyBatch:
         self.qsl = np.arange(n + 1, dtype=np.int32)
         self.stamp = next(_stamps)  # a new layout: a graph bucket staged with another stages it all
         # blocks registered per message besides a finishing request's: twice the mean fill rate
-        # (n / block_size a step), so a batch filling its blocks in lockstep spreads their hashing and
-        # registration over block_size / 2 steps instead of one long message
-        self.cap = max(16, -(-2 * n // self.bs))
+        # (n / block_size a step, per_message steps a message), so a batch filling its blocks in
+        # lockstep spreads their hashing and registration over block_size / 2 steps instead of one
+        # long message
+        self.cap = max(16, -(-2 * n * self.per_message // self.bs))
+
+    def messages_left(self, left: np.ndarray) -> np.ndarray:
+        """Messages a request with ``left`` (>= 1) tokens to sample has, the one sent during this
+        forward included: one per step, or with multi-step windows this one and one per window of
+        the ``left - 1`` tokens after it."""
+        k = self.per_message
+        return left if k == 1 else 1 + (left - 1 + k - 1) // k
 
     # ---- hashing ---------------------------------------------------------------------------------------
     def filled(self) -> np.ndarray | None:
@@ -119,7 +128,7 @@ class SteadyBatch:
         self.prehashed_since_take = True
         if not q.size:
             return 0
-        left = np.maximum(self.left[q] - 1, 1)  # the next message's deadlines
+        left = np.maximum(self.messages_left(np.maximum(self.left[q], 1)) - 1, 1)  # the next message's deadlines
         room = max(self.cap, _even_rate(left)) - int(np.count_nonzero(self.q_hashed))
         if room <= 0:
             return 0
@@ -174,11 +183,12 @@ class SteadyBatch:
         deadlines; a finishing row's ``must`` catches what it could not). Else ``cap``, or more
         where an even rate is needed for every queued block to register by its request's last
         message (a request with ``left`` tokens to sample has ``left`` messages, this one
-        included), earliest deadline first, oldest first among equals."""
+        included; with multi-step windows :meth:`messages_left`), earliest deadline first, oldest
+        first among equals."""
         rest = np.flatnonzero(~sel)
         if prehashed or not rest.size:
             return rest[self.q_hashed[rest]]
-        left = np.where(sel, 1, np.maximum(self.left[q], 1))
+        left = np.where(sel, 1, self.messages_left(np.maximum(self.left[q], 1)))
         k = max(self.cap, _even_rate(left) - int(np.count_nonzero(sel)))
         return rest[np.argsort(left[rest], kind="stable")[:k]]
 
