@@ -366,8 +366,9 @@ def _windowed(d, model, prompts, max_new, per_message):
 @pytest.mark.parametrize("per_message", [3, 8])
 def test_multi_step_windows_match_hf_with_one_message_per_window(daemon_factory, per_message):
     """steps_per_message=k: a steady batch's message appends k tokens per request (fewer where a
-    request has fewer left) and k steps run on it; tokens equal HF's, every written full block is
-    cached exactly as with a message per step, and the windows' messages are the only ones sent."""
+    request has fewer left) and k steps run on it, the next window's message sent a step before the
+    window ends; tokens equal HF's, every written full block is cached exactly as with a message per
+    step, and the windows' messages are the only ones sent."""
     model = model_of(LLAMA)
     rng = np.random.default_rng(21)
     # prompts of a full block at least: the batch's first block to fill has a parent hash (a first
@@ -393,6 +394,9 @@ def test_multi_step_windows_match_hf_with_one_message_per_window(daemon_factory,
     assert runs[1][2] == [1] * 18  # a message per step (the last blocks registered on the way)
     # 18 steps on the batch's arrays, and the one that takes the finishing message's reply
     assert eng.ahead_steps == len(windows) + 1 and eng.steady_steps == 19
+    # every window's message but the first (sent by the generic step) went out on the previous
+    # window's next-to-last step, unless that window ends a request (k = 8: the last, of 2 steps)
+    assert eng.early_messages == {3: 5, 8: 2}[per_message] and runs[1][0].early_messages == 0
 
 
 def test_multi_step_window_refused_in_part_holds_tokens_and_matches_hf(daemon_factory):

@@ -116,6 +116,8 @@ class Engine(ForwardMixin, OverlapMixin):
             raise ValueError("steps_per_message must be an integer >= 1; more than 1 needs overlap")
         self.per_message = steps_per_message
         self._window_left = 0  # steps of the current multi-step window still to run without a message
+        self._early_rt = None  # host (start, end) of the send of a window's message sent a step early
+        self.early_messages = 0  # windows' messages sent on the next-to-last step
         # (ids, decode count, hash counts, StepResult, plan s, rt s, (SteadyBatch, its row order) or
         # None) of the step sent ahead (until its reply is taken: the pending reply, plan s, send start, ...)
         self._ahead = None

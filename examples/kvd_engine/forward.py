@@ -169,11 +169,12 @@ class ForwardMixin:
         self.phases.update(inputs=t_meta - t0, meta=t_model - t_meta)
         return what, logits, t0, t_model, events
 
-    def _finish(self, launched, ahead_rt: tuple[float, float] | None = None) -> None:
+    def _finish(self, launched, ahead_rt: tuple[float, float] | None = None, settle: bool = True) -> None:
         """Wait for the launched forward, sample, account. ``ahead_rt``: host (start, end) of the
         send of the step sent during this forward, whose reply is taken as soon as it arrives while
         the forward runs, else after the sampling (see ``OverlapMixin._reply_or_gpu``); the parts of
-        both after the GPU finished are exposed."""
+        both after the GPU finished are exposed. ``settle`` False: a reply that has not arrived by the
+        sampling is left for the next step's forward (a window's message sent a step early)."""
         (sched, done), logits, t0, t_model, events = launched
         t_sample = time.perf_counter()
         # polled for the reply (a window's step without a message: hashes queued blocks meanwhile)
@@ -191,7 +192,7 @@ class ForwardMixin:
         gpu_done = t_model + events[0].elapsed_time(events[1]) / 1e3 if events is not None else 0.0
         if events is not None:
             self.phases["gpu"] = gpu_done - t_model
-        if ahead_rt is not None:
+        if ahead_rt is not None and settle:
             self._ahead_exposed(ahead_rt, gpu_done)
 
     def _sample(self, sched, done, logits, forward_end=None) -> None:

@@ -13,8 +13,12 @@ buffer for the next step); ``Engine`` refuses the rest.
 
 Multi-step windows (``Engine(steps_per_message=k)``): a steady batch's message appends ``k`` tokens
 per request (fewer where a request has fewer left), and the ``k`` steps it grants run without
-another message, the last one sending the next window's message during its forward. The blocks they
-fill queue as usual (hashed while the forwards run) and register with that message. A message kvd
+another message. The next window's message goes out during the forward of the window's next-to-last
+step, so its round trip has two forwards to come back in (after ~k idle steps the daemon and both
+sides' ZeroMQ I/O threads wake from sleep for it); its reply is taken during the last step's
+forward at the latest. Where a request finishes with this window (its last blocks register then),
+the message goes out during the last step instead. The blocks the steps fill queue as usual (hashed
+while the forwards run) and register with the next message. A message kvd
 grants only in part leaves its granted requests holding ``k - 1`` tokens (``Request.held``), which
 the generic steps then take with 0-token appends.
 """
@@ -104,7 +108,7 @@ class OverlapMixin:
         needs no reply)."""
         if forward_end is None:
             return
-        if self._ahead is None:  # a window's step without a message: only the hashing
+        if self._ahead is None or self._took is not None:  # no reply to wait for: only the hashing
             if self._batch is not None:
                 self.prehashed_blocks += self._batch.prehash(self.c.hash_next_blocks, forward_end.query)
             return
@@ -128,19 +132,21 @@ class OverlapMixin:
         self.kvd_exposed_s += exposed
         self.phases.update(rt_exposed=exposed, rt_wall=self._ahead[5])
 
-    def _send_ahead_steady(self, batch):
+    def _send_ahead_steady(self, batch, early: bool = False):
         """:meth:`_send_ahead` from a steady batch's arrays (falls back to it, dropping the batch,
-        when the hash bookkeeping is not the steady one)."""
+        when the hash bookkeeping is not the steady one). ``early``: sent a step before the window's
+        last (every request has more than two tokens left: none finishes with the window)."""
         if self.waiting or self.swapped or self.pending_forks:
             return None
         t0 = time.perf_counter()
         idx = batch.filled()
         if idx is None:
+            assert not early, "a window's steps keep the steady hash bookkeeping"
             self._drop_batch()
             return self._send_ahead()
         if idx.size:  # the blocks this forward completes wait in the batch's queue
             batch.push(idx)
-        nxt = batch.left > 1
+        nxt = batch.left > 1 + early  # tokens left after the steps before the next window
         hrows, hashes = batch.take(~nxt, self.c.hash_next_blocks)  # in one call (a few, if chained)
         fill = np.zeros(len(batch), np.int32)
         fill[hrows] = [len(h) for h in hashes]
@@ -149,7 +155,7 @@ class OverlapMixin:
         if not n_next and not fin.any():
             return None
         # the next window: as many steps as every continuing request has tokens left after this one
-        k = min(self.per_message, int(batch.left[nxt].min()) - 1) if n_next else 1
+        k = min(self.per_message, int(batch.left[nxt].min()) - 1 - early) if n_next else 1
         ntok = k
         if n_next == len(batch):
             order, ids, counts, rows = None, batch.rids, fill, batch.rows
@@ -227,12 +233,23 @@ class OverlapMixin:
 
     def _run_steady(self, batch) -> None:
         """Launch a steady step; during its forward, send the next step's message, or within a window
-        queue the blocks it fills (they register with the window's last message)."""
+        queue the blocks it fills (they register with the next message), the next window's message
+        going out on its next-to-last step (see the module docstring)."""
         launched = self._launch_steady(batch)
-        if not self._window_left:
+        left, early = self._window_left, self._early_rt
+        if not left and early is None:
             return self._finish(launched, self._send_ahead_steady(batch))
+        if left == 1 and self.per_message > 1 and (batch.left > 2).all():
+            rt = self._send_ahead_steady(batch, early=True)
+            if rt is not None:  # its reply: taken during this forward if it comes, else during the next
+                self._early_rt = rt
+                self.early_messages += 1
+                return self._finish(launched, rt, settle=False)
         idx = batch.filled()
         assert idx is not None, "a window's steps keep the steady hash bookkeeping"
         if idx.size:
             batch.push(idx)
+        if early is not None:  # the window's last step: the message sent on the one before comes back now
+            self._early_rt = None
+            return self._finish(launched, early)
         self._finish(launched, None)

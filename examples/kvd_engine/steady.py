@@ -11,6 +11,8 @@ step needs in numpy arrays indexed by the request's row in the forward (its inde
     last      int64 [B]   that position's token (the last sampled one)
     left      int64 [B]   tokens still to sample
     nh, reg   int64 [B]   block hashes known / registered in kvd
+    sent      int64 [B]   hashes taken into a message whose reply has not come back (a window's
+                          message sent a step early: its next step runs before the reply)
     last_hash S{w}  [B]   the newest known block hash (the parent of the next one)
     recent    int64 [B, block_size]  the tokens of the block being filled, column position % block_size
 
@@ -53,6 +55,7 @@ class SteadyBatch:
         self.left = np.fromiter((r.max_new_tokens - len(r.output) for r in self.reqs), np.int64, n)
         self.nh = np.fromiter((len(r.hashes) for r in self.reqs), np.int64, n)
         self.reg = np.fromiter((r.registered for r in self.reqs), np.int64, n)
+        self.sent = np.zeros(n, np.int64)
         self.last_hash = np.zeros(n, hashes_dtype)
         has = self.nh > 0
         if has.any():
@@ -99,11 +102,12 @@ class SteadyBatch:
     def filled(self) -> np.ndarray | None:
         """Rows whose block the running forward completes (position ``pos`` ends it), or None when
         the hash bookkeeping is not the steady one (a block without hash besides those queued and
-        this step's, a hash not registered, a first block with no parent): the caller falls back to
+        this step's, a hash neither registered nor in flight, a first block with no parent): the caller falls back to
         the generic path."""
         pos1 = self.pos + 1
         fill = pos1 % self.bs == 0
-        if not (np.array_equal(pos1 // self.bs - self.nh - self.queued, fill) and np.array_equal(self.nh, self.reg)):
+        if not (np.array_equal(pos1 // self.bs - self.nh - self.queued, fill)
+                and np.array_equal(self.nh, self.reg + self.sent)):
             return None
         idx = np.flatnonzero(fill)
         if (self.nh[(self.queued > 0) | fill] == 0).any():
@@ -169,6 +173,7 @@ class SteadyBatch:
                 new[miss] = hash_next(tokens[now][miss], self.last_hash[r[miss]])
             self.last_hash[r] = new
             self.nh[r] += 1
+            self.sent[r] += 1
             self.queued[r] -= 1
             self.pending.append((r, new))
             for i, h in zip(r.tolist(), new):
@@ -211,6 +216,7 @@ class SteadyBatch:
         """kvd registered ``counts[j]`` more blocks of row ``order[j]`` (``order`` None: every row)."""
         sel = np.arange(len(self.reqs)) if order is None else order
         self.reg[sel] += counts
+        self.sent[sel] -= counts
         for i, c in zip(sel[counts > 0].tolist(), counts[counts > 0].tolist()):
             self.reqs[i].registered += c
 
@@ -230,7 +236,7 @@ class SteadyBatch:
         self.q_hash, self.q_hashed = self.q_hash[q], self.q_hashed[q]
         self.reqs = [r for r, k in zip(self.reqs, keep.tolist()) if k]
         self.rids = [r.rid for r in self.reqs]
-        for name in ("rows", "pos", "last", "left", "nh", "reg", "last_hash", "recent", "queued"):
+        for name in ("rows", "pos", "last", "left", "nh", "reg", "sent", "last_hash", "recent", "queued"):
             setattr(self, name, getattr(self, name)[keep])
         self._layout()
 
