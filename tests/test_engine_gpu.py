@@ -68,8 +68,8 @@ def test_graphs_through_a_gpu_daemon_match_hf(daemon_factory, overlap, slot_mapp
         assert (eng.ahead_steps > 0) == overlap
         assert (eng.steady_steps > 0) == overlap and (eng.prestaged_steps > 0) == overlap
         assert (eng.prestaged_replays > 0) == overlap  # device tables: a prestaged step only replays
-        if per_message > 1:  # windows: fewer messages than steady steps, queued blocks hashed during forwards
-            assert eng.ahead_steps < eng.steady_steps and eng.prehashed_blocks > 0
+        if per_message > 1:  # windows: fewer messages than steady steps
+            assert eng.ahead_steps < eng.steady_steps
         assert_matches_hf(model, eng, prompts, 12)
         assert c.stats()["num_requests"] == 0
         c.mark_computed()
