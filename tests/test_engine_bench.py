@@ -16,11 +16,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_tiny_bench_runs_and_its_checks_hold():
     p = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_engine.py"), "--tiny", "--batches", "4,6",
-                        "--steps", "2"], cwd=str(REPO), capture_output=True, text=True, timeout=240)
+                        "--steps", "2", "--steps-per-message", "3"], cwd=str(REPO), capture_output=True, text=True,
+                       timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["ok"] and set(out["checks"]) >= {"float32_tokens_identical", "hit_tokens_equal_prefix_blocks",
-                                                 "hit_prefilled_only_suffix", "inproc_equals_daemon"}
+                                                 "hit_prefilled_only_suffix", "inproc_equals_daemon",
+                                                 "windows_equal_daemon", "pool_empty_after_6_windows_3"}
+    # the windowed run: 5 tokens a request (the prefill's, 2 untimed and 2 timed steps); the generic
+    # first decode step sends one window of the last 3, with which they finish (nothing left to register)
+    assert out["steps_per_message"] == [3] and set(out["batches"]["6"]["daemon_windows"]) == {"3"}
+    assert out["batches"]["6"]["daemon_windows"]["3"]["messages"] == 1
     assert set(out["batches"]) == {"4", "6"}
     assert out["batches"]["6"]["identical_requests"] == "6/6"
     assert out["ttft"]["hit_tokens"] == 64 and out["ttft"]["hit_prefilled"] == 16
