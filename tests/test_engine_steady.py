@@ -438,3 +438,37 @@ def test_steps_per_message_needs_overlap():
         Engine(InProcClient(64, BLOCK), model, kv=kv, steps_per_message=4)
     with pytest.raises(ValueError, match="steps_per_message"):
         Engine(InProcClient(64, BLOCK), model, kv=kv, overlap=True, steps_per_message=0)
+
+
+def test_multi_step_windows_with_arrivals_and_the_in_process_manager():
+    """Windows with the in-process manager (InProcClient), requests arriving during decode: an
+    arrival waits for its window's end (the generic step admits it), every request's tokens equal
+    HF's, and windows run both before and after the arrivals."""
+    import torch
+
+    from kvd_engine import InProcClient, OwnedKv
+
+    model = model_of(LLAMA)
+    rng = np.random.default_rng(17)
+    prompts = {f"r{i}": rng.integers(0, 512, int(rng.integers(BLOCK, 30))).tolist() for i in range(6)}
+    eng = Engine(InProcClient(512, BLOCK), model, kv=OwnedKv(2, 513, BLOCK, 2, 16, torch.float32, "cpu"),
+                 overlap=True, steps_per_message=4)
+    order = list(prompts)
+    for rid in order[:3]:
+        eng.add(rid, prompts[rid], 16)
+    arrivals = [order[3:5], order[5:]]
+    waited = []
+    while eng.busy:
+        eng.step()
+        if arrivals and eng._window_left > 0:  # mid-window: the arrivals wait for the window's end
+            steps_before, adm_before = eng.steps, eng.c.m.num_requests
+            for rid in arrivals.pop(0):
+                eng.add(rid, prompts[rid], 16)
+            left = eng._window_left
+            for _ in range(left):
+                eng.step()
+            waited.append((eng.c.m.num_requests == adm_before, eng.steps - steps_before == left))
+    assert waited == [(True, True), (True, True)]  # no admission while the window ran
+    assert eng.early_messages > 0 and eng.ahead_steps < eng.steady_steps
+    for rid, p in prompts.items():
+        assert eng.reqs[rid].output == hf_generate(model, p, 16)[0], rid
