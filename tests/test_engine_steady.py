@@ -207,9 +207,20 @@ def test_steady_batch_refuses_a_first_block_without_parent():
     assert SteadyBatch([r], np.array([0]), 4, "S16").filled() is None
 
 
-def _lookup_after(d, model, prompts, max_new, overlap):
+def _lookup_after(d, model, prompts, max_new, overlap, per_message=1, sent=None):
+    """Run ``prompts``; then, from a second session of the tenant, how many leading blocks of each
+    request's written tokens are cached. ``sent``: a list that gets every message's append count(s)."""
     with Client(d.endpoint, tenant="t", name="e", steps_in_flight=1) as c:
-        eng = Engine(c, model, overlap=overlap)
+        eng = Engine(c, model, overlap=overlap, steps_per_message=per_message)
+        if sent is not None:
+            real = c.start_step
+
+            def start_step(batch):  # every message's append counts, as sent
+                n = batch.append_num_tokens
+                sent.append(n if isinstance(n, int) else sorted(set(np.asarray(n).tolist())))
+                return real(batch)
+
+            c.start_step = start_step
         for rid, p in prompts.items():
             eng.add(rid, p, max_new[rid])
         eng.run()
@@ -341,25 +352,8 @@ def test_the_reply_waits_for_the_sampling_when_the_forward_ends_first():
 
 
 def _windowed(d, model, prompts, max_new, per_message):
-    with Client(d.endpoint, tenant="t", name="e", steps_in_flight=1) as c:
-        eng = Engine(c, model, overlap=True, steps_per_message=per_message)
-        sent = []
-        real = c.start_step
-
-        def start_step(batch):  # every message's append counts, as sent
-            n = batch.append_num_tokens
-            sent.append(n if isinstance(n, int) else sorted(set(np.asarray(n).tolist())))
-            return real(batch)
-
-        c.start_step = start_step
-        for rid, p in prompts.items():
-            eng.add(rid, p, max_new[rid])
-        eng.run()
-        c.mark_computed()
-        assert c.stats()["num_requests"] == 0
-        with Client(d.endpoint, tenant="t", name="reader") as rd:
-            cached = {rid: rd.lookup(c.hash_prompt(np.array(p + eng.reqs[rid].output[:-1])))
-                      for rid, p in prompts.items()}
+    sent: list = []
+    eng, cached = _lookup_after(d, model, prompts, max_new, True, per_message, sent)
     return eng, cached, sent
 
 
