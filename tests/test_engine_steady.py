@@ -466,3 +466,23 @@ def test_multi_step_windows_with_arrivals_and_the_in_process_manager():
     assert eng.early_messages > 0 and eng.ahead_steps < eng.steady_steps
     for rid, p in prompts.items():
         assert eng.reqs[rid].output == hf_generate(model, p, 16)[0], rid
+
+
+def test_windows_fit_the_daemons_max_num_batched_tokens(daemon_factory):
+    """A window's message carries K tokens a request: with 6 requests and a daemon that takes 16
+    tokens a message, windows of 8 shrink to 2 steps (16 // 6) instead of being refused."""
+    d = daemon_factory(**dict(DAEMON, max_num_batched_tokens=16))
+    model = model_of(LLAMA)
+    rng = np.random.default_rng(8)
+    prompts = {f"r{i}": rng.integers(0, 512, int(rng.integers(BLOCK, 16))).tolist() for i in range(6)}
+    with Client(d.endpoint, name="e", steps_in_flight=1) as c:
+        eng = Engine(c, model, overlap=True, steps_per_message=8, max_tokens=16)
+        sent = []
+        real = c.start_step
+        c.start_step = lambda batch: (sent.append(batch.append_num_tokens), real(batch))[1]
+        for rid, p in prompts.items():
+            eng.add(rid, p, 12)
+        eng.run()
+    assert sent and max(np.max(n) for n in sent) == 2 and eng.early_messages > 0
+    for rid, p in prompts.items():
+        assert eng.reqs[rid].output == hf_generate(model, p, 12)[0], rid

@@ -115,6 +115,8 @@ class Engine(ForwardMixin, OverlapMixin):
         if type(steps_per_message) is not int or steps_per_message < 1 or (steps_per_message > 1 and not overlap):
             raise ValueError("steps_per_message must be an integer >= 1; more than 1 needs overlap")
         self.per_message = steps_per_message
+        # a window's message carries K tokens a request: at most the daemon's max_num_batched_tokens
+        self._message_tokens = int(getattr(client, "info", {}).get("max_tokens", 0))
         self._window_left = 0  # steps of the current multi-step window still to run without a message
         self._early_rt = None  # host (start, end) of the send of a window's message sent a step early
         self.early_messages = 0  # windows' messages sent on the next-to-last step

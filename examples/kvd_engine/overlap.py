@@ -156,6 +156,8 @@ class OverlapMixin:
             return None
         # the next window: as many steps as every continuing request has tokens left after this one
         k = min(self.per_message, int(batch.left[nxt].min()) - 1 - early) if n_next else 1
+        if self._message_tokens:
+            k = max(1, min(k, self._message_tokens // n_next if n_next else k))
         ntok = k
         if n_next == len(batch):
             order, ids, counts, rows = None, batch.rids, fill, batch.rows
