@@ -20,9 +20,10 @@ counts only the part of the round trips (a round trip sent ahead: its send and t
 reply) after the forward it overlapped had finished on the GPU, and all of the metadata built while
 the GPU waits (a steady step whose inputs the last forward's graph advanced on the device builds
 none: ``Bucket.advance``); both count the timed steps only, not the frees of the finished batch
-after them. With ``--steps-per-message K`` (default 8; 1: not run) the daemon's engine runs once
-more with multi-step windows (one message per K steady steps, ``Engine(steps_per_message=K)``), its
-tokens checked equal to the per-step run's; a comma-separated list runs each. Tokens: the daemon run's tokens vs per-request HF generate (identity required in
+after them. ``--steps-per-message K,...`` (default 8,16; 1: none): the daemon's engine runs once
+more per K with multi-step windows (one message per K steady steps, ``Engine(steps_per_message=K)``),
+its tokens checked equal to the per-step run's; the daemon polls ``--daemon-busy-poll-us`` (20 ms)
+after each message. Tokens: the daemon run's tokens vs per-request HF generate (identity required in
 float32, agreement reported in bf16). TTFT: engine B
 (its own kvd session) admits a prompt sharing engine A's ``--prefix``-token system prompt after A
 confirmed it, vs A's cold prefill; both engines warm at their timed shapes first, median of 5 rounds,

@@ -18,9 +18,9 @@ step, so its round trip has two forwards to come back in (after ~k idle steps th
 sides' ZeroMQ I/O threads wake from sleep for it); its reply is taken during the last step's
 forward at the latest. Where a request finishes with this window (its last blocks register then),
 the message goes out during the last step instead. The blocks the steps fill queue as usual (hashed
-while the forwards run) and register with the next message. A message kvd
-grants only in part leaves its granted requests holding ``k - 1`` tokens (``Request.held``), which
-the generic steps then take with 0-token appends.
+while the forwards run) and register with the next message. A message kvd grants only in part
+leaves its granted requests holding ``k - 1`` tokens (``Request.held``), which the generic steps
+then take with 0-token appends.
 """
 
 from __future__ import annotations
@@ -225,8 +225,8 @@ class OverlapMixin:
         self.phases["total"] = time.perf_counter() - t_start
 
     def _step_window(self, t_start: float) -> None:
-        """A step of a multi-step window after its first: the batch as it is, no message but on the
-        window's last step (the next window's, sent during its forward)."""
+        """A step of a multi-step window after its first: the batch as it is, no message but the
+        next window's, sent during the forward of the window's next-to-last step (or its last)."""
         self._window_left -= 1
         self.steps += 1
         self.steady_steps += 1
