@@ -460,23 +460,26 @@ def test_decode_rows_registers_the_blocks_that_filled_as_a_decode_step_does(defe
 
 
 def test_decode_rows_declines_hashes_it_cannot_take_and_changes_nothing():
-    m = make(num_blocks=3, defer_cache_registration=True)
+    m = make(num_blocks=8, defer_cache_registration=True)
     m.allocate("a", 15)
-    m.allocate("b", 16)  # full: its next token needs a block
+    m.allocate("b", 31)  # both fill a block with their next token (room for everything)
     rows = m.rows_of(["a", "b"])
-    h = hash_prompt(prompt(16), 16)
-    good_h, good_c = np.concatenate([h, h]), np.ones(2, np.int32)
+    good_h = np.concatenate([hash_prompt(prompt(16), 16), hash_prompt(prompt(32, 100), 16)[1:]])
+    good_c = np.ones(2, np.int32)
     before, tick = snapshot(m), m.tick
-    assert m.decode_rows(rows, 1, 0, good_h.astype("S16"), good_c) is None  # another hash width
+    assert m.decode_rows(rows, 1, 0, good_h.astype("S32"), good_c) is None  # another hash width
     assert m.decode_rows(rows, 1, 0, good_h, good_c.astype(np.int64)) is None  # not the daemon's int32 counts
     assert m.decode_rows(rows, 1, 0, good_h, np.array([2, 1], np.int32)) is None  # counts do not add up
     assert m.decode_rows(rows, 1, 0, good_h, np.array([-1, 3], np.int32)) is None  # a negative count
     assert m.decode_rows(rows, 1, 0, good_h, np.ones(3, np.int32)) is None  # one count per row
-    assert m.decode_rows(rows, 1, 0, good_h[:1], np.array([1, 0], np.int32)) is None  # b fills no block
+    assert m.decode_rows(rows, 1, 0, good_h, np.array([2, 0], np.int32)) is None  # a has one full block, not 2
     assert snapshot(m) == before and m.tick == tick and m.num_deferred == 0
     with pytest.raises(errors.BadHashes):  # the step says why
         m.step(StepBatch(append_rows=rows, append_num_tokens=1, append_hashes=(good_h,),
                          append_hash_counts=(np.array([2, 1], np.int32),)))
+    assert snapshot(m) == before
+    assert m.decode_rows(rows, 1, 0, good_h, good_c) is not None  # what was declined above was the hashes
+    assert m.num_tokens[rows].tolist() == [16, 32] and m.lookup(good_h[:1]) == 1
 
 
 def test_decode_rows_declines_unusual_steps_and_changes_nothing():
