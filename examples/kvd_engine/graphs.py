@@ -6,11 +6,11 @@ tokens of B requests (T <= ``max_tokens``) instead replays the graph of its buck
 smallest powers of two >= T and >= B. Larger steps (long prefills) run eagerly.
 
 Each bucket owns fixed buffers (a graph replays on the addresses it was captured with). Device
-int64 words, laid out like ``inputs.Staging``'s with K = Bp and R = Tp, written by ONE copy from one
-of two pinned host twins, used in turn (a steady batch's later steps rewrite only ids, positions and
-seq_lens, ``Bucket.stage_moving``). The twins date from the host prestage, which staged a step while
-the previous copy could still wait on the stream; every staging now follows the last step's device
-synchronization, so one buffer would do (not changed yet: untested on a GPU)::
+int64 words, laid out like ``inputs.Staging``'s with K = Bp and R = Tp, written by ONE copy from a
+pinned host buffer (a steady batch's later steps rewrite only ids, positions and seq_lens there,
+``Bucket.stage_moving``); every staging follows the last step's device synchronization (its
+sampled tokens), so the copy of the last one is done (the two buffers used in turn before session
+20 served the host prestage, which staged a step while the previous copy could still wait)::
 
     ids [Tp], positions [Tp], keep [Bp], rep [Tp], then int32 rows [Bp], seq_lens [Bp], qsl [Bp + 1]
 
@@ -58,12 +58,9 @@ class Bucket:
         self.tp, self.bp = tp, bp
         self.words = 3 * tp + bp + (3 * bp + 2) // 2
         cuda = device.type == "cuda"
-        # two pinned host twins, used in turn (see the module docstring; without CUDA: one buffer,
-        # the "device" one)
-        first = torch.zeros(self.words, dtype=torch.int64, pin_memory=cuda)
-        self.hosts = [first, torch.zeros(self.words, dtype=torch.int64, pin_memory=True)] if cuda else [first, first]
-        self.cur = 0
-        self.host = self.hosts[0]
+        # pinned, written again by the next step's staging: the engine synchronizes with the device
+        # at the end of every step, so the copy of the last one is done (without CUDA: the "device" one)
+        self.host = torch.zeros(self.words, dtype=torch.int64, pin_memory=cuda)
         self.h = self.host.numpy()
         self.dev = torch.zeros(self.words, dtype=torch.int64, device=device) if cuda else self.host
         d = self.dev
@@ -84,16 +81,10 @@ class Bucket:
         self.layout = 0  # the steady batch layout (``SteadyBatch.stamp``) last staged in full; 0: none
         self.prestaged = 0  # that layout's next step is on the device already (``advance``); 0: none
 
-    def _flip(self) -> None:
-        self.cur ^= 1
-        self.host = self.hosts[self.cur]
-        self.h = self.host.numpy()
-        self.prestaged = 0
-
     def stage(self, ids, positions: np.ndarray, keep: np.ndarray, rep: np.ndarray, rows: np.ndarray,
               seq_lens: np.ndarray, qsl: np.ndarray) -> None:
         """Write one step's inputs, padded to the bucket, and copy them to the device."""
-        self._flip()
+        self.prestaged = 0
         tp, bp, h = self.tp, self.bp, self.h
         t, k, b = positions.shape[0], keep.shape[0], rows.shape[0]
         h[:t] = ids
@@ -111,14 +102,13 @@ class Bucket:
         small[bp + b:2 * bp] = 0
         small[2 * bp:2 * bp + b + 1] = qsl
         small[2 * bp + b + 1:3 * bp + 1] = qsl[-1]
-        self.hosts[self.cur ^ 1].numpy()[:] = h  # the twin holds the layout too (``stage_moving``)
         if self.dev is not self.host:
             self.dev.copy_(self.host, non_blocking=True)
 
     def stage_moving(self, ids, positions: np.ndarray, seq_lens: np.ndarray) -> None:
         """Rewrite only what moves between two steps of one steady decode batch (ids, positions,
         seq_lens; the rest is staged already), and copy the buffer to the device."""
-        self._flip()
+        self.prestaged = 0
         tp, bp, h = self.tp, self.bp, self.h
         t, b = positions.shape[0], seq_lens.shape[0]
         h[:t] = ids
