@@ -9,8 +9,7 @@ Each bucket owns fixed buffers (a graph replays on the addresses it was captured
 int64 words, laid out like ``inputs.Staging``'s with K = Bp and R = Tp, written by ONE copy from a
 pinned host buffer (a steady batch's later steps rewrite only ids, positions and seq_lens there,
 ``Bucket.stage_moving``); every staging follows the last step's device synchronization (its
-sampled tokens), so the copy of the last one is done (the two buffers used in turn before session
-20 served the host prestage, which staged a step while the previous copy could still wait)::
+sampled tokens), so the copy of the last one is done::
 
     ids [Tp], positions [Tp], keep [Bp], rep [Tp], then int32 rows [Bp], seq_lens [Bp], qsl [Bp + 1]
 

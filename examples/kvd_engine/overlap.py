@@ -139,13 +139,10 @@ class OverlapMixin:
         if self.waiting or self.swapped or self.pending_forks:
             return None
         t0 = time.perf_counter()
-        idx = batch.filled()
-        if idx is None:
+        if not batch.queue_filled():  # the blocks this forward completes wait in the batch's queue
             assert not early, "a window's steps keep the steady hash bookkeeping"
             self._drop_batch()
             return self._send_ahead()
-        if idx.size:  # the blocks this forward completes wait in the batch's queue
-            batch.push(idx)
         nxt = batch.left > 1 + early  # tokens left after the steps before the next window
         hrows, hashes = batch.take(~nxt, self.c.hash_next_blocks)  # in one call (a few, if chained)
         fill = np.zeros(len(batch), np.int32)
@@ -154,10 +151,11 @@ class OverlapMixin:
         n_next = int(np.count_nonzero(nxt))
         if not n_next and not fin.any():
             return None
-        # the next window: as many steps as every continuing request has tokens left after this one
-        k = min(self.per_message, int(batch.left[nxt].min()) - 1 - early) if n_next else 1
-        if self._message_tokens:
-            k = max(1, min(k, self._message_tokens // n_next if n_next else k))
+        k = 1
+        if n_next:  # the next window: as many steps as every continuing request has tokens left
+            k = min(self.per_message, int(batch.left[nxt].min()) - 1 - early)
+            if self._message_tokens:  # and as the daemon takes in one message
+                k = max(1, min(k, self._message_tokens // n_next))
         ntok = k
         if n_next == len(batch):
             order, ids, counts, rows = None, batch.rids, fill, batch.rows
@@ -241,16 +239,14 @@ class OverlapMixin:
         left, early = self._window_left, self._early_rt
         if not left and early is None:
             return self._finish(launched, self._send_ahead_steady(batch))
-        if left == 1 and self.per_message > 1 and (batch.left > 2).all():
+        if left == 1 and (batch.left > 2).all():  # (left is 1 only inside a window)
             rt = self._send_ahead_steady(batch, early=True)
             if rt is not None:  # its reply: taken during this forward if it comes, else during the next
                 self._early_rt = rt
                 self.early_messages += 1
                 return self._finish(launched, rt, settle=False)
-        idx = batch.filled()
-        assert idx is not None, "a window's steps keep the steady hash bookkeeping"
-        if idx.size:
-            batch.push(idx)
+        ok = batch.queue_filled()
+        assert ok, "a window's steps keep the steady hash bookkeeping"
         if early is not None:  # the window's last step: the message sent on the one before comes back now
             self._early_rt = None
             return self._finish(launched, early)

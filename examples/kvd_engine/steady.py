@@ -114,6 +114,16 @@ class SteadyBatch:
             return None
         return idx
 
+    def queue_filled(self) -> bool:
+        """Queue the blocks the running forward completes (:meth:`filled`, :meth:`push`); False,
+        queuing nothing, when the hash bookkeeping is not the steady one."""
+        idx = self.filled()
+        if idx is None:
+            return False
+        if idx.size:
+            self.push(idx)
+        return True
+
     def push(self, idx: np.ndarray) -> None:
         """Queue the blocks rows ``idx`` just filled (their tokens are copied out of ``recent``)."""
         self.q_rows = np.concatenate([self.q_rows, idx])
