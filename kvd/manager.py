@@ -1816,11 +1816,12 @@ class BlockManager:
         if hashes is None:
             hashes, counts = self._empty_hashes, None
         elif not (type(hashes) is np.ndarray and hashes.dtype == self.hash_dtype and hashes.ndim == 1
-                  and type(counts) is np.ndarray and counts.dtype == np.int32 and counts.shape == rows.shape
-                  and count_total(counts) == hashes.size):
+                  and type(counts) is np.ndarray and counts.dtype == np.int32 and counts.shape == rows.shape):
             return None
         else:
-            counts = counts.astype(np.int64)  # the step path's counts (its compiled loops' types)
+            counts, total = rowloops.widened_counts(counts)  # int64: the step path's (its compiled loops' types)
+            if total != hashes.size:
+                return None
             if self._deferred or self._waiting:  # registrations keep their order
                 self.flush_deferred()
         copies_before = len(self._copies)
@@ -1875,7 +1876,7 @@ class BlockManager:
         return [h for h, _ in checked], [c for _, c in checked]
 
     def _group_hashes(self, hashes, counts, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """One group's append hashes and their int64 counts, checked in one pass (``count_total``);
+        """One group's append hashes and their int64 counts, checked in one pass (``widen_counts``);
         the daemon's frame arrays (S{w} hashes, int32 counts) are taken as they are."""
         if not (type(hashes) is np.ndarray and hashes.dtype == self.hash_dtype and hashes.ndim == 1):
             hashes = as_hash_array(hashes, self.hash_width) if len(hashes) else self._empty_hashes
@@ -1884,7 +1885,11 @@ class BlockManager:
                 counts = _int_array(counts, np.int64, "append_hash_counts")
             except errors.InvalidArgument as exc:
                 raise errors.BadHashes(str(exc)) from None
-        if counts.shape != (n,) or count_total(counts) != hashes.size:
+        if counts.dtype == np.int32 and counts.shape == (n,):
+            counts, total = rowloops.widened_counts(counts)
+        else:
+            total = count_total(counts) if counts.shape == (n,) else -1
+        if total != hashes.size:
             raise errors.BadHashes("append_hash_counts must be one non-negative count per request summing to the hashes given")
         return hashes, counts.astype(np.int64, copy=False)
 

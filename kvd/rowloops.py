@@ -502,6 +502,35 @@ def hold_blocks(blocks, ref_cnt, queue_pos, evict_prio, per_prio):
     return n
 
 
+@_jit
+def widen_counts(counts, out):
+    """``out[:] = counts`` (int32 hash counts into int64; ``out`` empty: only the total) and their
+    total, or -1 as soon as one is negative (``out`` then partly written): a registering decode
+    step's counts checked and widened in one pass, where numpy takes a casting reduction (~3-20 µs
+    at 4,096 counts in the daemon's cache state) and a cast. int32 counts cannot overflow the total."""
+    keep = out.size > 0
+    total = 0
+    for i in range(counts.size):
+        c = counts[i]
+        if c < 0:
+            return -1
+        if keep:
+            out[i] = c
+        total += int(c)  # (as plain Python, NUMBA_DISABLE_JIT=1: numpy int32 arithmetic would wrap)
+    return total
+
+
+def widened_counts(counts: np.ndarray, keep: bool = True) -> tuple[np.ndarray, int]:
+    """int32 ``counts`` as a new int64 array (``keep``; else an empty one) and their total (-1: one
+    is negative, and the array is not to be used): ``widen_counts``, or numpy without numba."""
+    out = np.empty(counts.size if keep else 0, np.int64)
+    if HAVE_NUMBA:
+        return out, int(widen_counts(counts, out))
+    if keep:
+        out[:] = counts
+    return out, (-1 if counts.size and int(counts.min()) < 0 else int(counts.sum(dtype=np.int64)))
+
+
 def map_rows(mapping: np.ndarray, rows: np.ndarray) -> np.ndarray | None:
     """``mapping[rows]`` (int32 rows, a new array), or None when a row lies outside the mapping:
     the compiled ``gather_rows``, else numpy's ``take`` (whose uint32 view of the rows makes a
@@ -543,6 +572,7 @@ def warm_up() -> None:
     add_one(i32.copy(), i32, 1)
     gather_rows(i32, i32, i32.copy())
     count_unheld(i32, i32[:0])
+    widen_counts(i32, i64.copy())
     hold_blocks(i32[:0], i32.copy(), i32.copy(), np.zeros(1, np.uint8), i64.copy())
     ro = i32.copy()
     ro.flags.writeable = False

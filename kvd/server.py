@@ -65,7 +65,7 @@ from kvd.errors import (
     DaemonRestarted,
     Unauthorized,
 )
-from kvd.hashing import VLLM_NONE_HASH_SEED, VLLM_SCHEME, count_total, hash_dtype, hash_width
+from kvd.hashing import VLLM_NONE_HASH_SEED, VLLM_SCHEME, hash_dtype, hash_width
 from kvd.memory import available_memory
 from kvd.pacing import IdlePacer
 from kvd.shm import SessionBuffers, segment_name, sweep_stale
@@ -131,9 +131,9 @@ def _peer(identity_frame: Any) -> Peer | None:
 
 def _hash_counts(frame: bytes, num_appends: int, num_hashes: int) -> np.ndarray:
     """The append hash counts frame as int32, one per append, adding up to the hashes sent (one
-    ``count_total`` pass; the error says which it is)."""
+    compiled pass, ``rowloops.widen_counts``; the error says which it is)."""
     counts = P.frame_array(frame, P.I32, num_appends, "append hash counts")
-    if count_total(counts) != num_hashes:
+    if rowloops.widened_counts(counts, keep=False)[1] != num_hashes:
         neg = counts.size and int(counts.min()) < 0
         raise ProtocolError("negative hash count" if neg else "append hash counts do not add up")
     return counts

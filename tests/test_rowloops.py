@@ -364,3 +364,18 @@ def test_map_rows_gathers_or_refuses_a_row_out_of_range(monkeypatch, compiled):
     frame = np.frombuffer(np.array([2, 1], np.int32).tobytes(), np.int32)  # read-only, as from a message
     assert rowloops.map_rows(mapping, frame).tolist() == [9, -1]
     assert rowloops.map_rows(mapping, frame[:0]).size == 0
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_widened_counts_widens_and_totals_or_flags_a_negative_count(monkeypatch, compiled):
+    if compiled and not rowloops.HAVE_NUMBA:
+        pytest.skip("numba not installed")
+    monkeypatch.setattr(rowloops, "HAVE_NUMBA", compiled)
+    frame = np.frombuffer(np.array([1, 0, 2**31 - 1, 3], np.int32).tobytes(), np.int32)  # read-only
+    wide, total = rowloops.widened_counts(frame)
+    assert wide.dtype == np.int64 and wide.tolist() == [1, 0, 2**31 - 1, 3] and total == 2**31 + 3
+    empty, total = rowloops.widened_counts(frame, keep=False)
+    assert empty.size == 0 and total == 2**31 + 3
+    assert rowloops.widened_counts(np.array([4, -1, 2], np.int32))[1] == -1
+    assert rowloops.widened_counts(np.array([-2**31], np.int32), keep=False)[1] == -1
+    assert rowloops.widened_counts(frame[:0])[1] == 0
