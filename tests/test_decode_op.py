@@ -5,11 +5,15 @@ malformed binary header gets a typed error and changes nothing."""
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvd import protocol as P
+from kvd import rowloops
 from kvd.api import AdmitRequest, StepBatch
 from kvd.errors import InvalidArgument, ProtocolError, SessionError
 from kvd.hashing import hash_prompt
@@ -224,3 +228,42 @@ def test_the_reply_header_round_trips_and_rejects_junk():
     for junk in (raw[:-1], raw[:20], raw[:P.DECODE_REPLY.size - 4] + struct.pack("<I", 0), b"\x00\x01", b"[1]"):
         with pytest.raises(ProtocolError):
             P.parse_reply(junk)
+
+
+_NO_COMPILE_AFTER_WARM_UP = r"""
+import sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from kvd import rowloops
+from kvd.api import AdmitRequest, StepBatch
+from kvd.hashing import hash_next_blocks, hash_prompt
+from kvd.server import Daemon
+from test_decode_op import Cfg, InProc
+
+d = Daemon(Cfg)  # warms rowloops (and the prefix index) up, as the daemon does at start
+compiled = {n: len(f.signatures) for n, f in vars(rowloops).items() if hasattr(f, "signatures")}
+c = InProc(d, json=False)
+toks = np.arange(1, 1 + 4 * 12, dtype=np.int64).reshape(4, 12)
+c.step(StepBatch(admit=[AdmitRequest(i, 7, hash_prompt(toks[i, :7], 4)) for i in range(4)]))
+rows = np.ascontiguousarray(c.rows_of(list(range(4))), np.int32)
+c.step(StepBatch(append_rows=rows, append_num_tokens=1))  # 8 tokens: each request filled its second block
+last = np.array([hash_prompt(toks[i, :8], 4)[-1] for i in range(4)])
+c.step(StepBatch(append_rows=rows, append_num_tokens=1))
+c.step(StepBatch(append_rows=rows, append_num_tokens=1, append_hashes=(hash_next_blocks(toks[:, 8:12], last),),
+                 append_hash_counts=(np.ones(4, np.int32),)))
+d.manager.flush_deferred()
+grew = {n: len(f.signatures) - k for n, f in vars(rowloops).items() if hasattr(f, "signatures")
+        for k in [compiled.get(n, 0)] if len(f.signatures) > k}
+print(sorted(grew))
+"""
+
+
+@pytest.mark.skipif(not rowloops.HAVE_NUMBA, reason="numba not installed")
+def test_a_warmed_daemons_decode_steps_compile_nothing():
+    """``rowloops.warm_up`` compiles every signature a decode step uses (a frame's arrays are
+    read-only: a signature of their own), so that no step a client times pays a compilation: a
+    registering step's hash counts once cost its first step ~2.7 ms at 4,096 requests."""
+    out = subprocess.run([sys.executable, "-c", _NO_COMPILE_AFTER_WARM_UP, str(Path(__file__).parent)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
