@@ -234,14 +234,18 @@ _NO_COMPILE_AFTER_WARM_UP = r"""
 import sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-from kvd import rowloops
+from kvd import prefixindex, rowloops
 from kvd.api import AdmitRequest, StepBatch
 from kvd.hashing import hash_next_blocks, hash_prompt
 from kvd.server import Daemon
 from test_decode_op import Cfg, InProc
 
-d = Daemon(Cfg)  # warms rowloops (and the prefix index) up, as the daemon does at start
-compiled = {n: len(f.signatures) for n, f in vars(rowloops).items() if hasattr(f, "signatures")}
+def compiled():
+    return {f"{m.__name__}.{n}": len(f.signatures) for m in (rowloops, prefixindex) for n, f in vars(m).items()
+            if hasattr(f, "signatures")}
+
+d = Daemon(Cfg)  # warms the compiled loops up, as the daemon does at start
+before = compiled()
 c = InProc(d, json=False)
 toks = np.arange(1, 1 + 4 * 12, dtype=np.int64).reshape(4, 12)
 c.step(StepBatch(admit=[AdmitRequest(i, 7, hash_prompt(toks[i, :7], 4)) for i in range(4)]))
@@ -251,18 +255,22 @@ last = np.array([hash_prompt(toks[i, :8], 4)[-1] for i in range(4)])
 c.step(StepBatch(append_rows=rows, append_num_tokens=1))
 c.step(StepBatch(append_rows=rows, append_num_tokens=1, append_hashes=(hash_next_blocks(toks[:, 8:12], last),),
                  append_hash_counts=(np.ones(4, np.int32),)))
+c.step(StepBatch(free=[3], forks=[(0, "f0")]))  # a serving step: a free and a fork
+c.step(StepBatch(append_rows=np.ascontiguousarray(c.rows_of([0, 1, 2, "f0"]), np.int32), append_num_tokens=1))
+c.step(StepBatch(admit=[AdmitRequest(9, 8, hash_prompt(toks[0, :8], 4))]))  # a prefix hit
+c.step(StepBatch(free=[0, 1, 2, "f0", 9]))
 d.manager.flush_deferred()
-grew = {n: len(f.signatures) - k for n, f in vars(rowloops).items() if hasattr(f, "signatures")
-        for k in [compiled.get(n, 0)] if len(f.signatures) > k}
-print(sorted(grew))
+after = compiled()
+print(sorted(n for n, k in after.items() if k > before.get(n, 0)))
 """
 
 
 @pytest.mark.skipif(not rowloops.HAVE_NUMBA, reason="numba not installed")
-def test_a_warmed_daemons_decode_steps_compile_nothing():
-    """``rowloops.warm_up`` compiles every signature a decode step uses (a frame's arrays are
+def test_a_warmed_daemons_steps_compile_nothing():
+    """The daemon's warm-up compiles every signature its steps use (admissions, plain and
+    registering decode steps, frees, forks, copy-on-write, a prefix hit; a frame's arrays are
     read-only: a signature of their own), so that no step a client times pays a compilation: a
-    registering step's hash counts once cost its first step ~2.7 ms at 4,096 requests."""
+    registering step's hash counts once cost the first of them ~2.7 ms at 4,096 requests."""
     out = subprocess.run([sys.executable, "-c", _NO_COMPILE_AFTER_WARM_UP, str(Path(__file__).parent)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
