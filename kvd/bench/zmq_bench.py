@@ -718,7 +718,7 @@ def run_clients(args, spec: WorkloadSpec, endpoint: str, daemon_pid: int | None,
         sync()  # admitted
         # The counters are read while the clients wait at "go": on a 2-core machine a parent still
         # reading them (scanning /proc for the daemon's children took ~1.7 ms) held the daemon's CPU
-        # through the first decode step (~2 ms instead of ~0.15).
+        # through the first decode step (1.8-3.1 ms instead of 0.3-0.4).
         cpu0 = proc_cpu_s(daemon_pid) if daemon_pid else None
         kids0 = children_cpu_s(daemon_pid, kids)
         sync()  # go
