@@ -246,21 +246,25 @@ def compiled():
 
 d = Daemon(Cfg)  # warms the compiled loops up, as the daemon does at start
 before = compiled()
-c = InProc(d, json=False)
-toks = np.arange(1, 1 + 4 * 12, dtype=np.int64).reshape(4, 12)
-c.step(StepBatch(admit=[AdmitRequest(i, 7, hash_prompt(toks[i, :7], 4)) for i in range(4)]))
-rows = np.ascontiguousarray(c.rows_of(list(range(4))), np.int32)
-c.step(StepBatch(append_rows=rows, append_num_tokens=1))  # 8 tokens: each request filled its second block
-last = np.array([hash_prompt(toks[i, :8], 4)[-1] for i in range(4)])
-c.step(StepBatch(append_rows=rows, append_num_tokens=1))
-c.step(StepBatch(append_rows=rows, append_num_tokens=1, append_hashes=(hash_next_blocks(toks[:, 8:12], last),),
-                 append_hash_counts=(np.ones(4, np.int32),)))
-c.step(StepBatch(free=[3], forks=[(0, "f0")]))  # a serving step: a free and a fork
-c.step(StepBatch(append_rows=np.ascontiguousarray(c.rows_of([0, 1, 2, "f0"]), np.int32), append_num_tokens=1))
-c.step(StepBatch(admit=[AdmitRequest(9, 8, hash_prompt(toks[0, :8], 4))]))  # a prefix hit
-c.step(StepBatch(free=[0, 1, 2, "f0", 9]))
-d.manager.flush_deferred()
-after = compiled()
+try:
+    c = InProc(d, json=False)
+    toks = np.arange(1, 1 + 4 * 12, dtype=np.int64).reshape(4, 12)
+    c.step(StepBatch(admit=[AdmitRequest(i, 7, hash_prompt(toks[i, :7], 4)) for i in range(4)]))
+    rows = np.ascontiguousarray(c.rows_of(list(range(4))), np.int32)
+    c.step(StepBatch(append_rows=rows, append_num_tokens=1))  # 8 tokens: each request filled its second block
+    last = np.array([hash_prompt(toks[i, :8], 4)[-1] for i in range(4)])
+    c.step(StepBatch(append_rows=rows, append_num_tokens=1))
+    c.step(StepBatch(append_rows=rows, append_num_tokens=1, append_hashes=(hash_next_blocks(toks[:, 8:12], last),),
+                     append_hash_counts=(np.ones(4, np.int32),)))
+    c.step(StepBatch(free=[3], forks=[(0, "f0")]))  # a serving step: a free and a fork
+    c.step(StepBatch(append_rows=np.ascontiguousarray(c.rows_of([0, 1, 2, "f0"]), np.int32), append_num_tokens=1))
+    c.step(StepBatch(admit=[AdmitRequest(9, 8, hash_prompt(toks[0, :8], 4))]))  # a prefix hit
+    c.step(StepBatch(free=[0, 1, 2, "f0", 9]))
+    d.manager.flush_deferred()
+    after = compiled()
+finally:  # the session's shared memory goes with it
+    for sess in list(d.sessions.values()):
+        d.end_session(sess, "test")
 print(sorted(n for n, k in after.items() if k > before.get(n, 0)))
 """
 
