@@ -1885,10 +1885,12 @@ class BlockManager:
                 counts = _int_array(counts, np.int64, "append_hash_counts")
             except errors.InvalidArgument as exc:
                 raise errors.BadHashes(str(exc)) from None
-        if counts.dtype == np.int32 and counts.shape == (n,):
+        if counts.shape != (n,):
+            total = -1
+        elif counts.dtype == np.int32:
             counts, total = rowloops.widened_counts(counts)
         else:
-            total = count_total(counts) if counts.shape == (n,) else -1
+            total = count_total(counts)
         if total != hashes.size:
             raise errors.BadHashes("append_hash_counts must be one non-negative count per request summing to the hashes given")
         return hashes, counts.astype(np.int64, copy=False)

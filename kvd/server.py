@@ -133,9 +133,9 @@ def _hash_counts(frame: bytes, num_appends: int, num_hashes: int) -> np.ndarray:
     """The append hash counts frame as int32, one per append, adding up to the hashes sent (one
     compiled pass, ``rowloops.widen_counts``; the error says which it is)."""
     counts = P.frame_array(frame, P.I32, num_appends, "append hash counts")
-    if rowloops.widened_counts(counts, keep=False)[1] != num_hashes:
-        neg = counts.size and int(counts.min()) < 0
-        raise ProtocolError("negative hash count" if neg else "append hash counts do not add up")
+    total = rowloops.widened_counts(counts, keep=False)[1]
+    if total != num_hashes:
+        raise ProtocolError("negative hash count" if total < 0 else "append hash counts do not add up")
     return counts
 
 
