@@ -803,7 +803,8 @@ class Client(_Core):
     def __init__(self, endpoint: str | None = None, *, tenant: str = "", name: str = "",
                  timeout_s: float = 2.0, retries: int = 2, heartbeat: bool = True,
                  gpu: bool | None = None, kv_shared: bool = False, confirm: str = "auto",
-                 steps_in_flight: int = 1, busy_poll_us: int | None = None, slot_mapping: bool = True) -> None:
+                 steps_in_flight: int = 1, busy_poll_us: int | None = None, slot_mapping: bool = True,
+                 io_cpu: int | None = None) -> None:
         """Connect and say hello.
 
         ``endpoint``: the daemon's ZeroMQ endpoint (default: ``$KVD_ENDPOINT``, else the daemon's
@@ -823,6 +824,10 @@ class Client(_Core):
         ``slot_mapping``: the daemon writes each step's slot mapping into ``slot_mappings`` (and the
         GPU buffers); False for an engine that computes its slots from the block tables itself
         (a CUDA graph does): the daemon then skips that work and its GPU launch on every step.
+        ``io_cpu``: pin this client's ZeroMQ I/O thread to that CPU (None: not pinned); with the
+        engine's thread pinned there too (``os.sched_setaffinity``), a reply wakes the I/O thread on
+        the CPU the busy-polling engine keeps awake rather than an idle one (the daemon's
+        ``pin_cpu`` is the same on its side).
 
         Raises ``DaemonUnavailable`` (no socket file), ``PermissionDenied`` (socket or segment not
         accessible), ``Timeout`` (no answer), ``ServerBusy`` (too many sessions)."""
@@ -834,7 +839,12 @@ class Client(_Core):
         if type(busy_poll_us) is not int or not 0 <= busy_poll_us <= 1_000_000:
             raise InvalidArgument(f"busy_poll_us must be an int in [0, 1e6], got {busy_poll_us!r}")
         self._poll_s = busy_poll_us / 1e6
+        allowed = os.sched_getaffinity(0)
+        if io_cpu is not None and (type(io_cpu) is not int or io_cpu not in allowed):
+            raise InvalidArgument(f"io_cpu must be one of this process's CPUs {sorted(allowed)}, got {io_cpu!r}")
         self._ctx = zmq.Context()
+        if io_cpu is not None:
+            self._ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, io_cpu)  # before the first socket starts the thread
         self._sock: zmq.Socket | None = None
         self._hb: _Heartbeat | None = None
         self._pending: PendingStep | None = None  # a started step whose reply is not taken yet

@@ -1259,6 +1259,13 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
     d: Daemon | None = None
     sock = None
     try:
+        pin_cpu = int(_opt(config, "pin_cpu", -1))
+        if pin_cpu >= 0:
+            if pin_cpu not in os.sched_getaffinity(0):
+                print(f"kvd: pin_cpu {pin_cpu} is not among this process's CPUs "
+                      f"{sorted(os.sched_getaffinity(0))}", file=sys.stderr)
+                return EXIT_CONFIG
+            ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, pin_cpu)  # before the first socket starts the I/O thread
         removed = sweep_stale(own_pid=os.getpid())
         if removed:
             log.info("removed %d stale shared-memory segments of dead daemons", len(removed))
@@ -1338,6 +1345,8 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
             d.gpu_pool.warm()
 
         stop = asyncio.Event()
+        if pin_cpu >= 0:  # the loop thread last: the threads and processes started above keep every CPU
+            os.sched_setaffinity(0, {pin_cpu})
         fd = sock.getsockopt(zmq.FD)
         mon_fd = mon.getsockopt(zmq.FD)
 

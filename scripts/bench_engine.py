@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -151,14 +152,14 @@ def _hit_round(a, b, tag, system, tail, dev):
             "hit_phases_ms": hit}
 
 
-def _ttft(endpoint, model, cfg, dev, rng, graph_tokens, rounds=5, kvd_slots=False, fused=True):
+def _ttft(endpoint, model, cfg, dev, rng, graph_tokens, rounds=5, kvd_slots=False, fused=True, io_cpu=None):
     """A cold ``--prefix``-token prefill in engine A vs engine B's admission with A's prefix cached.
     Both sides are warm at their timed shapes first (a round on another prefix: every kernel variant
     of both steps compiled, both sessions' first-call costs paid), then ``rounds`` timed rounds on
     fresh prefixes; the median round is reported with each step's phases."""
     tail = lambda: rng.integers(1, cfg["vocab"], 16).tolist()  # noqa: E731
-    with Client(endpoint, name="A", steps_in_flight=0, slot_mapping=kvd_slots) as ca, \
-            Client(endpoint, name="B", steps_in_flight=0, slot_mapping=kvd_slots) as cb:
+    with Client(endpoint, name="A", steps_in_flight=0, slot_mapping=kvd_slots, io_cpu=io_cpu) as ca, \
+            Client(endpoint, name="B", steps_in_flight=0, slot_mapping=kvd_slots, io_cpu=io_cpu) as cb:
         a = Engine(ca, model, device=dev, max_tokens=4096, keep_logits=False, graph_tokens=graph_tokens, fused=fused)
         b = Engine(cb, model, device=dev, max_tokens=4096, keep_logits=False, graph_tokens=graph_tokens, fused=fused)
         warm = _hit_round(a, b, "warm", rng.integers(1, cfg["vocab"], cfg["prefix"]).tolist(), tail, dev)
@@ -201,7 +202,22 @@ def main(argv=None) -> int:
     ap.add_argument("--no-prestage", action="store_true",
                     help="stage a steady decode step's inputs from the host (default: the previous step's graph "
                          "advances them on the device)")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
+                    help="pin the daemon's loop and the engine's thread, each with its ZeroMQ I/O thread, to a "
+                         "CPU of their own (kvd serve --pin-cpu, Client(io_cpu=...)): a message then wakes its "
+                         "I/O thread on a CPU the polling loop keeps busy (default: on with >= 4 CPUs)")
+    ap.add_argument("--daemon-cpu", type=int, default=None, help="the daemon's CPU with --pin (default: the last)")
+    ap.add_argument("--engine-cpu", type=int, default=None,
+                    help="the engine's CPU with --pin (default: the one before the daemon's)")
     args = ap.parse_args(argv)
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = args.pin if args.pin is not None else len(cpus) >= 4
+    daemon_cpu = engine_cpu = None
+    if pin:
+        daemon_cpu = cpus[-1] if args.daemon_cpu is None else args.daemon_cpu
+        engine_cpu = [c for c in cpus if c != daemon_cpu][-1] if args.engine_cpu is None else args.engine_cpu
+        if daemon_cpu not in cpus or engine_cpu not in cpus or daemon_cpu == engine_cpu:
+            ap.error(f"--daemon-cpu / --engine-cpu: two different CPUs of {cpus}")
     per_message = [] if args.no_overlap else [k for k in (int(x) for x in args.steps_per_message.split(",")) if k > 1]
     cfg = dict(TINY if args.tiny else GPU)
     if args.dtype:
@@ -230,26 +246,31 @@ def main(argv=None) -> int:
                 busy_poll_us=args.daemon_busy_poll_us)
     if dev.type == "cuda":
         opts["device"] = str(dev)
+    if pin:
+        opts["pin_cpu"] = daemon_cpu
+    io = dict(io_cpu=engine_cpu)
     rng = np.random.default_rng(args.seed)
     rows, checks = {}, {}
     d = KvdDaemon(**opts)
     try:
         d.start(timeout=180)  # a CUDA daemon imports torch and creates its context first
+        if pin:  # after the daemon started: it inherits nothing from this thread
+            os.sched_setaffinity(0, {engine_cpu})
         warm = {f"w{i}": rng.integers(1, cfg["vocab"], cfg["prompt"]).tolist() for i in range(2)}
-        with Client(d.endpoint, name="bench", slot_mapping=args.kvd_slots) as c:  # numba compiles, CUDA contexts
+        with Client(d.endpoint, name="bench", slot_mapping=args.kvd_slots, **io) as c:  # numba compiles, CUDA contexts
             _decode_run(Engine(c, model, device=dev, **eng_opts), warm, 2, dev)
         _decode_run(Engine(InProcClient(num_blocks, cfg["block"]), model, device=dev, **eng_opts, kv=OwnedKv(
             cfg["layers"], num_blocks + 1, cfg["block"], cfg["kv_heads"], head_dim, dtype, dev)), warm, 2, dev)
         for n in cfg["batches"]:
             prompts = {f"r{i}": rng.integers(1, cfg["vocab"], cfg["prompt"]).tolist() for i in range(n)}
-            with Client(d.endpoint, name="bench", slot_mapping=args.kvd_slots) as c:
+            with Client(d.endpoint, name="bench", slot_mapping=args.kvd_slots, **io) as c:
                 eng = Engine(c, model, device=dev, max_tokens=max(4096, n * cfg["prompt"]), max_running=n,
                              **eng_opts)
                 daemon = _decode_run(eng, prompts, cfg["steps"], dev)
                 used_after = c.stats()["num_used_blocks"]
             windows, same_windows = {}, True
             for k in per_message:
-                with Client(d.endpoint, name="bench", slot_mapping=args.kvd_slots) as c:
+                with Client(d.endpoint, name="bench", slot_mapping=args.kvd_slots, **io) as c:
                     weng = Engine(c, model, device=dev, max_tokens=max(4096, n * cfg["prompt"]), max_running=n,
                                   steps_per_message=k, **eng_opts)
                     windows[str(k)] = w = _decode_run(weng, prompts, cfg["steps"], dev)
@@ -285,13 +306,15 @@ def main(argv=None) -> int:
                 print(f"        daemon, one message per {k} steps: {w['tokens_per_s']:9.1f} tok/s {w['step_ms']:7.2f} "
                       f"ms/step (kvd {w['kvd_share'] * 100:5.2f} %: rt {w['round_trip_ms']:.3f} + meta "
                       f"{w['meta_ms']:.3f} ms a step; exposed {w['kvd_exposed_share'] * 100:5.2f} %)", flush=True)
-        ttft = _ttft(d.endpoint, model, cfg, dev, rng, gt, kvd_slots=args.kvd_slots, fused=not args.no_fused)
+        ttft = _ttft(d.endpoint, model, cfg, dev, rng, gt, kvd_slots=args.kvd_slots, fused=not args.no_fused,
+                     io_cpu=engine_cpu)
         # honesty: the same with the cold prefill graphed too (GPU work against GPU work)
         ttft_all = _ttft(d.endpoint, model, cfg, dev, rng, 2 * (cfg["prefix"] + 16), kvd_slots=args.kvd_slots,
-                         fused=not args.no_fused) if gt else None
+                         fused=not args.no_fused, io_cpu=engine_cpu) if gt else None
     finally:
         d.stop()
         gcheap.thaw()
+        os.sched_setaffinity(0, cpus)  # main() may run inside another program (the tests)
     full_hit = (cfg["prefix"] // cfg["block"]) * cfg["block"]
     checks["hit_tokens_equal_prefix_blocks"] = set(ttft["all_hit_tokens"]) == {full_hit}
     checks["hit_prefilled_only_suffix"] = set(ttft["all_hit_prefilled"]) == {cfg["prefix"] + 16 - full_hit}
@@ -320,6 +343,7 @@ def main(argv=None) -> int:
                "hit_phases_ms": ttft_all["hit_phases_ms"]},
            "kvd_share_at_max_batch": big["kvd_share"], "kvd_exposed_share_at_max_batch": big["kvd_exposed_share"],
            "steps_per_message": per_message, "daemon_busy_poll_us": args.daemon_busy_poll_us,
+           "pinned_cpus": {"daemon": daemon_cpu, "engine": engine_cpu} if pin else None,
            "kvd_share_at_max_batch_windows": {k: w["kvd_share"] for k, w in bigw.items()},
            "targets": {"kvd_share_le_2pct": big["kvd_share"] <= 0.02,
                        **{f"kvd_share_le_2pct_windows_{k}": w["kvd_share"] <= 0.02 for k, w in bigw.items()},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import numpy as np
 import pytest
@@ -341,3 +342,23 @@ def test_a_started_step_is_the_step_and_the_client_refuses_calls_meanwhile(daemo
         left.result()
     with Client(daemon.endpoint, tenant="p") as c2:  # the goodbye freed the session's requests
         assert c2.stats()["num_requests"] == 0
+
+
+def test_io_cpu_pins_the_clients_zmq_io_thread_and_nothing_else(daemon):
+    cpu = min(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    c = Client(daemon.endpoint, io_cpu=cpu)
+    try:
+        c.allocate("a", 16)
+        io = [int(t) for t in os.listdir(f"/proc/{os.getpid()}/task")
+              if open(f"/proc/{os.getpid()}/task/{t}/comm").read().strip().startswith("ZMQbg/IO")]
+        assert {cpu} in [os.sched_getaffinity(t) for t in io]  # this client's I/O thread
+        assert os.sched_getaffinity(0) == before  # the caller's thread is the caller's to pin
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("bad", [-1, 1 << 20, 1.0, True, "0"])
+def test_io_cpu_must_be_one_of_the_process_cpus(daemon, bad):
+    with pytest.raises(InvalidArgument, match="io_cpu"):
+        Client(daemon.endpoint, io_cpu=bad)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +16,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_tiny_bench_runs_and_its_checks_hold():
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = ["--pin"] if len(cpus) >= 2 else []  # the daemon on the last CPU, the engine on the one before
     p = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_engine.py"), "--tiny", "--batches", "4,6",
-                        "--steps", "2", "--steps-per-message", "3"], cwd=str(REPO), capture_output=True, text=True,
-                       timeout=240)
+                        "--steps", "2", "--steps-per-message", "3", *pin], cwd=str(REPO), capture_output=True,
+                       text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["ok"] and set(out["checks"]) >= {"float32_tokens_identical", "hit_tokens_equal_prefix_blocks",
@@ -30,6 +33,7 @@ def test_tiny_bench_runs_and_its_checks_hold():
     assert set(out["batches"]) == {"4", "6"}
     assert out["batches"]["6"]["identical_requests"] == "6/6"
     assert out["ttft"]["hit_tokens"] == 64 and out["ttft"]["hit_prefilled"] == 16
+    assert out["pinned_cpus"] == ({"daemon": cpus[-1], "engine": cpus[-2]} if pin else None)
 
 
 def test_decode_run_counts_only_the_timed_steps():

@@ -506,3 +506,41 @@ def test_hello_slots_must_be_a_boolean(daemon):
     finally:
         raw.close(0)
         ctx.term()
+
+
+def _thread_cpus(pid: int) -> dict[str, set[int]]:
+    """name -> the CPUs of each thread of ``pid`` (several threads of one name: the union)."""
+    out: dict[str, set[int]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            name = f.read().strip()
+        out.setdefault(name, set()).update(os.sched_getaffinity(int(tid)))
+    return out
+
+
+def test_pin_cpu_pins_the_loop_and_zmq_io_threads_only(daemon_factory):
+    cpu = max(os.sched_getaffinity(0))
+    d = daemon_factory(pin_cpu=cpu)
+    c = Client(d.endpoint)
+    try:
+        c.allocate("a", 32)  # a served message: the loop runs
+        main = os.sched_getaffinity(d.pid)  # the process's main thread: the loop
+        threads = _thread_cpus(d.pid)
+        assert main == {cpu}
+        assert threads["ZMQbg/IO/0"] == {cpu}
+        if len(os.sched_getaffinity(0)) > 1:  # threads started before the loop keep every CPU
+            assert any(cpus == os.sched_getaffinity(0) for name, cpus in threads.items()
+                       if not name.startswith("ZMQbg"))
+        assert c.stats()["num_requests"] == 1
+    finally:
+        c.close()
+
+
+def test_pin_cpu_outside_the_process_cpus_is_a_config_error(daemon_factory):
+    bad = max(os.sched_getaffinity(0)) + 1
+    d = daemon_factory(pin_cpu=bad, wait=False)
+    rc = d.proc.wait(20)
+    _, err = d.proc.communicate()
+    assert rc == 78  # EX_CONFIG: systemd does not restart it
+    assert f"pin_cpu {bad} is not among this process's CPUs" in err
+    assert not (d.runtime_dir / "kvd.sock").exists()
