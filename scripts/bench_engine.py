@@ -208,7 +208,8 @@ def main(argv=None) -> int:
                          "I/O thread on a CPU the polling loop keeps busy (default: on with >= 4 CPUs)")
     ap.add_argument("--daemon-cpu", type=int, default=None, help="the daemon's CPU with --pin (default: the last)")
     ap.add_argument("--engine-cpu", type=int, default=None,
-                    help="the engine's CPU with --pin (default: the one before the daemon's)")
+                    help="the engine's CPU with --pin (default: the one before the daemon's; -1: the engine "
+                         "and its I/O thread stay unpinned)")
     args = ap.parse_args(argv)
     cpus = sorted(os.sched_getaffinity(0))
     pin = args.pin if args.pin is not None else len(cpus) >= 4
@@ -216,8 +217,10 @@ def main(argv=None) -> int:
     if pin:
         daemon_cpu = cpus[-1] if args.daemon_cpu is None else args.daemon_cpu
         engine_cpu = [c for c in cpus if c != daemon_cpu][-1] if args.engine_cpu is None else args.engine_cpu
-        if daemon_cpu not in cpus or engine_cpu not in cpus or daemon_cpu == engine_cpu:
-            ap.error(f"--daemon-cpu / --engine-cpu: two different CPUs of {cpus}")
+        if engine_cpu == -1:
+            engine_cpu = None
+        if daemon_cpu not in cpus or (engine_cpu is not None and (engine_cpu not in cpus or engine_cpu == daemon_cpu)):
+            ap.error(f"--daemon-cpu / --engine-cpu: two different CPUs of {cpus} (--engine-cpu -1: unpinned)")
     per_message = [] if args.no_overlap else [k for k in (int(x) for x in args.steps_per_message.split(",")) if k > 1]
     cfg = dict(TINY if args.tiny else GPU)
     if args.dtype:
@@ -254,7 +257,7 @@ def main(argv=None) -> int:
     d = KvdDaemon(**opts)
     try:
         d.start(timeout=180)  # a CUDA daemon imports torch and creates its context first
-        if pin:  # after the daemon started: it inherits nothing from this thread
+        if engine_cpu is not None:  # after the daemon started: it inherits nothing from this thread
             os.sched_setaffinity(0, {engine_cpu})
         warm = {f"w{i}": rng.integers(1, cfg["vocab"], cfg["prompt"]).tolist() for i in range(2)}
         with Client(d.endpoint, name="bench", slot_mapping=args.kvd_slots, **io) as c:  # numba compiles, CUDA contexts
