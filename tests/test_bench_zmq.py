@@ -163,3 +163,18 @@ def test_the_echo_floor_waits_as_the_client_and_the_daemon_do(monkeypatch):
     monkeypatch.setenv("KVD_BUSY_POLL_US", "300")  # the daemon the bench starts inherits it; a flag wins
     assert floor_polls(args) == (0.0, 0.002)
     assert floor_polls(SimpleNamespace(client_busy_poll_us=0, daemon_arg=[])) == (0.0, 0.0003)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs")
+def test_bench_wakeup_runs_every_mode_and_checks_its_echoes():
+    cpus = sorted(os.sched_getaffinity(0))
+    p = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_wakeup.py"), "--iters", "5", "--rounds", "1",
+                        "--gap-ms", "0,1"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["ok"] and out["cpus"] == [cpus[-1], cpus[-2]]
+    assert set(out["rows"]) == {f"{m}@{g}ms" for m in ("floating", "server", "both") for g in (0, 1)}
+    assert all(r["n"] == 5 and 0 < r["p50_us"] <= r["p90_us"] for r in out["rows"].values())
+    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_wakeup.py"), "--cpus", f"{cpus[0]},{cpus[0]}"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "two different CPUs" in bad.stderr
