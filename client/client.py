@@ -1186,7 +1186,9 @@ class AsyncClient(_Core):
                       timeout_s: float = 2.0, retries: int = 2, heartbeat: bool = True,
                       gpu: bool | None = None, kv_shared: bool = False, confirm: str = "auto",
                       steps_in_flight: int = 1, slot_mapping: bool = True) -> "AsyncClient":
-        """Connect and say hello (see ``Client.__init__`` for the keywords and errors)."""
+        """Connect and say hello (see ``Client.__init__`` for the keywords and errors; there is no
+        ``busy_poll_us`` or ``io_cpu`` here: both serve the blocking client's polling wait, and this
+        one waits in its event loop)."""
         self = cls(endpoint, tenant=tenant, name=name, timeout_s=timeout_s, retries=retries,
                    heartbeat=heartbeat, gpu=gpu, kv_shared=kv_shared, confirm=confirm,
                    steps_in_flight=steps_in_flight, slot_mapping=slot_mapping)
