@@ -839,9 +839,9 @@ class Client(_Core):
         if type(busy_poll_us) is not int or not 0 <= busy_poll_us <= 1_000_000:
             raise InvalidArgument(f"busy_poll_us must be an int in [0, 1e6], got {busy_poll_us!r}")
         self._poll_s = busy_poll_us / 1e6
-        allowed = os.sched_getaffinity(0)
-        if io_cpu is not None and (type(io_cpu) is not int or io_cpu not in allowed):
-            raise InvalidArgument(f"io_cpu must be one of this process's CPUs {sorted(allowed)}, got {io_cpu!r}")
+        if io_cpu is not None and (type(io_cpu) is not int or io_cpu not in os.sched_getaffinity(0)):
+            raise InvalidArgument(f"io_cpu must be one of this process's CPUs {sorted(os.sched_getaffinity(0))}, "
+                                  f"got {io_cpu!r}")
         self._ctx = zmq.Context()
         if io_cpu is not None:
             self._ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, io_cpu)  # before the first socket starts the thread

@@ -1261,9 +1261,9 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
     try:
         pin_cpu = int(_opt(config, "pin_cpu", -1))
         if pin_cpu >= 0:
-            if pin_cpu not in os.sched_getaffinity(0):
-                print(f"kvd: pin_cpu {pin_cpu} is not among this process's CPUs "
-                      f"{sorted(os.sched_getaffinity(0))}", file=sys.stderr)
+            allowed = os.sched_getaffinity(0)
+            if pin_cpu not in allowed:
+                print(f"kvd: pin_cpu {pin_cpu} is not among this process's CPUs {sorted(allowed)}", file=sys.stderr)
                 return EXIT_CONFIG
             ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, pin_cpu)  # before the first socket starts the I/O thread
         removed = sweep_stale(own_pid=os.getpid())

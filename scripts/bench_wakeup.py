@@ -139,9 +139,9 @@ def main(argv=None) -> int:
     for g in gaps:
         for m in MODES:
             x = np.array(samples[(m, g)]) * 1e6
-            rows[f"{m}@{g:g}ms"] = {"p50_us": round(float(np.median(x)), 1),
-                                    "p90_us": round(float(np.percentile(x, 90)), 1), "n": int(x.size)}
-            print(f"{g:7g} {m:>9s} {rows[f'{m}@{g:g}ms']['p50_us']:8.1f} {rows[f'{m}@{g:g}ms']['p90_us']:8.1f}")
+            r = rows[f"{m}@{g:g}ms"] = {"p50_us": round(float(np.median(x)), 1),
+                                        "p90_us": round(float(np.percentile(x, 90)), 1), "n": int(x.size)}
+            print(f"{g:7g} {m:>9s} {r['p50_us']:8.1f} {r['p90_us']:8.1f}")
     honest = {"every_echo_intact": bad == 0,
               "every_round_trip_counted": all(len(v) == args.iters * args.rounds for v in samples.values())}
     print(json.dumps({"bench": "wakeup", "cpus": list(cpus), "host_cpus": len(allowed), "bytes": args.bytes,

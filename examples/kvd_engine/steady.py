@@ -102,8 +102,8 @@ class SteadyBatch:
     def filled(self) -> np.ndarray | None:
         """Rows whose block the running forward completes (position ``pos`` ends it), or None when
         the hash bookkeeping is not the steady one (a block without hash besides those queued and
-        this step's, a hash neither registered nor in flight, a first block with no parent): the caller falls back to
-        the generic path."""
+        this step's, a hash neither registered nor in flight, a first block with no parent): the
+        caller falls back to the generic path."""
         pos1 = self.pos + 1
         fill = pos1 % self.bs == 0
         if not (np.array_equal(pos1 // self.bs - self.nh - self.queued, fill)
