@@ -122,6 +122,36 @@ def test_install_switches_only_paged_cuda_forwards():
     use_paged(model, False)
 
 
+@pytest.mark.parametrize("devname", DEVICES)
+def test_installed_embedding_gathers_the_same_rows(devname):
+    """The token embedding of a fused model, in a paged forward, is the rows ``F.embedding`` returns
+    (on CUDA by indexing, whose kernel takes any count of ids; on the CPU HF's own call), for id
+    counts on both sides of torch's small-index kernel (< 64 ids); an embedding with ``max_norm``
+    (which renormalizes rows) keeps its own forward."""
+    from kvd_engine import build_model, tiny_config
+
+    dev = _device(devname)
+    model = build_model(tiny_config("llama", layers=1, hidden=32, heads=4, kv_heads=2, vocab=64), seed=1, device=dev)
+    assert fused.install(model) is True
+    emb = model.get_input_embeddings()
+    assert "forward" in vars(emb)  # wrapped
+    renorm = torch.nn.Sequential(torch.nn.Embedding(8, 4, max_norm=1.0))
+    fused.install(renorm)
+    assert "forward" not in vars(renorm[0])
+    g = torch.Generator().manual_seed(3)
+    was = fused.ACTIVE[0]
+    try:
+        fused.ACTIVE[0] = True
+        for n in (1, 16, 63, 64, 300):
+            ids = torch.randint(0, 64, (1, n), generator=g).to(dev)
+            with torch.no_grad():
+                got = emb(ids)
+            assert got.shape == (1, n, 32)
+            assert torch.equal(got, torch.nn.functional.embedding(ids, emb.weight)), n
+    finally:
+        fused.ACTIVE[0] = was
+
+
 def test_patched_rope_keeps_hf_for_what_the_kernel_does_not_take():
     """The patched apply_rotary_pos_emb calls HF's function with the same arguments unless a paged
     forward runs on CUDA tensors of the one layout the kernel takes."""
