@@ -194,8 +194,8 @@ def _gather_embedding(mod) -> None:
 
 def install(model, on: bool = True) -> bool:
     """Fuse ``model``'s RMSNorms and rotary embedding, and gather its token embedding, for its paged
-    forwards (the wrappers are installed once; ``on=False`` turns them off for the model's later forwards). Returns whether the
-    model's paged forwards are fused: False without Triton."""
+    forwards (the wrappers are installed once; ``on=False`` turns them off for the model's later
+    forwards). Returns whether the model's paged forwards are fused: False without Triton."""
     if not HAS_TRITON:
         return False
     model._kvd_fused = on
