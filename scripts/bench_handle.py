@@ -40,9 +40,9 @@ from kvd_client.client import Client, _Core  # noqa: E402
 class _InProc(_Core):
     """A client core whose messages go straight to ``Daemon.handle`` (timed)."""
 
-    def __init__(self, d: Daemon):
-        super().__init__("inproc://bench", heartbeat=False, gpu=False, kv_shared=True, name="bench")
-        self.d, self.handle_s = d, 0.0
+    def __init__(self, d: Daemon, name: str = "bench", **kw):
+        super().__init__("inproc://bench", heartbeat=False, gpu=False, kv_shared=True, name=name, **kw)
+        self.d, self.handle_s, self.ident = d, 0.0, name.encode()
         op, fields, frames = self._hello_msg()
         h, _ = self._call(op, fields, frames, sid=0)
         self._on_session(h)
@@ -51,7 +51,7 @@ class _InProc(_Core):
         seq = self._next_seq()
         hdr = self._header(op, self.sid if sid is None else sid, seq, fields)
         t0 = time.perf_counter()
-        rep = self.d.handle([b"bench", hdr, *frames])
+        rep = self.d.handle([self.ident, hdr, *frames])
         self.handle_s = time.perf_counter() - t0
         h = P.parse_reply(rep[0])
         if not self._check(h, seq):
