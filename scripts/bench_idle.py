@@ -55,9 +55,9 @@ class _Pair:
 
     def __init__(self, args, vocab_rng):
         tokens = args.prefix + TAIL
-        self.d = Daemon(type("Cfg", (), dict(block_size=args.block_size, num_gpu_blocks=8 * (tokens // args.block_size + 2),
-                                             max_model_len=tokens, max_num_reqs=8, max_reqs_per_session=4,
-                                             max_num_batched_tokens=tokens)))
+        blocks = 8 * (tokens // args.block_size + 2)  # room for a few prompts: nothing is ever refused
+        self.d = Daemon(type("Cfg", (), dict(block_size=args.block_size, num_gpu_blocks=blocks, max_model_len=tokens,
+                                             max_num_reqs=8, max_reqs_per_session=4, max_num_batched_tokens=tokens)))
         self.a = _InProc(self.d, "A", steps_in_flight=0)
         self.b = _InProc(self.d, "B", steps_in_flight=0)
         self.rng, self.prefix, self.n = vocab_rng, args.prefix, 0

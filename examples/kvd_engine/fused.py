@@ -7,10 +7,11 @@ time was those tiny elementwise kernels, not the matrix products (measured on an
 kernel time, ~0.54 ms of it elementwise and reductions). That is the time to first token of a
 prefix hit, whose forward is a few suffix tokens.
 
-``install(model)`` wraps every RMSNorm module of the model and the ``apply_rotary_pos_emb`` of the
-Llama, Qwen2 and Mistral modeling modules (other architectures keep HF's code); the fused path runs only while the engine's paged forward runs
-(``ACTIVE``, set by ``model.use_paged``) on CUDA tensors, so HF's own ``generate`` (the reference)
-keeps HF's code. Each kernel has a torch reference that is HF's formula:
+``install(model)`` wraps every RMSNorm module and plain token embedding of the model and the
+``apply_rotary_pos_emb`` of the Llama, Qwen2 and Mistral modeling modules (other architectures keep
+HF's code); the fused path runs only while the engine's paged forward runs (``ACTIVE``, set by
+``model.use_paged``) on CUDA tensors, so HF's own ``generate`` (the reference) keeps HF's code.
+Each kernel has a torch reference that is HF's formula:
 
 - ``rope``: exactly HF's ``q * cos + rotate_half(q) * sin`` (each product and the sum rounded to the
   tensor's dtype, as torch's separate kernels round them; no FMA contraction): bit-identical to the
