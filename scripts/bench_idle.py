@@ -58,8 +58,12 @@ class _Pair:
         blocks = 8 * (tokens // args.block_size + 2)  # room for a few prompts: nothing is ever refused
         self.d = Daemon(type("Cfg", (), dict(block_size=args.block_size, num_gpu_blocks=blocks, max_model_len=tokens,
                                              max_num_reqs=8, max_reqs_per_session=4, max_num_batched_tokens=tokens)))
-        self.a = _InProc(self.d, "A", steps_in_flight=0)
-        self.b = _InProc(self.d, "B", steps_in_flight=0)
+        try:
+            self.a = _InProc(self.d, "A", steps_in_flight=0)
+            self.b = _InProc(self.d, "B", steps_in_flight=0)
+        except BaseException:
+            self.end()
+            raise
         self.rng, self.prefix, self.n = vocab_rng, args.prefix, 0
 
     def prompts(self):
@@ -86,12 +90,14 @@ class _Pair:
         r2 = self.a.step(StepBatch(free=[a_rid]))
         return not (r1.free_status.any() or r2.free_status.any())
 
-    def close(self) -> bool:
+    def empty(self) -> bool:
         self.d.manager.flush_deferred()
-        empty = int(self.d.manager.stats()["num_used_blocks"]) == 0
+        return int(self.d.manager.stats()["num_used_blocks"]) == 0
+
+    def end(self) -> None:
+        """End the sessions (their shared memory goes with them), whatever happened."""
         for s in list(self.d.sessions.values()):
             self.d.end_session(s, "bench done")
-        return empty
 
 
 def _poll(sock, seconds: float, warm=None, every: float = 0.0) -> None:
@@ -123,8 +129,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.prefix % args.block_size or args.prefix <= 0:
         ap.error("--prefix must be a positive multiple of --block-size")
-    rng = np.random.default_rng(args.seed)
-    main_pair, shadow = _Pair(args, rng), _Pair(args, np.random.default_rng(args.seed + 1))
+    pairs = []
+    try:
+        pairs.append(_Pair(args, np.random.default_rng(args.seed)))
+        pairs.append(_Pair(args, np.random.default_rng(args.seed + 1)))
+        return _run(args, *pairs)
+    finally:
+        for pair in pairs:
+            pair.end()
+
+
+def _run(args, main_pair: _Pair, shadow: _Pair) -> int:
     manager_s: list[float] = []
     real_step = M.BlockManager.step
 
@@ -173,7 +188,7 @@ def main(argv=None) -> int:
         sock.close(0)
         ctx.term()
     checks["statuses_ok"] &= not shadow.a.step(StepBatch(free=[shadow_a])).free_status.any()
-    checks["pools_empty_after"] = main_pair.close() & shadow.close()
+    checks["pools_empty_after"] = main_pair.empty() and shadow.empty()
     figures = {}
     for mode, ts in times.items():
         a = np.array(ts) * 1e6
