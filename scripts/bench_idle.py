@@ -8,7 +8,7 @@ ways (the modes alternate round by round, so a host's drift spreads over all thr
 
 * ``back_to_back``: B's admission right after A's messages (the hot path just ran);
 * ``polled``: first ``--idle-ms`` of what the daemon and a blocking client do while they wait for a
-  message: ``kvd.protocol.has_input`` on a ZeroMQ socket and ``sched_yield``, in a loop;
+  message: ``kvd.protocol.busy_poll`` (``has_input`` and ``sched_yield``) on a ZeroMQ socket;
 * ``polled_warm``: the same polling, with a warm pass every ``--warm-every-ms``: a shadow daemon (its
   own manager, sessions and shared memory) runs the same kind of hit admission and frees it.
 
@@ -101,20 +101,15 @@ class _Pair:
 
 
 def _poll(sock, seconds: float, warm=None, every: float = 0.0) -> None:
-    """What a waiting daemon or client does: ``has_input`` and ``sched_yield`` until ``seconds``
-    have passed; ``warm()`` every ``every`` seconds when given."""
-    pc, yield_cpu, has_input = time.perf_counter, os.sched_yield, P.has_input
-    end = pc() + seconds
-    next_warm = 0.0
-    while True:
-        now = pc()
-        if now >= end:
-            return
-        if warm is not None and now >= next_warm:
+    """What a waiting daemon or client does (``kvd.protocol.busy_poll``: ``has_input`` and
+    ``sched_yield``; no message ever comes) for ``seconds``, with ``warm()`` first and then every
+    ``every`` seconds when given."""
+    end = time.perf_counter() + seconds
+    while (left := end - time.perf_counter()) > 0:
+        if warm is not None:
             warm()
-            next_warm = pc() + every
-        has_input(sock)
-        yield_cpu()
+            left = min(every, left)
+        P.busy_poll(sock, left)
 
 
 def main(argv=None) -> int:
