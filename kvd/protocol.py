@@ -277,7 +277,7 @@ def error_reply(seq: int | None, epoch: str, code: int, msg: str) -> bytes:
 
 def arr(a: Any, dtype: np.dtype) -> bytes:
     """Array -> frame bytes (contiguous, little-endian, of ``dtype``)."""
-    if a is None:
+    if a is None or not len(a):  # most of a step reply's parts are empty
         return EMPTY
     return np.ascontiguousarray(a, dtype=dtype).tobytes()
 

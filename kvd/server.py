@@ -83,6 +83,9 @@ EVENTS_MAX_DELAY_S = 0.005
 LEASE_EXPIRED = "lease expired"
 MAX_ENDED_REMEMBERED = 4096
 _EMPTY_I32 = np.empty(0, np.int32)
+_EMPTY_U64 = np.empty(0, np.uint64)
+_NO_ADMITS = np.empty((0, P.ADMIT_COLS), np.int64)
+_U64_MASK = (1 << 64) - 1
 
 
 _PROF = [] if os.environ.get("KVDSRV_PROF") else None
@@ -910,6 +913,15 @@ class Daemon:
             return [P.decode_reply(seq, self.epoch_b, tick, len(copies), len(changed), ns, nt), body]
         return [P.ok_reply(seq, self.epoch, t=tick, nt=nt, nc=len(copies), nch=len(changed), nfr=0, ns=ns), body]
 
+    def _admit_hashes(self, hashes_b: bytes, counts_b: bytes, nd: int, g: int) -> list[np.ndarray]:
+        """Group ``g``'s admission hashes of a step, one array per admission."""
+        R, mml = self.max_reqs, self.max_model_len
+        hs = P.frame_hashes(hashes_b, "admit hashes", R * (mml // self.block_sizes[g] + 1), dtype=self.hash_dtype)
+        cnt = P.frame_array(counts_b, P.I32, nd, "admit hash counts")
+        if nd == 1 and int(cnt[0]) == hs.shape[0]:
+            return [hs]
+        return P.split_counts(hs, cnt)
+
     def _step_token_ids(self, frames: list[bytes], nd: int, na: int):
         """A step's optional token-id frames (kvd.protocol): per admission its ids (or None when
         none were sent), and per group the append token ids (() when none were sent)."""
@@ -944,20 +956,28 @@ class Daemon:
         na = P.get_int(h, "na", 0, 0, R)
         nd = P.get_int(h, "nd", 0, 0, R)
         la = P.get_int(h, "la", 0, 0, P.MAX_COUNT)
-        if not (nf or nk or nd or frames[4]) and not any(frames[7 if G == 1 else 5 : nfr + 2]) \
+        if not (nf or nk or nd or frames[0] or frames[1] or frames[2] or frames[4]) \
+                and not any(frames[7 if G == 1 else 5 : nfr + 2]) \
                 and (G == 1 or not any(frames[nfr + 2 :])):
             # a decode step (that may register the blocks that filled, with their token ids)
             c = P.NO_CONFIRM if h.get("c") is None else P.get_int(h, "c", None, 0, P.MAX_INT)
             return self._decode_step(sess, seq, frames[3], na, P.get_int(h, "an", 1, 0, P.MAX_COUNT), la, c,
                                      frames[5], frames[6], frames[nfr + 2], binary=False)
+        # Each section is parsed only when present (or when its frame is not empty, to report it): a
+        # step that only admits or only frees parses one section, not eleven.
         free_rows = self._rows(frames[0], "free rows", nf)
         fork_rows = self._rows(frames[1], "fork rows", 2 * nk).reshape(nk, 2)
-        fork_tags = P.frame_array(frames[2], P.U64, nk, "fork tags")
+        fork_tags = P.frame_array(frames[2], P.U64, nk, "fork tags") if nk or frames[2] else _EMPTY_U64
         forked_appends = bool(nk and na)
         # appends name manager rows by one gather (range-checked), unless children forked by this
         # very step are among them (below)
         app_rows = self._rows(frames[3], "append rows", na) if forked_appends else None
-        app_mrows = None if forked_appends else self._mapped_rows(sess, frames[3], "append rows", na)
+        if forked_appends:
+            app_mrows = None
+        elif na or frames[3]:
+            app_mrows = self._mapped_rows(sess, frames[3], "append rows", na)
+        else:
+            app_mrows = _EMPTY_I32
         if frames[4]:
             ntok = P.frame_array(frames[4], P.I32, na, "append counts")
             if na and (int(ntok.min()) < 0 or int(ntok.max()) > P.MAX_COUNT):
@@ -971,6 +991,8 @@ class Daemon:
         app_hashes = []
         app_counts = []
         for g in range(G):
+            if not (frames[5 + 2 * g] or frames[6 + 2 * g]):
+                continue
             hs = P.frame_hashes(frames[5 + 2 * g], "append hashes", R * (mml // self.block_sizes[g] + 1), dtype=self.hash_dtype)
             if frames[6 + 2 * g]:
                 cnt = _hash_counts(frames[6 + 2 * g], na, hs.shape[0])
@@ -979,12 +1001,11 @@ class Daemon:
             elif hs.shape[0]:
                 raise ProtocolError("append hashes without counts")
         k = 5 + 2 * G
-        adm = P.frame_array(frames[k], P.I64, nd * P.ADMIT_COLS, "admissions").reshape(nd, P.ADMIT_COLS)
-        adm_hashes = []
-        for g in range(G):
-            hs = P.frame_hashes(frames[k + 1 + 2 * g], "admit hashes", R * (mml // self.block_sizes[g] + 1), dtype=self.hash_dtype)
-            cnt = P.frame_array(frames[k + 2 + 2 * g], P.I32, nd, "admit hash counts")
-            adm_hashes.append(P.split_counts(hs, cnt))
+        if nd or any(frames[k: k + 1 + 2 * G]):
+            adm = P.frame_array(frames[k], P.I64, nd * P.ADMIT_COLS, "admissions").reshape(nd, P.ADMIT_COLS)
+            adm_hashes = [self._admit_hashes(frames[k + 1 + 2 * g], frames[k + 2 + 2 * g], nd, g) for g in range(G)]
+        else:
+            adm, adm_hashes = _NO_ADMITS, [[]] * G
         adm_tokens, app_token_ids = self._step_token_ids(frames[nfr:], nd, na)
 
         # -- map session rows -> manager ids / rows (arrays; per-request Python only for the rare
@@ -1036,7 +1057,14 @@ class Daemon:
             for i, (p, c) in enumerate(fork_rows.tolist()):
                 if fs[i] == STATUS_OK:
                     self._map(sess, c, int(m.row_of(base | c)), tags[i])
-        if nd:
+        if nd == 1:  # one admission (an idle engine's new request): scalars, no masks
+            if int(res.admit_status[0]) == STATUS_OK:
+                srow, mr = int(adm[0, 0]), int(res.admit_rows[0])
+                sess.mrow[srow] = mr
+                self.owner_sid[mr] = sess.sid
+                self.owner_srow[mr] = srow
+                sess.shm.row_tags[srow] = int(adm[0, 6]) & _U64_MASK  # the tag travels as int64
+        elif nd:
             ast_ = np.asarray(res.admit_status)
             okm = ast_ == STATUS_OK
             if okm.any():

@@ -19,6 +19,7 @@ from kvd.errors import InvalidArgument, ProtocolError, SessionError
 from kvd.hashing import hash_prompt
 from kvd.server import Daemon
 from kvd_client.client import Client, _Core
+from kvd_client.step import tag_of
 
 BS = 4
 
@@ -279,3 +280,64 @@ def test_a_warmed_daemons_steps_compile_nothing():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def _step_frames(**over) -> list[bytes]:
+    """A one-group step's ten frames after the header, all empty but ``over`` (by name)."""
+    names = ["free", "forks", "tags", "app_rows", "app_counts", "app_hashes", "app_hash_counts", "admit",
+             "admit_hashes", "admit_hash_counts"]
+    return [over.get(n, P.EMPTY) for n in names]
+
+
+def test_a_lone_admission_maps_its_row_and_tag_exactly_and_stray_frames_of_empty_sections_are_refused(pair):
+    """A step that only admits parses only its admission section and publishes the one row by
+    scalars: the session row -> manager row map, the owner maps and the row's 64-bit tag (one with
+    the top bit set too). A frame of a section the header says is empty (fork tags, append rows,
+    admission hashes) is a ProtocolError that changes nothing, as before; so is one admission whose
+    hash count is not its hashes'. (A stray free, fork or fork-tag frame once took the decode path,
+    which ignored it.)"""
+    c = pair[0]
+    d = c.d
+    sess = d.sessions[c.sid]
+    tokens = np.arange(12, dtype=np.int32) + 5
+    hs = hash_prompt(tokens, BS)
+    res = c.step(StepBatch(admit=[AdmitRequest("h", 12, hs)]))
+    srow = int(c.row_of("h"))
+    mrow = int(sess.mrow[srow])
+    assert res.admit_status.tolist() == [0] and mrow >= 0
+    assert d.owner_sid[mrow] == c.sid and d.owner_srow[mrow] == srow
+    assert int(c.shm.row_tags[srow]) == tag_of("h")
+    assert c.shm.counts[0][srow] == 3 and c.shm.tables[0][srow, :3].tolist() == d.manager.tables[0][mrow, :3].tolist()
+
+    def state():
+        return (d.manager.num_tokens.copy(), d.manager.pool.ref_cnt.copy(), c.shm.counts[0].copy(),
+                c.shm.row_tags.copy(), sess.mrow.copy(), d.owner_sid.copy(), d.owner_srow.copy(), d.manager.tick)
+
+    before = state()
+    row = np.array([srow], np.int32).tobytes()
+    adm = np.array([[5, 8, 0, 0, 0, 0, 7]], np.int64).tobytes()
+    two = hash_prompt(np.arange(8, dtype=np.int32) + 100, BS)
+    cases = [
+        (dict(nf=0, nk=0, na=0, nd=0), _step_frames(tags=np.array([1], np.uint64).tobytes())),
+        (dict(nf=0, nk=0, na=0, nd=0), _step_frames(free=row)),
+        (dict(nf=0, nk=0, na=0, nd=0), _step_frames(forks=row + row)),
+        (dict(nf=0, nk=0, na=0, nd=0), _step_frames(app_rows=row)),
+        (dict(nf=0, nk=0, na=0, nd=0), _step_frames(admit_hashes=two.tobytes())),
+        (dict(nf=0, nk=0, na=0, nd=1), _step_frames(admit=adm, admit_hashes=two.tobytes(),
+                                                    admit_hash_counts=np.array([1], np.int32).tobytes())),
+        (dict(nf=0, nk=0, na=0, nd=1), _step_frames(admit=adm, admit_hashes=two[:1].tobytes(),
+                                                    admit_hash_counts=np.array([2], np.int32).tobytes())),
+    ]
+    for fields, frames in cases:
+        rep = _error(d.handle([b"id", P.request(P.STEP, c.sid, c._next_seq(), **fields), *frames]))
+        assert rep["err"] == ProtocolError.code, (fields, rep)
+        assert all(np.array_equal(x, y) for x, y in zip(before, state()))
+    # one admission in a raw message with a tag of the top bit set: stored as its uint64
+    adm = np.array([[5, 8, 0, 0, 0, 0, -2]], np.int64).tobytes()
+    hdr = P.request(P.STEP, c.sid, c._next_seq(), nf=0, nk=0, na=0, nd=1)
+    rep = d.handle([b"id", hdr, *_step_frames(admit=adm, admit_hashes=two.tobytes(),
+                                              admit_hash_counts=np.array([2], np.int32).tobytes())])
+    assert P.parse_reply(rep[0])["ok"] == 1
+    m5 = int(sess.mrow[5])
+    assert m5 >= 0 and m5 != mrow and d.owner_sid[m5] == c.sid and d.owner_srow[m5] == 5
+    assert int(c.shm.row_tags[5]) == (1 << 64) - 2 and c.shm.counts[0][5] == 2
