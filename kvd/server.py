@@ -945,6 +945,9 @@ class Daemon:
         G = self.G
         nfr = P.step_frame_count(G)
         most = P.step_frame_count(G, token_ids=True)
+        fl = h.get("fl")
+        if fl is not None:  # the packed form: one body frame
+            frames = P.unpack_frames(fl, frames, most)
         if len(frames) != most:
             if len(frames) > most or len(frames) < 4:
                 raise ProtocolError(f"step: expected 4 to {most} frames after the header")

@@ -341,3 +341,45 @@ def test_a_lone_admission_maps_its_row_and_tag_exactly_and_stray_frames_of_empty
     m5 = int(sess.mrow[5])
     assert m5 >= 0 and m5 != mrow and d.owner_sid[m5] == c.sid and d.owner_srow[m5] == 5
     assert int(c.shm.row_tags[5]) == (1 << 64) - 2 and c.shm.counts[0][5] == 2
+
+
+def test_a_packed_step_and_its_frames_one_by_one_do_the_same_thing():
+    """The client sends a general step packed (one body frame, ``fl``); the same step sent frame by
+    frame to another daemon gives the same reply bytes (but the epoch) and the same tables and
+    pool, and a packed step with a bad ``fl`` changes nothing."""
+    daemons = [Daemon(Cfg), Daemon(Cfg)]
+    try:
+        cores = [InProc(d, json=False) for d in daemons]
+        tokens = np.arange(20, dtype=np.int32) + 9
+        most = P.step_frame_count(1, token_ids=True)
+        for k, batch in enumerate([StepBatch(admit=[AdmitRequest("a", 20, hash_prompt(tokens, BS)), AdmitRequest("b", 7)]),
+                                   StepBatch(free=["b"], append_ids=["a"], append_num_tokens=2,
+                                             admit=[AdmitRequest("c", 9, hash_prompt(tokens[:8], BS))])]):
+            reps = []
+            for j, c in enumerate(cores):
+                op, fields, frames, post, _ = c._req_step(batch)
+                assert len(frames) == 1 and sum(fields["fl"]) == len(frames[0])
+                if j:
+                    fields = dict(fields)
+                    frames = P.unpack_frames(fields.pop("fl"), frames, most)
+                seq = c._next_seq()
+                rep = c.d.handle([b"id", P.request(op, c.sid, seq, **fields), *frames])
+                post(P.parse_reply(rep[0]), rep[1:])
+                reps.append((_strip(P.parse_reply(rep[0])), rep[1:]))
+            assert reps[0] == reps[1], k
+        m0, m1 = (d.manager for d in daemons)
+        assert np.array_equal(m0.tables[0], m1.tables[0]) and np.array_equal(m0.pool.ref_cnt, m1.pool.ref_cnt)
+        assert np.array_equal(cores[0].shm.tables[0], cores[1].shm.tables[0])
+        c, d = cores[0], daemons[0]
+        before = (d.manager.num_tokens.copy(), d.manager.pool.ref_cnt.copy(), c.shm.counts[0].copy(), d.manager.tick)
+        op, fields, frames, _, undo = c._req_step(StepBatch(admit=[AdmitRequest("d", 5)]))
+        undo()
+        for fl in ([*fields["fl"][:-1], fields["fl"][-1] + 1], fields["fl"][:3], "x"):
+            hdr = P.request(op, c.sid, c._next_seq(), **{**fields, "fl": fl})
+            assert _error(d.handle([b"id", hdr, *frames]))["err"] == ProtocolError.code
+        assert all(np.array_equal(x, y) for x, y in zip(before, (d.manager.num_tokens, d.manager.pool.ref_cnt,
+                                                                   c.shm.counts[0], d.manager.tick)))
+    finally:
+        for d in daemons:
+            for s in list(d.sessions.values()):
+                d.end_session(s, "test")

@@ -109,3 +109,24 @@ def test_busy_poll_returns_once_a_whole_message_waits_else_after_its_time():
         a.close(0)
         b.close(0)
         ctx.term()
+
+
+def test_a_packed_step_unpacks_to_its_frames_and_bad_lengths_are_protocol_errors():
+    frames = [b"", b"ab", b"", b"cdef", b"g"]
+    lengths, body = P.pack_frames(frames)
+    assert lengths == [0, 2, 0, 4, 1] and body == b"abcdefg"
+    assert P.unpack_frames(lengths, [body], 13) == frames
+    bad = [
+        (lengths, [body, b""]),          # not one body frame
+        (tuple(lengths), [body]),        # not a list
+        ([3, 4], [b"abcdefg"]),          # fewer than 4 parts
+        ([0] * 13 + [7], [body]),        # more than ``most``
+        ([0, 2, 0, 5, 1], [body]),       # adds up to more than the body
+        ([0, 2, 0, 4, 0], [body]),       # to less
+        ([0, 2, -1, 5, 1], [body]),      # a negative length
+        ([0, 2, 0, 4, True], [body]),    # a bool is not a length
+        ([0, 2.0, 0, 4, 1], [body]),
+    ]
+    for ls, fr in bad:
+        with pytest.raises(ProtocolError):
+            P.unpack_frames(ls, fr, 13)

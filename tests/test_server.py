@@ -199,7 +199,10 @@ def _valid_step_frames(rng, c: Client, next_ids) -> tuple[dict, list[bytes]]:
     app = live[: int(rng.integers(0, len(live) + 1))]
     spec = c._req_step(StepBatch(admit=admits, append_ids=app))
     spec[4]()  # we do not let the client track these rows: the daemon may or may not apply them
-    return spec[1], spec[2]
+    fields, frames = dict(spec[1]), spec[2]
+    if rng.random() < 0.5:  # the packed step as the client sends it, else its frames one by one
+        frames = P.unpack_frames(fields.pop("fl"), frames, P.step_frame_count(len(c.block_sizes), token_ids=True))
+    return fields, frames
 
 
 def _mutate(rng, fields: dict, frames: list[bytes]) -> tuple[dict, list[bytes]]:
@@ -218,9 +221,9 @@ def _mutate(rng, fields: dict, frames: list[bytes]) -> tuple[dict, list[bytes]]:
             i = int(rng.integers(0, len(frames)))
             frames[i] = frames[i][: int(rng.integers(0, len(frames[i]) + 1))]
         elif k == 2:  # change a count
-            key = ["nf", "nk", "na", "nd", "la", "an"][int(rng.integers(0, 6))]
-            fields[key] = [int(rng.integers(-5, 5)), 2**40, -(2**63), "x", None, 1.5, True, 100000][
-                int(rng.integers(0, 8))]
+            key = ["nf", "nk", "na", "nd", "la", "an", "fl"][int(rng.integers(0, 7))]
+            fields[key] = [int(rng.integers(-5, 5)), 2**40, -(2**63), "x", None, 1.5, True, 100000, [0] * 4,
+                           [-1, 1, 0, 0], [2**40] * 4, list(range(20))][int(rng.integers(0, 12))]
         elif k == 3:  # drop or add a frame
             if frames and rng.random() < 0.5:
                 frames.pop(int(rng.integers(0, len(frames))))
@@ -350,7 +353,8 @@ def test_admission_fields_out_of_range_get_typed_errors_and_change_nothing(daemo
         before = c.stats()
         spec = c._req_step(StepBatch(admit=[AdmitRequest("n1", 20), AdmitRequest("n2", 30)]))
         spec[4]()  # the client does not track rows the daemon will refuse
-        fields, frames = spec[1], spec[2]
+        fields = dict(spec[1])  # the step's frames one by one (a daemon takes them packed or not)
+        frames = P.unpack_frames(fields.pop("fl"), spec[2], P.step_frame_count(len(c.block_sizes), token_ids=True))
         k = 5 + 2 * len(c.block_sizes)  # the admissions frame (kvd.protocol)
         for col, value, why in ((0, c.info["max_reqs"], "admission row out of range"),
                                 (0, -1, "admission row out of range"), (3, 101, "admission field out of range"),
