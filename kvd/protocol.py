@@ -463,13 +463,16 @@ def unpack_frames(lengths: Any, frames: list[bytes], most: int) -> list[bytes]:
     if len(frames) != 1:
         raise ProtocolError(f"packed step: {len(frames)} frames after the header, expected 1")
     body = frames[0]
-    if (type(lengths) is not list or not 4 <= len(lengths) <= most
-            or any(type(n) is not int or n < 0 for n in lengths) or sum(lengths) != len(body)):
-        raise ProtocolError(f"packed step: fl must be 4 to {most} byte lengths adding up to the body's {len(body)}")
+    ok = type(lengths) is list and 4 <= len(lengths) <= most
     out, end = [], 0
-    for n in lengths:
+    for n in lengths if ok else ():  # one pass: checked and cut (a bool is not a length)
+        if type(n) is not int or n < 0:
+            ok = False
+            break
         out.append(body[end: end + n])
         end += n
+    if not ok or end != len(body):
+        raise ProtocolError(f"packed step: fl must be 4 to {most} byte lengths adding up to the body's {len(body)}")
     return out
 
 
