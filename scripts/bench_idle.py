@@ -10,13 +10,17 @@ ways (the modes alternate round by round, so a host's drift spreads over all thr
 * ``polled``: first ``--idle-ms`` of what the daemon and a blocking client do while they wait for a
   message: ``kvd.protocol.busy_poll`` (``has_input`` and ``sched_yield``) on a ZeroMQ socket;
 * ``polled_warm``: the same polling, with a warm pass every ``--warm-every-ms``: a shadow daemon (its
-  own manager, sessions and shared memory) runs the same kind of hit admission and frees it.
+  own manager, sessions and shared memory) runs the same kind of hit admission and frees it;
+* ``spun``: the same idle time spent in a native loop that reads one word and makes no call (numba,
+  ``kvd[fast]``; without numba a bare Python loop): no interpreter, no system call while waiting.
 
 A round's B admission is split as in ``bench_handle.py``: the client core's ``step``, the daemon's
 ``handle`` in it, the manager's ``step`` in that. What ``polled`` adds over ``back_to_back`` is the
 state the loop leaves behind (caches, branch predictors: nothing of kvd's data changes meanwhile),
 the part of the round trip in situ that neither the transport nor the warm code explains; what
-``polled_warm`` takes back is what keeping the path warm could.
+``polled_warm`` takes back is what keeping the path warm could. ``spun`` against ``polled`` says
+whether that state is the waiting loop's doing or the idle time's (the box, session 24: the same
+for both at every idle time, and growing with it: +3 % after 0.2 ms, +30 % after 2, +100 % after 8).
 
 Medians in µs; ONE final JSON line with the figures and honesty checks (every B admission hit the
 prefix's whole blocks, every status OK, both pools empty at the end). Exit 1 if a check fails.
@@ -46,7 +50,7 @@ from kvd import protocol as P  # noqa: E402
 from kvd.api import AdmitRequest, StepBatch  # noqa: E402
 from kvd.server import Daemon  # noqa: E402
 
-MODES = ("back_to_back", "polled", "polled_warm")
+MODES = ("back_to_back", "polled", "polled_warm", "spun")
 TAIL = 16  # tokens after the shared prefix
 
 
@@ -98,6 +102,44 @@ class _Pair:
         """End the sessions (their shared memory goes with them), whatever happened."""
         for s in list(self.d.sessions.values()):
             self.d.end_session(s, "bench done")
+
+
+try:
+    from numba import njit
+except ImportError:  # numba is optional (kvd[fast]): then a bare Python loop
+    njit = None
+
+_SPIN_SLICE_S = 100e-6  # the native loop returns to check the clock this often
+
+
+def _spin_loop(word, n: int) -> int:
+    """``n`` turns that only read ``word[0]`` (native with numba: no interpreter, no system call)."""
+    v = word[0]
+    for i in range(n):
+        if word[0] != v:
+            return i
+    return n
+
+
+if njit is not None:
+    _spin_loop = njit(nogil=True, cache=False)(_spin_loop)
+
+
+class _Spinner:
+    """Waits by ``_spin_loop``, its turns per second measured once."""
+
+    def __init__(self):
+        self.word = np.zeros(1, np.int64)
+        _spin_loop(self.word, 10)  # compiled before it is timed
+        n = 1_000_000
+        t0 = time.perf_counter()
+        _spin_loop(self.word, n)
+        self.turns = max(1, int(n / max(time.perf_counter() - t0, 1e-9) * _SPIN_SLICE_S))
+
+    def wait(self, seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            _spin_loop(self.word, self.turns)
 
 
 def _poll(sock, seconds: float, warm=None, every: float = 0.0) -> None:
@@ -160,6 +202,7 @@ def _run(args, main_pair: _Pair, shadow: _Pair) -> int:
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(f"inproc://bench-idle-{os.getpid()}")
     times = {m: [] for m in MODES}
+    spinner = _Spinner()
     M.BlockManager.step = timed_step
     try:
         for k in range(args.warmup + args.rounds):
@@ -167,7 +210,9 @@ def _run(args, main_pair: _Pair, shadow: _Pair) -> int:
                 pa, pb = main_pair.prompts()
                 a_rid = main_pair.prime(pa)
                 hb = main_pair.b.hash_prompt(pb)
-                if mode != "back_to_back":
+                if mode == "spun":
+                    spinner.wait(args.idle_ms / 1e3)
+                elif mode != "back_to_back":
                     _poll(sock, args.idle_ms / 1e3, warm if mode == "polled_warm" else None, args.warm_every_ms / 1e3)
                 manager_s.clear()
                 t0 = time.perf_counter()
@@ -199,7 +244,9 @@ def _run(args, main_pair: _Pair, shadow: _Pair) -> int:
     for mode, f in figures.items():
         print(f"{mode:14s} {f['client_step_p50_us']:16.1f} {f['client_step_p90_us']:8.1f} {f['handle_p50_us']:11.1f} "
               f"{f['manager_p50_us']:12.1f}")
-    out = {"bench": "idle", "config": vars(args), "modes": figures, "ratios": ratios, "checks": checks,
+    native = njit is not None and os.environ.get("NUMBA_DISABLE_JIT", "0") in ("", "0")
+    out = {"bench": "idle", "config": vars(args), "spun_native": native, "modes": figures, "ratios": ratios,
+           "checks": checks,
            "ok": all(checks.values())}
     print(json.dumps(out))
     return 0 if out["ok"] else 1

@@ -24,8 +24,8 @@ def test_small_run_reports_every_mode_and_its_checks_hold():
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["ok"] and out["checks"] == {"statuses_ok": True, "every_hit_is_the_prefix": True,
                                            "pools_empty_after": True}
-    assert list(out["modes"]) == ["back_to_back", "polled", "polled_warm"]
-    assert set(out["ratios"]) == {"polled_over_back_to_back", "polled_warm_over_back_to_back"}
+    assert list(out["modes"]) == ["back_to_back", "polled", "polled_warm", "spun"]
+    assert set(out["ratios"]) == {"polled_over_back_to_back", "polled_warm_over_back_to_back", "spun_over_back_to_back"}
     for f in out["modes"].values():  # each admission's client time holds its handle, which holds its manager step
         assert f["client_step_p90_us"] >= f["client_step_p50_us"] >= f["handle_p50_us"]
         assert f["handle_p50_us"] > f["manager_p50_us"] > 0
