@@ -270,6 +270,7 @@ class Daemon:
         self._disconnect_at = 0.0
         self.n_steps = 0
         self.was_step = False
+        self.warmer = None  # kvd.warm.Warmer, when the daemon keeps its admission path warm
         self.ops = {
             P.HELLO: self.op_hello, P.ATTACH: self.op_attach, P.STEP: self.op_step,
             P.LOOKUP: self.op_lookup, P.CAN_ALLOCATE: self.op_can_allocate,
@@ -726,7 +727,7 @@ class Daemon:
         ]
         tenants = [{"tenant": t, **u} for t, u in sorted(self.tenant_usage().items()) if admin or t == sess.tenant]
         st = {"daemon": {"pid": self.pid, "epoch": self.epoch, "lease_s": self.lease_s, "steps": self.n_steps,
-                         "gc": gcheap.status()},
+                         "gc": gcheap.status(), "warm_passes": self.warmer.passes if self.warmer is not None else 0},
               "pool": dict(self.manager.stats()), "sessions": sessions, "tenants": tenants}
         return [P.ok_reply(seq, self.epoch, status=st)]
 
@@ -1389,6 +1390,24 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
         pc, yield_cpu = time.perf_counter, os.sched_yield
 
         pacer = IdlePacer()
+        warm_s = int(_opt(config, "warm_every_us", 0)) / 1e6 if poll_s else 0.0
+        if warm_s:
+            from kvd.warm import Warmer
+
+            try:
+                d.warmer = Warmer(config, Daemon, _group_specs(config))
+            except Exception as e:  # warming is an optimisation: the daemon serves without it
+                log.warning("kvd warm: no warming (%s)", e)
+        warmed = [0.0]
+
+        def warm() -> None:
+            try:
+                d.warmer.run()
+            except Exception:  # a bug must not kill the loop: warming stops, serving goes on
+                log.exception("kvd warm: a pass failed; warming stops")
+                d.warmer.close()
+                d.warmer = None
+            warmed[0] = pc()
 
         def drain() -> None:
             s = sock
@@ -1411,6 +1430,9 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                     now = pc()
                     if now - last > poll_s and not m.num_deferred:
                         break  # idle: sleep in the event loop
+                    if warm_s and now - last >= warm_s and now - warmed[0] >= warm_s and d.warmer is not None:
+                        warm()  # idle long enough for the admission path to go cold (kvd.warm)
+                        continue
                     if now - entered > _MAX_DRAIN_S:
                         loop.call_soon(drain)  # timers and signals get their turn
                         break
@@ -1539,6 +1561,8 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
         if d is not None:
             for s in list(d.sessions.values()):
                 d.end_session(s, "daemon shutdown")
+            if d.warmer is not None:
+                d.warmer.close()
             if d.kv is not None:
                 d.kv.close()
             if d.events is not None:
