@@ -165,7 +165,7 @@ class ServeConfig:
     """While the daemon busy-polls an idle socket, run a warm pass (kvd.warm: a prefix hit's
     admission and free on a shadow daemon of its own, nothing of the real one touched) once the
     socket has been idle this long, and again every this long: a message after an idle gap then
-    finds the admission path warm. A message arriving during a pass waits for it (~100 µs on the
+    finds the admission path warm. A message arriving during a pass waits for it (~140 µs on the
     2-core box). 0: no warming."""
     pin_cpu: int = -1
     """Pin the daemon's loop thread and its ZeroMQ I/O thread to this CPU (-1: no pinning). The I/O

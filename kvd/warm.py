@@ -3,7 +3,7 @@
 On the hosts kvd runs on, what a message costs grows with the idle time before it, whatever the
 daemon does meanwhile: ``scripts/bench_idle.py`` measured a prefix hit's admission after polling
 in Python, after spinning in native code and back to back (the box, session 24: the same for both
-kinds of waiting, +3 % after 0.2 ms, +30 % after 2 ms, +100 % after 8 ms). What the waiting leaves
+kinds of waiting, +3 % after 0.2 ms, +30 % after 2 ms, +70-100 % after 8 ms). What the waiting leaves
 behind is time (the host's other work), so no way of waiting avoids it; running the path again
 does (``polled_warm`` there: 317 -> 200 µs after 8 ms).
 
@@ -17,7 +17,7 @@ manager, sessions, shared memory and counters stay exactly as they were.
 
 The daemon runs a pass when its socket has been idle for ``warm_every_us`` (and again every
 ``warm_every_us``), only while it busy-polls (``busy_poll_us``): a sleeping daemon warms nothing. A
-message that arrives during a pass waits for it (a pass is ~100 µs on the 2-core box).
+message that arrives during a pass waits for it (a pass is ~140 µs on the 2-core box).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ state the loop leaves behind (caches, branch predictors: nothing of kvd's data c
 the part of the round trip in situ that neither the transport nor the warm code explains; what
 ``polled_warm`` takes back is what keeping the path warm could. ``spun`` against ``polled`` says
 whether that state is the waiting loop's doing or the idle time's (the box, session 24: the same
-for both at every idle time, and growing with it: +3 % after 0.2 ms, +30 % after 2, +100 % after 8).
+for both at every idle time, and growing with it: +3 % after 0.2 ms, +30 % after 2, +70-100 % after 8).
 
 Medians in µs; ONE final JSON line with the figures and honesty checks (every B admission hit the
 prefix's whole blocks, every status OK, both pools empty at the end). Exit 1 if a check fails.
