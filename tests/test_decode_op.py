@@ -352,9 +352,10 @@ def test_a_packed_step_and_its_frames_one_by_one_do_the_same_thing():
         cores = [InProc(d, json=False) for d in daemons]
         tokens = np.arange(20, dtype=np.int32) + 9
         most = P.step_frame_count(1, token_ids=True)
-        for k, batch in enumerate([StepBatch(admit=[AdmitRequest("a", 20, hash_prompt(tokens, BS)), AdmitRequest("b", 7)]),
-                                   StepBatch(free=["b"], append_ids=["a"], append_num_tokens=2,
-                                             admit=[AdmitRequest("c", 9, hash_prompt(tokens[:8], BS))])]):
+        steps = [StepBatch(admit=[AdmitRequest("a", 20, hash_prompt(tokens, BS)), AdmitRequest("b", 7)]),
+                 StepBatch(free=["b"], append_ids=["a"], append_num_tokens=2,
+                           admit=[AdmitRequest("c", 9, hash_prompt(tokens[:8], BS))])]
+        for k, batch in enumerate(steps):
             reps = []
             for j, c in enumerate(cores):
                 op, fields, frames, post, _ = c._req_step(batch)
