@@ -13,7 +13,9 @@ sessions of one tenant. Session A computed a prompt once; a pass is session B's 
 same prompt (a cross-session prefix hit: ``handle``, ``op_step``, the manager's lookup, take and
 registration, the session's row and tables written, the reply) and its free, through
 ``Daemon.handle`` as a client's messages go. Nothing of the real daemon is read or written: its
-manager, sessions, shared memory and counters stay exactly as they were.
+manager, sessions, shared memory and counters stay exactly as they were. The shadow's session
+buffers are unlinked as soon as they are made (nobody attaches them): no segment of its shows in
+/dev/shm, and none outlives the process however it ends.
 
 The daemon runs a pass when its socket has been idle for ``warm_every_us`` (and again every
 ``warm_every_us``), only while it busy-polls (``busy_poll_us``): a sleeping daemon warms nothing. A
@@ -100,7 +102,9 @@ class Warmer:
         h = P.parse_reply(rep[0])
         if h.get("ok") != 1:
             raise RuntimeError(f"kvd warm: shadow hello failed: {h}")
-        return int(h["sid"]), 1
+        sid = int(h["sid"])
+        self.d.sessions[sid].shm.unlink()  # mapped, never attached: no name in /dev/shm, nothing to leak
+        return sid, 1
 
     def _step_frames(self, G: int, admit_row: int = -1, hashes=(), free_row: int = -1) -> tuple[dict, list[bytes]]:
         """(header fields, frames) of a step that admits the prompt in ``admit_row`` or frees
@@ -137,6 +141,6 @@ class Warmer:
         self.passes += 1
 
     def close(self) -> None:
-        """End the shadow's sessions: their shared memory is unlinked."""
+        """End the shadow's sessions (their buffers are unmapped)."""
         for s in list(self.d.sessions.values()):
             self.d.end_session(s, "warm shadow closed")
