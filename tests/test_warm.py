@@ -78,6 +78,18 @@ def test_a_short_max_model_len_shares_fewer_blocks_and_one_with_no_whole_block_i
         Warmer(tiny, Daemon, _group_specs(tiny))
 
 
+@pytest.mark.parametrize("algo", ["vllm_sha256", "xxh3_128"])
+def test_every_hash_scheme_warms_with_a_whole_block_hit(algo):
+    cfg = type("Algo", (Cfg,), dict(hash_algo=algo))
+    w = Warmer(cfg, Daemon, _group_specs(cfg))  # its first pass checks the hit: a wrong hash raises
+    try:
+        assert w.d.hash_algo == algo
+        w.run()
+        assert w.passes == 1
+    finally:
+        w.close()
+
+
 def test_a_hybrid_pool_warms_both_groups():
     class Hybrid(Cfg):
         @staticmethod
