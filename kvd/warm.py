@@ -132,9 +132,12 @@ class Warmer:
         return h, rep[1]
 
     def run(self) -> None:
-        """One pass: B's admission of the prompt (a prefix hit on A's blocks), then its free."""
+        """One pass: B's admission of the prompt (a prefix hit on A's blocks), then its free.
+        Raises RuntimeError when the shadow refuses either (the daemon then stops warming)."""
         self.seq_b += 1
-        self._call(b"warm-b", self.sid_b, self.seq_b, self._admit[0], self._admit[1])
+        _, body = self._call(b"warm-b", self.sid_b, self.seq_b, self._admit[0], self._admit[1])
+        if body[:2] != b"\0\0":  # the admission's status (kvd.protocol: the body's first int16)
+            raise RuntimeError(f"kvd warm: the shadow refused a pass's admission: {_admitted(body)}")
         self.seq_b += 1
         self._call(b"warm-b", self.sid_b, self.seq_b, self._free[0], self._free[1])
         self.d.manager.flush_deferred()

@@ -137,3 +137,16 @@ def test_warm_every_us_0_warms_nothing(daemon_factory):  # noqa: F811
     with Client(d.endpoint, tenant="t") as c:
         time.sleep(0.01)
         assert c.daemon_status()["daemon"]["warm_passes"] == 0
+
+
+def test_a_pass_whose_admission_is_refused_raises():
+    w = Warmer(Cfg, Daemon, _group_specs(Cfg))
+    try:
+        w.run()
+        w.seq_b += 1  # B admits row 0 outside a pass: the next pass's admission of row 0 is refused
+        w._call(b"warm-b", w.sid_b, w.seq_b, w._admit[0], w._admit[1])
+        with pytest.raises(RuntimeError, match="refused a pass's admission"):
+            w.run()
+        assert w.passes == 1
+    finally:
+        w.close()
