@@ -23,6 +23,7 @@ none: ``Bucket.advance``); both count the timed steps only, not the frees of the
 after them. ``--steps-per-message K,...`` (default 8,16; 1: none): the daemon's engine runs once
 more per K with multi-step windows (one message per K steady steps, ``Engine(steps_per_message=K)``),
 its tokens checked equal to the per-step run's; the daemon polls ``--daemon-busy-poll-us`` (20 ms)
+and keeps its admission path warm while it idles (``--daemon-warm-every-us``, kvd serve's default)
 after each message. Tokens: the daemon run's tokens vs per-request HF generate (identity required in
 float32, agreement reported in bf16). TTFT: engine B
 (its own kvd session) admits a prompt sharing engine A's ``--prefix``-token system prompt after A
@@ -54,6 +55,7 @@ from kvd_engine import Engine, InProcClient, OwnedKv, build_model, hf_generate, 
 from paged_engine import KvdDaemon  # noqa: E402
 
 from kvd import gcheap  # noqa: E402
+from kvd.config import ServeConfig  # noqa: E402
 from kvd_client import Client  # noqa: E402
 
 GPU = dict(layers=8, hidden=2048, heads=16, kv_heads=4, vocab=32000, dtype="bfloat16", batches=(64, 256),
@@ -199,6 +201,9 @@ def main(argv=None) -> int:
                     help="the daemon's busy polling after each message (kvd serve --busy-poll-us; its default is "
                          "5,000): a window of 8 steps is ~10 ms, after which a daemon that stopped polling pays "
                          "its wake-up (and its I/O threads') on the window's message")
+    ap.add_argument("--daemon-warm-every-us", type=int, default=ServeConfig().warm_every_us,
+                    help="the daemon's warm passes while it idles (kvd serve --warm-every-us, the default "
+                         "here too; 0: none)")
     ap.add_argument("--no-prestage", action="store_true",
                     help="stage a steady decode step's inputs from the host (default: the previous step's graph "
                          "advances them on the device)")
@@ -246,7 +251,7 @@ def main(argv=None) -> int:
     opts = dict(num_gpu_blocks=num_blocks, block_size=cfg["block"], max_num_reqs=max_n + 8,
                 max_reqs_per_session=max_n + 4, max_sessions=8, max_num_batched_tokens=max(4096, max_n * cfg["prompt"]),
                 max_model_len=4096, kv_cache=f"{cfg['layers']},{cfg['kv_heads']},{head_dim},{cfg['dtype']}",
-                busy_poll_us=args.daemon_busy_poll_us)
+                busy_poll_us=args.daemon_busy_poll_us, warm_every_us=args.daemon_warm_every_us)
     if dev.type == "cuda":
         opts["device"] = str(dev)
     if pin:
@@ -346,6 +351,7 @@ def main(argv=None) -> int:
                "hit_phases_ms": ttft_all["hit_phases_ms"]},
            "kvd_share_at_max_batch": big["kvd_share"], "kvd_exposed_share_at_max_batch": big["kvd_exposed_share"],
            "steps_per_message": per_message, "daemon_busy_poll_us": args.daemon_busy_poll_us,
+           "daemon_warm_every_us": args.daemon_warm_every_us,
            "pinned_cpus": {"daemon": daemon_cpu, "engine": engine_cpu} if pin else None,
            "kvd_share_at_max_batch_windows": {k: w["kvd_share"] for k, w in bigw.items()},
            "targets": {"kvd_share_le_2pct": big["kvd_share"] <= 0.02,

@@ -34,6 +34,7 @@ def test_tiny_bench_runs_and_its_checks_hold():
     assert out["batches"]["6"]["identical_requests"] == "6/6"
     assert out["ttft"]["hit_tokens"] == 64 and out["ttft"]["hit_prefilled"] == 16
     assert out["pinned_cpus"] == ({"daemon": cpus[-1], "engine": cpus[-2]} if pin else None)
+    assert out["daemon_busy_poll_us"] == 20000 and out["daemon_warm_every_us"] == 2000  # kvd serve's default
 
 
 def test_decode_run_counts_only_the_timed_steps():
