@@ -1398,16 +1398,17 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                 d.warmer = Warmer(config, Daemon, _group_specs(config))
             except Exception as e:  # warming is an optimisation: the daemon serves without it
                 log.warning("kvd warm: no warming (%s)", e)
-        warmed = [0.0]
+        warmed = 0.0  # when the last warm pass ended
 
         def warm() -> None:
+            nonlocal warmed
             try:
                 d.warmer.run()
             except Exception:  # a bug must not kill the loop: warming stops, serving goes on
                 log.exception("kvd warm: a pass failed; warming stops")
                 d.warmer.close()
                 d.warmer = None
-            warmed[0] = pc()
+            warmed = pc()
 
         def drain() -> None:
             s = sock
@@ -1430,7 +1431,7 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                     now = pc()
                     if now - last > poll_s and not m.num_deferred:
                         break  # idle: sleep in the event loop
-                    if warm_s and now - last >= warm_s and now - warmed[0] >= warm_s and d.warmer is not None:
+                    if warm_s and now - last >= warm_s and now - warmed >= warm_s and d.warmer is not None:
                         warm()  # idle long enough for the admission path to go cold (kvd.warm)
                         continue
                     if now - entered > _MAX_DRAIN_S:

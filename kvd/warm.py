@@ -88,13 +88,9 @@ class Warmer:
                    [P.EMPTY] * 4)
         self.d.manager.flush_deferred()
         # the pass's admission: a hit of the shared blocks, or warming would warm another path
-        self.seq_b += 1
-        _, body = self._call(b"warm-b", self.sid_b, self.seq_b, self._admit[0], self._admit[1])
-        self.seq_b += 1
-        self._call(b"warm-b", self.sid_b, self.seq_b, self._free[0], self._free[1])
+        body = self._pass()
         if _admitted(body) != (0, self.shared_tokens):
             raise RuntimeError(f"kvd warm: the shadow's admission is not a whole-block hit: {_admitted(body)}")
-        self.d.manager.flush_deferred()
 
     def _hello(self, ident: bytes) -> tuple[int, int]:
         rep = self.d.handle([ident, P.request(P.HELLO, 0, 1, tenant="", name="kvd-warm", pid=0, kv_shared=True,
@@ -131,16 +127,21 @@ class Warmer:
             raise RuntimeError(f"kvd warm: shadow step failed: {h}")
         return h, rep[1]
 
-    def run(self) -> None:
-        """One pass: B's admission of the prompt (a prefix hit on A's blocks), then its free.
-        Raises RuntimeError when the shadow refuses either (the daemon then stops warming)."""
+    def _pass(self) -> bytes:
+        """B's admission of the prompt (a prefix hit on A's blocks) and its free; the admission's
+        reply body."""
         self.seq_b += 1
         _, body = self._call(b"warm-b", self.sid_b, self.seq_b, self._admit[0], self._admit[1])
-        if body[:2] != b"\0\0":  # the admission's status (kvd.protocol: the body's first int16)
-            raise RuntimeError(f"kvd warm: the shadow refused a pass's admission: {_admitted(body)}")
         self.seq_b += 1
         self._call(b"warm-b", self.sid_b, self.seq_b, self._free[0], self._free[1])
         self.d.manager.flush_deferred()
+        return body
+
+    def run(self) -> None:
+        """One pass. Raises RuntimeError when the shadow refuses it (the daemon then stops warming)."""
+        body = self._pass()
+        if body[:2] != b"\0\0":  # the admission's status (kvd.protocol: the body's first int16)
+            raise RuntimeError(f"kvd warm: the shadow refused a pass's admission: {_admitted(body)}")
         self.passes += 1
 
     def close(self) -> None:
