@@ -303,7 +303,9 @@ class _Core:
         self._seq = 0
         self.sid = 0
         self.epoch: str | None = None
+        self._epoch_b = b""  # the epoch as a decode reply carries it (set with ``epoch``)
         self.info: dict = {}
+        self._num_groups = 1
         self.shm: SessionBuffers | None = None
         self._reset_rows(0)
 
@@ -450,9 +452,9 @@ class _Core:
         return bool(self.info.get("shared"))
 
     @staticmethod
-    def _header(op: str, sid: int, seq: int, fields: dict) -> bytes:
-        if op is P.DECODE:
-            return P.decode_request(sid, seq, **fields)
+    def _header(op: str, sid: int, seq: int, fields) -> bytes:
+        if op is P.DECODE:  # fields: the header's tail, P.DECODE_FIELDS
+            return P.DECODE_REQUEST.pack(P.DECODE_MAGIC, sid, seq, *fields)
         return P.request(op, sid, seq, **fields)
 
     def _confirmation(self, explicit: int | None) -> int | None:
@@ -465,15 +467,16 @@ class _Core:
             return ticks[0]
         return None
 
-    def _result(self, op: str, h: dict, f: list, post) -> Any:
-        """A reply arrived: note its tick, order the GPU after the daemon's writes, build the result."""
+    def _result(self, op: str, h, f: list, post) -> Any:
+        """A reply arrived: note its tick, order the GPU after the daemon's writes, build the result.
+        ``h``: the header as a dict, or a decode reply's ``P.unpack_decode_reply`` tuple."""
         self._on_reply(op, h)
         if self.gpu is not None:
             self.gpu.wait()
         return post(h, f)
 
-    def _on_reply(self, op: str, h: dict) -> None:
-        t = h.get("t")
+    def _on_reply(self, op: str, h) -> None:
+        t = h[2] if type(h) is tuple else h.get("t")
         if t is not None:
             self.tick = t
             if op is P.DECODE or op == P.STEP:
@@ -483,7 +486,9 @@ class _Core:
         old = self.shm
         self.sid = int(h["sid"])
         self.epoch = h["e"]
+        self._epoch_b = str(self.epoch).encode("ascii", "replace")
         self.info = h
+        self._num_groups = int(h.get("num_groups", 1))
         self._step_ticks.clear()
         if old is None or old.name != h["shm"]:
             self.shm = _attach_segment(h["shm"])
@@ -644,7 +649,7 @@ class _Core:
         return P.COMPUTED, {"c": int(self.tick if tick is None else tick)}, [], lambda h, f: None
 
     def _req_step(self, batch: StepBatch):
-        G = int(self.info.get("num_groups", 1))
+        G = self._num_groups
         rows = batch.append_rows
         if (rows is not None and not batch.admit and not batch.free and not batch.forks
                 and type(batch.append_num_tokens) is int):
@@ -683,7 +688,8 @@ class _Core:
                 frames.append(token_frame(group_token_ids(token_ids, 1)[0]))
         elif len(token_ids):
             return None  # token ids without hashes: the general message reports it
-        fields = {"na": na, "an": num_tokens, "la": int(lookahead), "c": self._confirmation(computed_through)}
+        c = self._confirmation(computed_through)
+        fields = (P.NO_CONFIRM if c is None else c, na, num_tokens, int(lookahead))  # P.DECODE_FIELDS
         return P.DECODE, fields, frames, functools.partial(_decode_post, rows_b, num_tokens)
 
     def _release_local(self) -> None:
@@ -702,6 +708,7 @@ class _Core:
 
 
 _EMPTY_I16_RO, _EMPTY_I32_RO = P.EMPTY_I16_RO, P.EMPTY_I32_RO
+DECODE_REPLY_MAGIC = P.DECODE_REPLY_MAGIC
 _EMPTY_COPIES = np.empty((0, 2), np.int32)
 _EMPTY_COPIES.flags.writeable = False
 
@@ -726,13 +733,17 @@ def _undo(spec: tuple) -> None:
         spec[4]()
 
 
-def _decode_post(rows_b: bytes, an: int, h: dict, f: list) -> StepResult:
+def _decode_post(rows_b: bytes, an: int, h, f: list) -> StepResult:
+    """The decode op's result; ``h``: its reply header, a ``P.unpack_decode_reply`` tuple (the
+    blocking client) or ``P.parse_reply``'s dict (the asyncio client)."""
     body = f[0]
     na = len(rows_b) >> 2
-    nc = h["nc"]
-    nch = h["nch"]
-    ns = h["ns"]
-    if h["nfr"] or len(body) != 2 * na + 8 * nc + 4 * nch + 4 * ns:
+    if type(h) is tuple:
+        _, _, tick, nc, nch, ns, nt = h
+        freed = 0
+    else:
+        tick, nc, nch, ns, nt, freed = h["t"], h["nc"], h["nch"], h["ns"], h.get("nt", []), h["nfr"]
+    if freed or len(body) != 2 * na + 8 * nc + 4 * nch + 4 * ns:
         raise ProtocolError(f"step reply body of {len(body)} bytes does not match a decode step of {na} rows")
     append_status = np.frombuffer(body, P.I16, na, 0)
     copies = np.frombuffer(body, P.I32, 2 * nc, 2 * na).reshape(nc, 2) if nc else _EMPTY_COPIES
@@ -749,9 +760,9 @@ def _decode_post(rows_b: bytes, an: int, h: dict, f: list) -> StepResult:
         admit_rows=_EMPTY_I32_RO, admit_cached_tokens=_EMPTY_I32_RO, copies=copies,
         changed_rows=np.frombuffer(body, P.I32, nch, off) if nch else _EMPTY_I32_RO,
         sched_rows=sched_rows, sched_start=np.frombuffer(body, P.I32, ns, off + 4 * nch), sched_len=sched_len,
-        freed_rows=_EMPTY_I32_RO, tick=h["t"],
+        freed_rows=_EMPTY_I32_RO, tick=tick,
     )
-    res.num_scheduled_tokens = h.get("nt", [])  # type: ignore[attr-defined]
+    res.num_scheduled_tokens = nt  # type: ignore[attr-defined]
     return res
 
 
@@ -899,7 +910,28 @@ class Client(_Core):
             return seq, msg, False
         return seq, msg, True
 
-    def _exchange(self, op: str, seq: int, msg: list, sent: bool) -> tuple[dict, list]:
+    def _answer(self, head: bytes, seq: int):
+        """The header of a reply to request ``seq``: a dict, or for the decode op the tuple of
+        ``P.unpack_decode_reply`` (no dict: the step an engine sends most); None for a stale or
+        unreadable reply. Raises for an error reply and for another daemon boot."""
+        if head[:4] == DECODE_REPLY_MAGIC:
+            try:
+                r = P.unpack_decode_reply(head)
+            except ProtocolError:
+                return None
+            if r[0] != seq:
+                return None
+            if self.epoch is not None and r[1] != self._epoch_b:
+                raise DaemonRestarted(f"daemon restarted (epoch {self.epoch} -> "
+                                      f"{r[1].decode('ascii', 'replace')}); call reconnect()")
+            return r
+        try:
+            h = P.parse_reply(head)
+        except ProtocolError:
+            return None
+        return h if self._check(h, seq) else None
+
+    def _exchange(self, op: str, seq: int, msg: list, sent: bool) -> tuple[dict | tuple, list]:
         """Wait for the reply to request ``seq`` (sent already when ``sent``), resending it on a
         timeout: every attempt waits ``timeout_s``."""
         sock = self._sock
@@ -926,11 +958,8 @@ class Client(_Core):
                     rep = P.recv_frames(sock)
                 except zmq.Again:
                     break
-                try:
-                    h = P.parse_reply(rep[0])
-                except ProtocolError:
-                    h = None
-                if h is not None and self._check(h, seq):
+                h = self._answer(rep[0], seq)
+                if h is not None:
                     return h, rep[1:]
                 now = time.monotonic()  # a stale reply: wait at most timeout_s in all
                 if not deadline:

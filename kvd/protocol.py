@@ -308,6 +308,8 @@ DECODE_REPLY_MAGIC = b"kvR" + bytes([VERSION])
 NO_CONFIRM = -1
 EPOCH_BYTES = 12  # the daemon's boot epoch: 12 hex digits
 DECODE_REQUEST = struct.Struct("<4sQqqIII")
+DECODE_FIELDS = ("c", "na", "an", "la")
+"""The decode header's fields after magic, sid and seq, in order (the client keeps them as a tuple)."""
 DECODE_REPLY = struct.Struct(f"<4sq{EPOCH_BYTES}sqIIII")
 MAX_GROUPS = 64
 _NT: dict[int, struct.Struct] = {}
@@ -341,15 +343,21 @@ def decode_reply(seq: int, epoch: bytes, tick: int, nc: int, nch: int, ns: int, 
     return DECODE_REPLY.pack(DECODE_REPLY_MAGIC, seq, epoch, tick, nc, nch, ns, len(nt)) + _nt(len(nt)).pack(*nt)
 
 
+def unpack_decode_reply(raw: bytes) -> tuple[int, bytes, int, int, int, int, list[int]]:
+    """(seq, epoch bytes, tick, nc, nch, ns, nt) of a ``DECODE_REPLY`` header (the magic is the
+    caller's to have checked): a tuple, which the blocking client's decode lane reads as is."""
+    if len(raw) < DECODE_REPLY.size:
+        raise ProtocolError("short decode reply header")
+    _, seq, epoch, tick, nc, nch, ns, G = DECODE_REPLY.unpack_from(raw)
+    if not 0 < G <= MAX_GROUPS or len(raw) != DECODE_REPLY.size + 4 * G:
+        raise ProtocolError("decode reply header: bad group count")
+    return seq, epoch, tick, nc, nch, ns, list(_nt(G).unpack_from(raw, DECODE_REPLY.size))
+
+
 def parse_reply(raw: bytes) -> dict:
     """A reply header (JSON, or a decode reply) as a dict; raises ProtocolError when it is neither."""
     if raw[:4] == DECODE_REPLY_MAGIC:
-        if len(raw) < DECODE_REPLY.size:
-            raise ProtocolError("short decode reply header")
-        _, seq, epoch, tick, nc, nch, ns, G = DECODE_REPLY.unpack_from(raw)
-        if not 0 < G <= MAX_GROUPS or len(raw) != DECODE_REPLY.size + 4 * G:
-            raise ProtocolError("decode reply header: bad group count")
-        nt = list(_nt(G).unpack_from(raw, DECODE_REPLY.size))
+        seq, epoch, tick, nc, nch, ns, nt = unpack_decode_reply(raw)
         return {"v": VERSION, "q": seq, "e": epoch.decode("ascii"), "ok": 1, "t": tick, "nt": nt, "nc": nc,
                 "nch": nch, "nfr": 0, "ns": ns}
     return _json_object(raw, "reply header")

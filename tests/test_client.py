@@ -362,3 +362,54 @@ def test_io_cpu_pins_the_clients_zmq_io_thread_and_nothing_else(daemon):
 def test_io_cpu_must_be_one_of_the_process_cpus(daemon, bad):
     with pytest.raises(InvalidArgument, match="io_cpu"):
         Client(daemon.endpoint, io_cpu=bad)
+
+
+def test_decode_lane_skips_stale_replies_and_detects_another_boot(daemon):
+    """The blocking client reads a decode reply as a tuple: one answering an earlier request is
+    skipped, one from another boot raises DaemonRestarted (as a JSON reply's epoch does)."""
+    import threading
+
+    import zmq
+
+    from kvd import protocol as P
+    from kvd.errors import DaemonRestarted
+
+    c = Client(daemon.endpoint, heartbeat=False, retries=0, timeout_s=5.0)
+    real = c._sock
+    router = c._ctx.socket(zmq.ROUTER)
+    router.bind("inproc://decode-lane")
+    fake = c._ctx.socket(zmq.DEALER)
+    fake.connect("inproc://decode-lane")
+    fake.setsockopt(zmq.RCVTIMEO, 5000)  # a failing serve() fails the step, not the run
+
+    def serve(replies):  # one request; (seq offset, epoch) per reply, all with tick 40 + k
+        ident, hdr, rows_b = router.recv_multipart()
+        _, seq, _, na, an, _ = P.parse_decode_request(hdr)
+        assert (na, an) == (2, 1) and np.frombuffer(rows_b, np.int32).tolist() == [0, 1]
+        for k, (dq, epoch) in enumerate(replies):
+            body = bytes(2 * na) + np.array([5, 9], np.int32).tobytes()
+            router.send_multipart([ident, P.decode_reply(seq + dq, epoch, 40 + k, 0, 0, na, [na]), body])
+
+    try:
+        c.step(StepBatch(admit=[AdmitRequest("a", 5), AdmitRequest("b", 9)]))
+        rows = c.rows_of(["a", "b"])
+        c._sock = fake
+        mine = c.epoch.encode("ascii")
+        t = threading.Thread(target=serve, args=([(-1, mine), (0, mine)],))
+        t.start()
+        res = c.step(StepBatch(append_rows=rows, append_num_tokens=1))
+        t.join()
+        assert res.tick == c.tick == 41  # the stale reply (tick 40) was skipped
+        assert res.append_status.tolist() == [0, 0] and res.sched_start.tolist() == [5, 9]
+        assert res.sched_rows.tolist() == [0, 1] and res.sched_len.tolist() == [1, 1]
+        assert res.num_scheduled_tokens == [2]
+        t = threading.Thread(target=serve, args=([(0, b"f" * P.EPOCH_BYTES)],))
+        t.start()
+        with pytest.raises(DaemonRestarted):
+            c.step(StepBatch(append_rows=rows, append_num_tokens=1))
+        t.join()
+    finally:
+        c._sock = real
+        fake.close(0)
+        router.close(0)
+        c.close()

@@ -48,7 +48,10 @@ class InProc(_Core):
         seq = self._next_seq()
         sid = self.sid if sid is None else sid
         if op is P.DECODE and self.json:  # the same step the old way: a JSON header, step frames
-            hdr = P.request(P.STEP, sid, seq, nf=0, nk=0, nd=0, **{k: v for k, v in fields.items() if v is not None})
+            named = dict(zip(P.DECODE_FIELDS, fields))
+            if named["c"] == P.NO_CONFIRM:
+                del named["c"]
+            hdr = P.request(P.STEP, sid, seq, nf=0, nk=0, nd=0, **named)
             frames = [P.EMPTY, P.EMPTY, P.EMPTY, frames[0], P.EMPTY, *frames[1:]]
         else:
             hdr = self._header(op, sid, seq, fields)
