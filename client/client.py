@@ -910,11 +910,11 @@ class Client(_Core):
             return seq, msg, False
         return seq, msg, True
 
-    def _answer(self, head: bytes, seq: int):
+    def _answer(self, op: str, head: bytes, seq: int):
         """The header of a reply to request ``seq``: a dict, or for the decode op the tuple of
         ``P.unpack_decode_reply`` (no dict: the step an engine sends most); None for a stale or
         unreadable reply. Raises for an error reply and for another daemon boot."""
-        if head[:4] == DECODE_REPLY_MAGIC:
+        if op is P.DECODE and head[:4] == DECODE_REPLY_MAGIC:
             try:
                 r = P.unpack_decode_reply(head)
             except ProtocolError:
@@ -958,7 +958,7 @@ class Client(_Core):
                     rep = P.recv_frames(sock)
                 except zmq.Again:
                     break
-                h = self._answer(rep[0], seq)
+                h = self._answer(op, rep[0], seq)
                 if h is not None:
                     return h, rep[1:]
                 now = time.monotonic()  # a stale reply: wait at most timeout_s in all
