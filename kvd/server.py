@@ -1410,11 +1410,19 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                 d.warmer = None
             warmed = pc()
 
+        # When the socket last had work (a message handled, a deferred slice run): busy polling
+        # lasts poll_s from it, across callbacks. A callback that finds nothing (the ticker's, every
+        # TICK_S; a re-entry after _MAX_DRAIN_S) must not open a window of its own, or an idle
+        # daemon polls poll_s of every TICK_S (5 % of a CPU at the default 5 ms) and, with poll_s
+        # above _MAX_DRAIN_S, never sleeps at all.
+        last = 0.0
+
         def drain() -> None:
+            nonlocal last
             s = sock
             handle = d.handle
             m = d.manager
-            last = entered = pc()
+            entered = pc()
             while True:
                 if not has_input(s):  # ZMQ_EVENTS re-arms the edge-triggered FD without an EAGAIN
                     if m.num_deferred:  # idle: the prefix-cache work steps left for later
