@@ -270,6 +270,7 @@ class Daemon:
         self._disconnect_at = 0.0
         self.n_steps = 0
         self.was_step = False
+        self.was_heartbeat = False  # the last message only renewed a lease (the serve loop reads it)
         self.warmer = None  # kvd.warm.Warmer, when the daemon keeps its admission path warm
         self.ops = {
             P.HELLO: self.op_hello, P.ATTACH: self.op_attach, P.STEP: self.op_step,
@@ -316,6 +317,7 @@ class Daemon:
                     return self.op_attach(self.sessions.get(sid), h, frames[1:], ident, seq, _peer(identity_frame))
                 if op == P.HEARTBEAT:
                     fn = None
+                    self.was_heartbeat = True
             sess = self.sessions.get(sid)
             if sess is None:
                 raise SessionError(self._why_no_session(sid))
@@ -1477,7 +1479,10 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                     d.n_steps += 1
                     if d.metrics is not None:
                         d.metrics.observe_step(time.perf_counter() - t0)
-                last = pc()
+                if d.was_heartbeat:  # a client's lease renewal says nothing of when its next step comes
+                    d.was_heartbeat = False
+                else:
+                    last = pc()
 
         def on_monitor() -> None:
             while mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:

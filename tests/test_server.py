@@ -558,7 +558,8 @@ def _cpu_s(pid: int) -> float:
 def test_an_idle_daemon_sleeps_however_long_it_busy_polls(daemon_factory):
     """Busy polling lasts busy_poll_us after the socket's last work, not after every callback: the
     ticker's callback (every TICK_S) and the re-entry after _MAX_DRAIN_S used to open windows of
-    their own, so a daemon polling 50 ms never slept (100 % of a CPU while idle)."""
+    their own, so a daemon polling 50 ms never slept (100 % of a CPU while idle); and a heartbeat
+    (this client's, every 0.375 s here) opens none (it did: 13 % of a CPU)."""
     d = daemon_factory(busy_poll_us=50000, warm_every_us=0)
     c = Client(d.endpoint)
     try:
@@ -567,7 +568,7 @@ def test_an_idle_daemon_sleeps_however_long_it_busy_polls(daemon_factory):
         c0, t0 = _cpu_s(d.pid), time.monotonic()
         time.sleep(1.5)
         share = (_cpu_s(d.pid) - c0) / (time.monotonic() - t0)
-        assert share < 0.3, f"an idle daemon used {share:.0%} of a CPU"
+        assert share < 0.1, f"an idle daemon used {share:.0%} of a CPU"
         assert c.stats()["num_requests"] == 1  # and it still answers
     finally:
         c.close()
