@@ -190,6 +190,11 @@ def test_async_client(daemon):
                 assert (res.append_status == 0).all()
             assert c.block_table(0).size == 3
             assert c.slot_mappings[0][3] == c.block_table(3)[35 // BS] * BS + 35 % BS
+            rows = c.rows_of([0, 1, 2, 3])  # the decode op: its reply parsed as a dict here
+            res = await c.step(StepBatch(append_rows=rows, append_num_tokens=1))
+            assert (res.append_status == 0).all() and res.sched_start.tolist() == [36] * 4
+            assert res.num_scheduled_tokens == [4] and res.tick == c.tick
+            assert c.slot_mappings[0][3] == c.block_table(3)[36 // BS] * BS + 36 % BS
             st = await c.stats()
             assert st["num_requests"] == 4
             r = await c.allocate("z", 5)
