@@ -287,7 +287,7 @@ class KvdDaemon:
 
     def start(self, timeout: float = 20.0) -> "KvdDaemon":
         argv = [sys.executable, "-m", "kvd", "serve", "--runtime-dir", str(self.runtime_dir),
-                "--log-level", "warning"]
+                "--log-level", "warning", "--exit-with-parent"]  # a killed caller leaves no daemon
         for k, v in self.opts.items():
             argv += ["--" + k.replace("_", "-"), str(v)]
         env = {k: v for k, v in os.environ.items()

@@ -1516,6 +1516,9 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
         for sig, name in ((signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT")):
             loop.add_signal_handler(sig, on_signal, name)
 
+        # exit_with_parent: the parent that started us, whose death (we are reparented) stops us
+        parent = os.getppid() if _opt(config, "exit_with_parent", False) else 0
+
         async def ticker() -> None:
             sd = _systemd()
             wd = None
@@ -1529,6 +1532,10 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
             while not stop.is_set():
                 await asyncio.sleep(TICK_S)
                 now = time.monotonic()
+                if parent and os.getppid() != parent:
+                    log.warning("kvd: the process that started it (pid %d) is gone: shutting down", parent)
+                    stop.set()
+                    break
                 drain()
                 on_monitor()
                 d.reap(now)

@@ -48,7 +48,7 @@ class DaemonProc:
 
     def argv(self) -> list[str]:
         args = [sys.executable, "-m", "kvd", "serve", "--runtime-dir", str(self.runtime_dir),
-                "--log-level", "warning"]
+                "--log-level", "warning", "--exit-with-parent"]  # a killed test run leaves no daemon
         for k, v in self.opts.items():
             if isinstance(v, bool):
                 args.append(("--" if v else "--no-") + k.replace("_", "-"))

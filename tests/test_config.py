@@ -64,6 +64,7 @@ def test_every_key_is_a_flag_an_env_var_and_a_file_key(tmp_path):
         "kv_events_topic": ("kv@n1@{tenant}", "kv@n1@{tenant}"),
         "hash_seed": ("1234", "1234"),
         "kv_events_int_hashes": ("false", False),
+        "exit_with_parent": ("true", True),
     }
     for key, f in FIELDS.items():
         text, value = overrides[key] if key in overrides else (str(f.default + 3), f.default + 3)
@@ -71,7 +72,7 @@ def test_every_key_is_a_flag_an_env_var_and_a_file_key(tmp_path):
         assert getattr(load_config(None, env={"KVD_" + key.upper(): text}), key) == value, key
         # flag
         flag = "--" + key.replace("_", "-")
-        argv = [f"--no-{key.replace('_', '-')}"] if value is False else [flag, text]
+        argv = [f"--no-{key.replace('_', '-')}"] if value is False else [flag] if value is True else [flag, text]
         assert getattr(load_config(_parser().parse_args(argv), env={}), key) == value, key
         # file
         toml_value = {bool: lambda v: str(v).lower(), str: lambda v: f'"{v}"'}.get(type(value), repr)(value)

@@ -572,3 +572,57 @@ def test_an_idle_daemon_sleeps_however_long_it_busy_polls(daemon_factory):
         assert c.stats()["num_requests"] == 1  # and it still answers
     finally:
         c.close()
+
+
+def test_exit_with_parent_a_killed_parent_leaves_no_daemon(short_tmp):
+    """A daemon started with --exit-with-parent (as every test, bench and example daemon is) by a
+    process that is then SIGKILLed shuts down as on SIGTERM: socket and session segments gone."""
+    from conftest_daemon import DaemonProc
+
+    rd = short_tmp / "orphan"
+    rd.mkdir()
+    argv = DaemonProc(rd).argv()
+    assert "--exit-with-parent" in argv
+    script = textwrap.dedent(f"""
+        import subprocess, sys, time
+        p = subprocess.Popen({argv!r}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        print(p.pid, flush=True)
+        time.sleep(120)
+    """)
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=str(REPO), env=env, stdout=subprocess.PIPE, text=True)
+    pid = int(parent.stdout.readline())
+    c = None
+    try:
+        deadline = time.monotonic() + 30
+        while not (rd / "kvd.sock").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        c = Client("ipc://" + str(rd / "kvd.sock"), heartbeat=False)
+        c.allocate("a", 32)
+        assert len(shm_segments(pid)) == 1
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(pid)
+        assert shm_segments(pid) == [] and not (rd / "kvd.sock").exists()
+    finally:
+        if c is not None:
+            c.close(goodbye=False)
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(10)
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
+        for name in shm_segments(pid):
+            os.unlink("/dev/shm/" + name)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's new parent may reap it late)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

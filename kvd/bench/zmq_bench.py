@@ -213,7 +213,7 @@ class DaemonProcess:
             "--max-num-reqs", str(max(4096, (max_clients + 1) * rows)),
             "--max-reqs-per-session", str(rows), "--max-sessions", str(max(64, 2 * max_clients + 8)),
             "--max-num-batched-tokens", str(spec.max_num_batched_tokens), "--hash-algo", spec.hash_algo,
-            "--lease-s", str(args.lease_s), *args.daemon_arg,
+            "--lease-s", str(args.lease_s), "--exit-with-parent", *args.daemon_arg,
         ]
         self.events_endpoint = "ipc://" + os.path.join(self.dir, "events.sock") if args.events else ""
         if self.events_endpoint:
