@@ -303,7 +303,6 @@ class _Core:
         self._seq = 0
         self.sid = 0
         self.epoch: str | None = None
-        self._epoch_b = b""  # the epoch as a decode reply carries it (set with ``epoch``)
         self.info: dict = {}
         self._num_groups = 1
         self.shm: SessionBuffers | None = None
@@ -486,7 +485,6 @@ class _Core:
         old = self.shm
         self.sid = int(h["sid"])
         self.epoch = h["e"]
-        self._epoch_b = str(self.epoch).encode("ascii", "replace")
         self.info = h
         self._num_groups = int(h.get("num_groups", 1))
         self._step_ticks.clear()
@@ -508,7 +506,7 @@ class _Core:
                 raise InvalidArgument("gpu=True but the daemon has no GPU pool")
             return
         try:
-            self.gpu = GpuBuffers(info, int(self.info.get("num_groups", 1)))
+            self.gpu = GpuBuffers(info, self._num_groups)
         except Exception as e:
             if self._want_gpu:
                 raise
@@ -529,7 +527,7 @@ class _Core:
         return True
 
     def _hashes(self, block_hashes: Any) -> list[bytes]:
-        G = int(self.info.get("num_groups", 1))
+        G = self._num_groups
         if G == 1:
             if isinstance(block_hashes, (list, tuple)) and block_hashes and isinstance(block_hashes[0], np.ndarray):
                 block_hashes = block_hashes[0] if len(block_hashes) == 1 else block_hashes
@@ -921,9 +919,9 @@ class Client(_Core):
                 return None
             if r[0] != seq:
                 return None
-            if self.epoch is not None and r[1] != self._epoch_b:
-                raise DaemonRestarted(f"daemon restarted (epoch {self.epoch} -> "
-                                      f"{r[1].decode('ascii', 'replace')}); call reconnect()")
+            epoch = r[1].decode("ascii", "replace")
+            if self.epoch is not None and epoch != self.epoch:
+                raise DaemonRestarted(f"daemon restarted (epoch {self.epoch} -> {epoch}); call reconnect()")
             return r
         try:
             h = P.parse_reply(head)

@@ -550,24 +550,21 @@ def test_pin_cpu_outside_the_process_cpus_is_a_config_error(daemon_factory):
     assert not (d.runtime_dir / "kvd.sock").exists()
 
 
-def _cpu_s(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def test_an_idle_daemon_sleeps_however_long_it_busy_polls(daemon_factory):
     """Busy polling lasts busy_poll_us after the socket's last work, not after every callback: the
     ticker's callback (every TICK_S) and the re-entry after _MAX_DRAIN_S used to open windows of
     their own, so a daemon polling 50 ms never slept (100 % of a CPU while idle); and a heartbeat
     (this client's, every 0.375 s here) opens none (it did: 13 % of a CPU)."""
+    from kvd.bench.zmq_bench import proc_cpu_s
+
     d = daemon_factory(busy_poll_us=50000, warm_every_us=0)
     c = Client(d.endpoint)
     try:
         c.allocate("a", 32)  # the socket had work: the daemon polls for 50 ms, then sleeps
         time.sleep(0.3)
-        c0, t0 = _cpu_s(d.pid), time.monotonic()
+        c0, t0 = proc_cpu_s(d.pid)[0], time.monotonic()
         time.sleep(1.5)
-        share = (_cpu_s(d.pid) - c0) / (time.monotonic() - t0)
+        share = (proc_cpu_s(d.pid)[0] - c0) / (time.monotonic() - t0)
         assert share < 0.1, f"an idle daemon used {share:.0%} of a CPU"
         assert c.stats()["num_requests"] == 1  # and it still answers
     finally:
