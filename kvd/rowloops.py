@@ -84,7 +84,12 @@ def plan_appends(rows, n_scalar, n_array, lookahead, hash_counts, max_model_len,
         # Blocks to add: divide only when the row outgrows its blocks (a 64-bit division per row
         # was a third of a 4,096-request decode step's plan on the 2-core box).
         short = new + lookahead - np.int64(num_blocks[row]) * block_size
-        grow_out[i] = (short + block_size - 1) // block_size if short > 0 else 0
+        if short <= 0:
+            grow_out[i] = 0
+        elif short <= block_size:  # the usual growth: one block, no division (see above)
+            grow_out[i] = 1
+        else:
+            grow_out[i] = (short + block_size - 1) // block_size
         cow_out[i] = False
         if any_forked and k > 0 and old % block_size and forked[row]:
             block = table[row, old // block_size]

@@ -53,6 +53,16 @@ def test_plan_copies_the_first_writers_of_a_shared_block_and_counts_growth():
     assert np.array_equal(s["ref_cnt"], ref_before)
 
 
+
+def test_plan_counts_blocks_to_add_at_each_side_of_a_block_boundary():
+    # rows 0-2 hold 7, 7 and 8 tokens in 2 blocks of 4: each adds what it lacks, rounded up to blocks
+    for n, lookahead, grow in ((1, 0, [0, 0, 1]), (4, 0, [1, 1, 1]), (5, 0, [1, 1, 2]), (9, 0, [2, 2, 3]),
+                               (1, 4, [1, 1, 2]), (1, 5, [2, 2, 2]), (1, 9, [3, 3, 3])):
+        need, out = plan(state(), [0, 1, 2], n=n, lookahead=lookahead, max_len=64)
+        shared_copy = int(out["cow"].sum())
+        assert out["grow"].tolist() == grow, (n, lookahead)
+        assert need == sum(grow) + shared_copy
+
 @pytest.mark.parametrize(
     "rows, kw",
     [
