@@ -99,8 +99,9 @@ class ManagerConfig:
     encoder_block_size: int = 16
     defer_cache_registration: bool = False
     """On the decode fast path, leave the prefix-cache bookkeeping of newly full blocks (their map
-    entries) until ``flush_deferred()`` or the next call: nothing in a step's result depends on
-    it, so a daemon can reply first. Every public method flushes before it reads the cache."""
+    entries) until ``flush_deferred()`` or the next call, and so the registration of a step's lone
+    admission: nothing in a step's result depends on it, so a daemon can reply first. Every public
+    method flushes before it reads the cache."""
     debug_checks: bool = False
     """Run the heavy invariant check after every mutation (tests turn it on)."""
     hash_width: int = 16

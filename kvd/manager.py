@@ -219,7 +219,7 @@ class BlockManager:
         self.tick = 0
         """Counts the calls that may register blocks (step, allocate, append_slots, swap_in)."""
         self._copies: list[np.ndarray] = []
-        self._deferred: list[tuple] = []  # (_APPENDS, rows, hashes, counts, tick, tokens) or (_CONFIRM, writer, tick)
+        self._deferred: list[tuple] = []  # (_APPENDS, ...), (_ADMITTED, ...) or (_CONFIRM, writer, tick): see below
         # Confirmations a flush ran out of promotion budget for, writer -> through tick, in the
         # order they first waited; they go before everything in _deferred. A writer's later ones
         # merge into its waiting one: one entry per writer, however long a backlog lasts.
@@ -752,7 +752,9 @@ class BlockManager:
         self._debug_check()
         return result
 
-    def _admit(self, req: AdmitRequest, space: int) -> AllocResult:
+    def _admit(self, req: AdmitRequest, space: int, defer: bool = False) -> AllocResult:
+        """``defer``: the prompt's cache registration waits for ``flush_deferred`` (a step's lone
+        admission, ``defer_cache_registration``): nothing in the result depends on it."""
         num_tokens, lookahead = req.num_tokens, req.num_lookahead_tokens
         self._check_new_request(req.req_id, num_tokens, lookahead, req.priority, req.num_encoder_tokens, req.max_new_tokens)
         hash_lists = self._hash_lists(req.block_hashes, num_tokens)
@@ -787,8 +789,11 @@ class BlockManager:
             g.last_block[row] = g.table[row, end + fresh.size - 1] if end + fresh.size else NULL_BLOCK
             g.num_skipped[row] = skip
             g.num_registered[row] = end
-            self._register(gi, row, hash_lists[gi], num_tokens, None if tokens is None else tokens[gi])
+            if not defer:
+                self._register(gi, row, hash_lists[gi], num_tokens, None if tokens is None else tokens[gi])
             out.append(g.table[row, : end + fresh.size].copy())
+        if defer and self.config.enable_prefix_caching:
+            self._deferred.append((_ADMITTED, row, hash_lists, num_tokens, tokens, self.tick))
         if req.num_encoder_tokens:
             cross = self.pool.take(_cdiv(req.num_encoder_tokens, self.config.encoder_block_size))
             self.cross_table[row, : cross.size] = cross
@@ -798,9 +803,11 @@ class BlockManager:
             self.counters["prefix_hits"] += cached
         return AllocResult(STATUS_OK, tuple(out), cached, row)
 
-    def _register(self, gi: int, row: int, hashes: np.ndarray, num_tokens: int, tokens=None) -> None:
+    def _register(self, gi: int, row: int, hashes: np.ndarray, num_tokens: int, tokens=None,
+                  tick: int | None = None) -> None:
         """Register the row's full blocks [num_registered, len(hashes)) that are still present
-        (``tokens``: their token ids, [len(hashes), block_size], or None)."""
+        (``tokens``: their token ids, [len(hashes), block_size], or None; ``tick``: of the call
+        that admitted the row, when a flush registers them later)."""
         if not self.config.enable_prefix_caching:
             return
         g = self.groups[gi]
@@ -818,7 +825,7 @@ class BlockManager:
                               None if tokens is None else tokens[start:stop])
             runs = runs if present.all() else runs.take(present)
         self._register_in(self._cache_key(int(self.namespace[row]), gi), hashes[start:stop][present], blocks[present],
-                          runs=runs)
+                          tick, runs)
         g.num_registered[row] = stop
 
     # ================================================================== appends
@@ -1342,7 +1349,7 @@ class BlockManager:
         return len(self._deferred) + len(self._waiting)
 
     def flush_deferred(self, max_rows: int | None = None) -> int:
-        """Finish prefix-cache registrations a decode step left for later (see
+        """Finish prefix-cache registrations a decode step or a lone admission left for later (see
         ``ManagerConfig.defer_cache_registration``). ``max_rows``: register about that many
         requests' blocks and keep the rest queued, in order (an idle daemon works in slices, so that
         a message arriving meanwhile waits for one slice only). Confirmations run PROMOTE_BATCH
@@ -1365,6 +1372,14 @@ class BlockManager:
                     unfinished += [rest, *items[i + 1:]]
                     break
                 done += item[1].size
+            elif item[0] is _ADMITTED:
+                if max_rows is not None and done >= max_rows:
+                    unfinished += items[i:]
+                    break
+                _, row, hash_lists, num_tokens, tokens, tick = item
+                for gi, hashes in enumerate(hash_lists):
+                    self._register(gi, row, hashes, num_tokens, None if tokens is None else tokens[gi], tick)
+                done += 1
             elif budget is None or (budget := self._promote(item[1], item[2], budget)) is None:
                 self._wait(item[1], item[2])  # the next call (or reply) goes on with it
         self._deferred[:] = unfinished
@@ -1911,13 +1926,14 @@ class BlockManager:
                 batching = batch.raced  # after a race, the batch goes on past that one request
                 if i >= m:
                     break
-            self._admit_one(admits[i], space, i, status, rows, cached)
+            # a lone admission registers its prompt after the reply, as a decode step its blocks
+            self._admit_one(admits[i], space, i, status, rows, cached, m == 1 and self.config.defer_cache_registration)
             i += 1
         return status, rows, cached
 
-    def _admit_one(self, req, space: int, i: int, status, rows, cached) -> None:
+    def _admit_one(self, req, space: int, i: int, status, rows, cached, defer: bool = False) -> None:
         try:
-            result = self._admit(req, space)
+            result = self._admit(req, space, defer)
         except errors.KvdError as exc:
             status[i] = exc.code
             return
@@ -2024,6 +2040,8 @@ class BlockManager:
 _MAX_TOKEN_ID = (1 << 31) - 1  # token ids travel as int32
 _CONFIRM = object()  # a deferred confirmation in ``_deferred``: (_CONFIRM, writer, through_tick)
 _APPENDS = object()  # a decode step's deferred registration: (_APPENDS, rows, hashes, counts, tick, tokens)
+# a lone admission's deferred registration: (_ADMITTED, row, hash lists, num_tokens, token lists, tick)
+_ADMITTED = object()
 # Blocks a daemon's flush promotes at most: a confirmation of a whole admission wave (tens of
 # thousands of prompt blocks) is spread over the next messages instead of pausing every client.
 PROMOTE_BATCH = 1024

@@ -260,3 +260,36 @@ def test_a_manager_without_prefix_caching_registers_nothing_a_decode_step_deferr
     assert m.flush_deferred() == 1 and m.num_deferred == 0
     assert m.pool.caches == {} and not m.pool.cache_key.any() and m.lookup(HASHES) == 0
     assert [m.block_table(r).tolist() for r in "ab"] == [[1], [2]]
+
+
+def test_a_lone_admission_registers_its_prompt_after_the_reply_under_the_admissions_tick():
+    """defer_cache_registration (the daemon's): a step's lone admission leaves its prompt's
+    registration for later, as a decode step its filled blocks; what it registers then counts under
+    the admission's tick, so the confirmation of that tick makes the prompt a hit for others."""
+    def fresh(defer):  # without debug checks: their invariant check runs deferred work
+        return BlockManager(ManagerConfig(num_gpu_blocks=16, max_model_len=64, max_num_reqs=8, groups=(GroupSpec(BS),),
+                                          defer_cache_registration=defer))
+
+    m, now = fresh(True), fresh(False)
+    for x in (m, now):
+        res = x.step(StepBatch(admit=[AdmitRequest("a", 13, HASHES)]), writer=1)
+        assert res.admit_status.tolist() == [STATUS_OK] and x.block_table("a").tolist() == [1, 2, 3, 4]
+    key = now.pool.cache_key[1]
+    assert key != 0 and now.pool.cache_key[1:5].tolist() == [key, key, key, 0] and now.num_deferred == 0
+    assert m.pool.cache_key[1:5].tolist() == [0, 0, 0, 0] and m.num_deferred == 1  # after the reply
+    # A decode step that registers nothing goes before it (tick 2) ...
+    m.step(StepBatch(append_rows=m.rows_of(["a"]), append_num_tokens=1), writer=1)
+    assert m.tick == 2 and m.num_deferred == 1 and m.block_table("a").tolist() == [1, 2, 3, 4]
+    assert m.flush_deferred() == 1 and m.num_deferred == 0
+    assert m.pool.cache_key[1:5].tolist() == [key, key, key, 0]
+    assert m.lookup(HASHES, writer=2) == 0  # unconfirmed
+    m.mark_computed(1, 1)  # ... and the admission's tick confirms the prompt
+    assert m.lookup(HASHES, writer=2) == 3 and m.pool.cache_key[1:4].tolist() == [1, 1, 1]
+    m.check_invariants(heavy=True)
+
+
+def test_a_step_with_several_admissions_registers_them_at_once():
+    m = BlockManager(ManagerConfig(num_gpu_blocks=16, max_model_len=64, max_num_reqs=8, groups=(GroupSpec(BS),),
+                                   defer_cache_registration=True))
+    m.step(StepBatch(admit=[AdmitRequest("a", 13, HASHES), AdmitRequest("b", 13, HASHES)]))
+    assert m.num_deferred == 0 and m.block_table("b").tolist() == [1, 2, 3, 5]  # b hits a's blocks in the step
