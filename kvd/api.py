@@ -101,7 +101,8 @@ class ManagerConfig:
     """On the decode fast path, leave the prefix-cache bookkeeping of newly full blocks (their map
     entries) until ``flush_deferred()`` or the next call, and so the registration of a step's lone
     admission: nothing in a step's result depends on it, so a daemon can reply first. Every public
-    method flushes before it reads the cache."""
+    method flushes before it reads the cache. What waits keeps copies of the caller's writeable
+    arrays (hashes, counts, token ids): a caller may reuse its buffers once the call returned."""
     debug_checks: bool = False
     """Run the heavy invariant check after every mutation (tests turn it on)."""
     hash_width: int = 16

@@ -793,7 +793,8 @@ class BlockManager:
                 self._register(gi, row, hash_lists[gi], num_tokens, None if tokens is None else tokens[gi])
             out.append(g.table[row, : end + fresh.size].copy())
         if defer and self.config.enable_prefix_caching:
-            self._deferred.append((_ADMITTED, row, hash_lists, num_tokens, tokens, self.tick))
+            self._deferred.append((_ADMITTED, row, [_kept(h) for h in hash_lists], num_tokens,
+                                   None if tokens is None else [_kept(t) for t in tokens], self.tick))
         if req.num_encoder_tokens:
             cross = self.pool.take(_cdiv(req.num_encoder_tokens, self.config.encoder_block_size))
             self.cross_table[row, : cross.size] = cross
@@ -974,7 +975,8 @@ class BlockManager:
                 self._release_out_of_window(g, orows[grew], oold[grew])
         return status, None
 
-    def _append_fast(self, rows, n_new, hashes, counts, lookahead, defer: bool = False, tokens=None):
+    def _append_fast(self, rows, n_new, hashes, counts, lookahead, defer: bool = False, tokens=None,
+                     own_counts: bool = False):
         """A batch of appends to the one full-attention group, copy-on-write included, in two
         compiled loops (``kvd.rowloops``). Returns (the tokens each request had before, the rows
         whose tables changed), or None, having changed nothing, whenever anything is unusual
@@ -1005,7 +1007,8 @@ class BlockManager:
         self._record_copies(n_copies)
         if hashes.size:
             if defer:  # the whole registration after the reply (the tables do not change before)
-                self._deferred.append((_APPENDS, rows.copy(), hashes, counts, self.tick, tokens))
+                kept_counts = counts if own_counts else _kept(counts)  # own: decode_rows widened them
+                self._deferred.append((_APPENDS, rows.copy(), _kept(hashes), kept_counts, self.tick, _kept(tokens)))
             else:
                 self._register_appends(rows, np.zeros(n, np.int16), [hashes], [counts],
                                        token_lists=None if tokens is None else [tokens])
@@ -1841,7 +1844,8 @@ class BlockManager:
                 self.flush_deferred()
         copies_before = len(self._copies)
         self.tick += 1  # a deferred registration carries the step's tick
-        fast = self._append_fast(rows, n_new, hashes, counts, lookahead, self.config.defer_cache_registration)
+        fast = self._append_fast(rows, n_new, hashes, counts, lookahead, self.config.defer_cache_registration,
+                                 own_counts=True)
         if fast is None:
             self.tick -= 1
             return None
@@ -2045,6 +2049,18 @@ _ADMITTED = object()
 # Blocks a daemon's flush promotes at most: a confirmation of a whole admission wave (tens of
 # thousands of prompt blocks) is spread over the next messages instead of pausing every client.
 PROMOTE_BATCH = 1024
+
+
+def _kept(arr: np.ndarray | None) -> np.ndarray | None:
+    """A caller's array as deferred work keeps it: as is when nothing can change it (a read-only
+    view of an immutable ``bytes``: the daemon's message frames), else a copy (an in-process caller
+    may reuse its buffer once the call returned)."""
+    if arr is None or arr.flags.writeable:
+        return None if arr is None else arr.copy()
+    base = arr
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    return arr if isinstance(base, bytes) else arr.copy()
 
 
 def _split_appends(item: tuple, k: int) -> tuple[tuple, tuple]:

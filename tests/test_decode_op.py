@@ -114,6 +114,36 @@ def test_the_decode_op_does_exactly_what_the_json_step_does(pair):
     assert m0.pool.caches == m1.pool.caches and len(m0.pool.caches[1]) == sum(len(t) // BS for t in tokens)
 
 
+
+def _bytes_base(arr: np.ndarray) -> bool:
+    while isinstance(arr, np.ndarray) and arr.base is not None:
+        arr = arr.base
+    return isinstance(arr, bytes)
+
+
+def test_the_daemons_deferred_registrations_keep_views_of_the_message_and_the_manager_copies_a_callers_arrays(pair):
+    """What a daemon defers registers the message's own bytes (no copy on its hot path); an
+    in-process caller's writeable arrays are copied (kvd.manager._kept)."""
+    c = pair[0]
+    m = c.d.manager
+    p = np.arange(11, dtype=np.int32)
+    c.step(StepBatch(admit=[AdmitRequest("a", 11, hash_prompt(p, BS))]))  # a lone admission: deferred
+    (kind, _, hash_lists, *_), = m._deferred
+    assert len(hash_lists) == 1 and _bytes_base(hash_lists[0]) and not hash_lists[0].flags.writeable
+    m.flush_deferred()
+    full = hash_prompt(np.append(p, 100), BS)
+    c.step(StepBatch(append_rows=c.rows_of(["a"]), append_num_tokens=1, append_hashes=(full[-1:],),
+                     append_hash_counts=(np.ones(1, np.int32),)))  # the decode op: fills a block
+    (_, rows, hashes, counts, *_), = m._deferred
+    assert _bytes_base(hashes) and hashes.tolist() == full[-1:].tolist() and counts.tolist() == [1]
+    m.flush_deferred()
+    sess = next(iter(c.d.sessions.values()))
+    assert m.lookup(full, sess.namespace, sess.writer) == 3  # both registered (unconfirmed: its own)
+    given = hash_prompt(p + 1, BS)
+    m.step(StepBatch(admit=[AdmitRequest("b", 11, given)]))  # in process: the caller's array, copied
+    (_, _, hash_lists, *_), = m._deferred
+    assert hash_lists[0] is not given and hash_lists[0].tolist() == given.tolist()
+
 def test_a_retried_decode_gets_the_same_reply_applied_once(pair):
     c = pair[0]
     c.step(StepBatch(admit=[AdmitRequest("a", 3)]))

@@ -494,3 +494,25 @@ def test_decode_rows_declines_unusual_steps_and_changes_nothing():
     assert m.decode_rows(rows, 1, lookahead=10**6) is None  # past max lookahead: step raises
     assert m.decode_rows(rows.astype(np.int64), 1) is None  # not the int32 rows of the daemon
     assert snapshot(m) == before and m.tick == tick
+
+
+def test_deferred_registrations_keep_their_hashes_when_the_caller_reuses_its_arrays():
+    """defer_cache_registration: what a step registers after its return is what the step was given,
+    whatever the caller writes into its hash arrays meanwhile."""
+    m = BlockManager(ManagerConfig(num_gpu_blocks=16, max_model_len=256, max_num_reqs=8,
+                                   defer_cache_registration=True))
+    toks_a, toks_b = prompt(48), prompt(32, 100)
+    given = hash_prompt(toks_a, 16)  # a lone admission: 3 full blocks
+    m.step(StepBatch(admit=[AdmitRequest("a", 48, given)]))
+    given[:] = hash_prompt(prompt(48, 7), 16)  # the caller's buffer, reused
+    m.allocate("b", 31, hash_prompt(toks_b[:31], 16))  # the next token fills b's second block
+    filled = hash_prompt(toks_b, 16)[1:]
+    counts = np.ones(1, np.int64)
+    m.step(StepBatch(append_rows=m.rows_of(["b"]), append_num_tokens=1, append_hashes=(filled,),
+                     append_hash_counts=(counts,)))
+    filled[:] = given[:1]
+    counts[:] = 0
+    assert m.num_deferred == 1
+    m.flush_deferred()
+    assert m.lookup(hash_prompt(toks_a, 16)) == 3 and m.lookup(hash_prompt(toks_b, 16)) == 2
+    m.check_invariants(heavy=True)
