@@ -557,6 +557,7 @@ class BlockManager:
                 f"token_ids: {arr.size} ids for a prompt of {num_tokens} tokens whose hashed blocks hold {need}")
         if self._tails is None:
             return None
+        arr = _kept(arr)  # events may go out after the call (a writer's, at its confirmation)
         return [arr[: h.size * g.block_size].reshape(-1, g.block_size) for g, h in zip(self.groups, hash_lists)]
 
     def _block_tokens(self, token_lists, hash_lists: list[np.ndarray], what: str) -> list[np.ndarray] | None:
@@ -575,7 +576,7 @@ class BlockManager:
                 raise errors.InvalidArgument(
                     f"{what}: {arr.size} ids for {h.size} block(s) of {g.block_size} tokens")
             out.append(arr.reshape(-1, g.block_size))
-        return out if self._tails is not None else None
+        return [_kept(t) for t in out] if self._tails is not None else None  # kept: see _admit_tokens
 
     def _check_sizes(self, num_tokens: int, lookahead: int, what: str = "num_tokens") -> None:
         if not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, bool):
@@ -793,8 +794,7 @@ class BlockManager:
                 self._register(gi, row, hash_lists[gi], num_tokens, None if tokens is None else tokens[gi])
             out.append(g.table[row, : end + fresh.size].copy())
         if defer and self.config.enable_prefix_caching:
-            self._deferred.append((_ADMITTED, row, [_kept(h) for h in hash_lists], num_tokens,
-                                   None if tokens is None else [_kept(t) for t in tokens], self.tick))
+            self._deferred.append((_ADMITTED, row, [_kept(h) for h in hash_lists], num_tokens, tokens, self.tick))
         if req.num_encoder_tokens:
             cross = self.pool.take(_cdiv(req.num_encoder_tokens, self.config.encoder_block_size))
             self.cross_table[row, : cross.size] = cross
@@ -1008,7 +1008,7 @@ class BlockManager:
         if hashes.size:
             if defer:  # the whole registration after the reply (the tables do not change before)
                 kept_counts = counts if own_counts else _kept(counts)  # own: decode_rows widened them
-                self._deferred.append((_APPENDS, rows.copy(), _kept(hashes), kept_counts, self.tick, _kept(tokens)))
+                self._deferred.append((_APPENDS, rows.copy(), _kept(hashes), kept_counts, self.tick, tokens))
             else:
                 self._register_appends(rows, np.zeros(n, np.int16), [hashes], [counts],
                                        token_lists=None if tokens is None else [tokens])

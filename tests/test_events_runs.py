@@ -231,3 +231,19 @@ def test_a_writer_with_two_groups_publishes_each_groups_runs_under_its_map():
     keys = [m._cache_key(m._space(0, 0), g) for g in (0, 1)]
     got = [(e[1], e[2], e[3], e[4].ravel().tolist()) for e in expand(log)]
     assert got == [(keys[0], h0.tolist(), None, p[:16]), (keys[1], h1.tolist(), None, p[:16])]
+
+
+def test_a_writers_events_carry_the_token_ids_it_gave_though_it_reused_its_buffer_before_confirming():
+    """Events of a writer's blocks go out at its confirmation, later than the call that gave their
+    token ids: what they carry is what that call was given."""
+    m = _manager(debug_checks=False)
+    log = m.enable_kv_events()
+    ids = np.arange(13, dtype=np.int32)  # the caller's buffer (int32: the manager's own dtype)
+    given = ids.copy()
+    m.allocate("a", 13, _chain(ids), writer=1, token_ids=ids)
+    _entries(log)
+    ids[:] = 99  # reused before the confirmation
+    m.mark_computed(1, m.tick)
+    m.flush_deferred()
+    (hashes, parent, tokens), = _entries(log)
+    assert hashes == _chain(given).tolist() and parent is None and tokens == given[:12].tolist()
