@@ -1000,6 +1000,10 @@ class BlockManager:
         if applied:
             pool.took_fresh(need)
         else:  # some of the blocks must be evicted from the prefix cache first
+            if self._deferred or self._waiting:
+                # which blocks are evicted depends on the cache's state: the deferred work first (a
+                # confirmation reorders the free queue), as it would have run without deferral
+                self.flush_deferred()
             n_copies, n_changed = rowloops.apply_appends(
                 rows, n_scalar, n_array, old, grow, cow, pool.take(need), self.num_tokens, g.table, g.num_blocks,
                 g.last_block, pool.ref_cnt, g.block_size, self._copies_buf, self._changed_buf,
