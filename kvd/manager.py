@@ -1627,7 +1627,8 @@ class BlockManager:
         decode = (self._simple and batch.append_rows is not None
                   and not (batch.free or batch.forks or batch.admit or len(batch.append_ids)))
         # A decode step that registers nothing neither reads the prefix cache nor changes what
-        # deferred work will do (it only grows tables at their ends): it may run before that work.
+        # deferred work will do (it only grows tables at their ends): it may run before that work,
+        # unless it must evict (_append_fast runs the work first then).
         if (self._deferred or self._waiting) and not (decode and not len(batch.append_hashes)):
             self.flush_deferred()
         la = batch.num_lookahead_tokens
@@ -1830,7 +1831,8 @@ class BlockManager:
         array; the copy-on-write copies), or None, having changed nothing (beyond running deferred
         prefix-cache work that was due anyway), whenever anything is unusual (misuse, no space,
         another configuration): ``step`` then decides request by request. Registering nothing, it
-        may run before the deferred prefix-cache work (it reads no cache); registering, after it.
+        may run before the deferred prefix-cache work (it reads no cache) unless it must evict;
+        registering, after it.
         Why one entry for both: the step that registers is one in 16 of a decode run, and on the
         general path its code is cold in the daemon (2-3x its warm cost)."""
         if not self._simple or not rows.size or type(n_new) is not int or type(lookahead) is not int:
