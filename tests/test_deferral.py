@@ -1,12 +1,13 @@
 """Deferring prefix-cache registrations (``ManagerConfig.defer_cache_registration``, the daemon's
 setting) changes when they run, not what the cache holds: seeded random runs of two writers'
-admissions (lone and batched), decode steps that fill and register blocks, confirmations, lookups
-and frees, applied to a manager that defers and one that does not, give the same step results, the
-same lookups and, once the deferred work has run, the same cache: per map the hashes it holds, each
-one's confirmation and whether a request holds it, the free queue's order of cached hashes and
-uncached blocks, the same KV events (stored with their parents and token ids, removed). Which
-fresh block a step takes may differ (a confirmation that waits has not yet uncached a free
-duplicate: the step takes another fresh block), so block ids are not compared."""
+admissions (lone and batched), decode steps that fill and register blocks, confirmations, lookups,
+frees and partial flushes (an idle daemon's slices), applied to a manager that defers and one that
+does not, give the same step results, the same lookups and, once the deferred work has run, the
+same cache: per map the hashes it holds, each one's confirmation and whether a request holds it,
+the free queue's order of cached hashes and uncached blocks, the same KV events (stored with their
+parents and token ids, removed). Which fresh block a step takes may differ (a confirmation that
+waits has not yet uncached a free duplicate: the step takes another fresh block), so block ids are
+not compared."""
 
 from __future__ import annotations
 
@@ -145,6 +146,10 @@ class _Run:
         got = self.both(lambda m: m.lookup(hash_prompt(p, BS), writer=w))
         assert got[0] == got[1]
 
+    def partial_flush(self) -> None:
+        """An idle daemon's slice: about that many requests' registrations, the rest kept in order."""
+        self.m[0].flush_deferred(int(self.rng.integers(1, 4)))
+
     def settle(self) -> None:
         self.m[0].flush_deferred()
         assert self.m[0].num_deferred == 0
@@ -156,7 +161,7 @@ class _Run:
 def test_a_manager_that_defers_registrations_behaves_as_one_that_does_not(seed):
     run = _Run(seed)
     ops = [lambda: run.admit(1), lambda: run.admit(1), lambda: run.admit(int(run.rng.integers(2, 4))),
-           run.decode, run.decode, run.decode, run.free, run.confirm, run.lookup]
+           run.decode, run.decode, run.decode, run.free, run.confirm, run.lookup, run.partial_flush]
     for i in range(60):
         ops[int(run.rng.integers(0, len(ops)))]()
         if i % 7 == 6:
