@@ -873,8 +873,9 @@ class BlockManager:
         any check fails (the caller then finds out which request is at fault)."""
         if rows.dtype != np.int32 or not 0 <= lookahead <= self.max_lookahead:
             return False
-        if rows.view(np.uint32).max() >= self.num_tokens.size or not self.appendable[rows].all():
-            return False
+        if rows.size > self.num_tokens.size or rows.view(np.uint32).max() >= self.num_tokens.size \
+                or not self.appendable[rows].all():
+            return False  # (more rows than the manager has: one repeats)
         idx = self._arange[: rows.size]
         self._mark[rows] = idx
         if not (self._mark[rows] == idx).all():
@@ -1757,6 +1758,8 @@ class BlockManager:
             return None
         if rows.size == 1:
             return rows
+        if rows.size > self.num_tokens.size:
+            return None  # more ids than rows: one repeats
         idx = self._arange[: rows.size]
         self._mark[rows] = idx
         return rows if (self._mark[rows] == idx).all() else None

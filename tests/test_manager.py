@@ -516,3 +516,16 @@ def test_deferred_registrations_keep_their_hashes_when_the_caller_reuses_its_arr
     m.flush_deferred()
     assert m.lookup(hash_prompt(toks_a, 16)) == 3 and m.lookup(hash_prompt(toks_b, 16)) == 2
     m.check_invariants(heavy=True)
+
+
+def test_a_step_naming_more_rows_than_the_manager_has_reports_the_repeats_and_changes_nothing_else():
+    m = make(num_blocks=16)  # max_num_reqs 8
+    m.allocate("a", 3)
+    m.allocate("b", 3)
+    rows = np.array(m.rows_of(["a", "b"]).tolist() * 5, np.int32)  # 10 entries > 8 rows
+    res = m.step(StepBatch(append_rows=rows, append_num_tokens=1))
+    assert res.append_status.tolist() == [0, 0] + [errors.InvalidArgument.code] * 8  # each repeat refused
+    assert m.num_tokens[rows[:2]].tolist() == [4, 4]
+    res = m.step(StepBatch(free=["a", "b"] * 5))
+    assert res.free_status.tolist() == [0, 0] + [errors.InvalidArgument.code] * 8  # each repeat refused
+    assert m.num_free_blocks == 15 and not m.pool.ref_cnt.any()
