@@ -1,0 +1,127 @@
+"""The binary decode op against the JSON step, through ``Daemon.handle``, on seeded random runs:
+admissions (lone and batched, sharing prefixes), forks (copy-on-write), frees and decode steps of
+random sizes, lookahead and filled-block hashes, in a pool small enough to evict. One client sends
+its decode steps as the decode op, the other as JSON steps, each to a daemon of its own: every
+reply, the session's shared memory (tables, counts, slot mapping) and each manager's state must be
+the same after every call."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from kvd import protocol as P
+from kvd.api import AdmitRequest, StepBatch
+from kvd.hashing import hash_prompt
+from kvd.server import Daemon
+from test_decode_op import BS, Cfg, InProc
+
+FIELDS = ("free_status", "fork_status", "append_status", "admit_status", "admit_rows", "admit_cached_tokens",
+          "copies", "changed_rows", "sched_rows", "sched_start", "sched_len", "tick")
+
+
+def _manager_state(d: Daemon):
+    m = d.manager
+    p = m.pool
+    return (p.ref_cnt.tobytes(), p.cache_key.tobytes(), p.free_queue_order().tobytes(), copy.deepcopy(p.caches),
+            m.tables[0].tobytes(), m.num_tokens.tobytes(), m.tick, m.num_deferred)
+
+
+class _Run:
+    def __init__(self, seed: int, pair):
+        self.rng = np.random.default_rng(seed)
+        self.c = pair
+        self.prefix = self.rng.integers(1, 300, 12).astype(np.int32)
+        self.tokens: dict[str, np.ndarray] = {}
+        self.registered: dict[str, int] = {}
+        self.n = 0
+
+    def step(self, batch: StepBatch):
+        res = [c.step(batch) for c in self.c]
+        a, b = res
+        for f in FIELDS:
+            assert np.array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(b, f))), f
+        s0, s1 = self.c[0].shm, self.c[1].shm
+        assert np.array_equal(s0.tables[0], s1.tables[0]) and np.array_equal(s0.counts[0], s1.counts[0])
+        assert np.array_equal(s0.slot_array, s1.slot_array)
+        assert _manager_state(self.c[0].d) == _manager_state(self.c[1].d)
+        return a
+
+    def admit(self) -> None:
+        reqs = []
+        for _ in range(int(self.rng.integers(1, 3))):
+            if len(self.tokens) + len(reqs) >= Cfg.max_reqs_per_session:
+                break
+            rid = f"r{self.n}"
+            self.n += 1
+            p = np.concatenate([self.prefix[: int(self.rng.integers(0, 13))],
+                                self.rng.integers(1, 300, int(self.rng.integers(1, 9))).astype(np.int32)])
+            self.tokens[rid], self.registered[rid] = p, p.size // BS
+            reqs.append(AdmitRequest(rid, p.size, hash_prompt(p, BS)))
+        if not reqs:
+            return
+        res = self.step(StepBatch(admit=reqs))
+        for r, st in zip(reqs, res.admit_status.tolist()):
+            if st:
+                del self.tokens[r.req_id], self.registered[r.req_id]
+
+    def fork(self) -> None:
+        if not self.tokens or len(self.tokens) >= Cfg.max_reqs_per_session:
+            return
+        parent = list(self.tokens)[int(self.rng.integers(0, len(self.tokens)))]
+        child = f"r{self.n}"
+        self.n += 1
+        if self.step(StepBatch(forks=[(parent, child)])).fork_status.tolist() == [0]:
+            self.tokens[child], self.registered[child] = self.tokens[parent].copy(), self.registered[parent]
+
+    def free(self) -> None:
+        if self.tokens:
+            rid = list(self.tokens)[int(self.rng.integers(0, len(self.tokens)))]
+            self.step(StepBatch(free=[rid]))
+            del self.tokens[rid], self.registered[rid]
+
+    def decode(self) -> None:
+        rids = [r for r in self.tokens if self.rng.random() < 0.8]
+        if not rids:
+            return
+        n_new = int(self.rng.choice([0, 1, 1, 1, 2, 3]))
+        lookahead = int(self.rng.choice([0, 0, 1]))
+        new = {r: self.rng.integers(1, 300, n_new).astype(np.int32) for r in rids}
+        hashes, counts = [], []
+        for r in rids:
+            h = hash_prompt(np.concatenate([self.tokens[r], new[r]]), BS)[self.registered[r]:]
+            hashes.append(h)
+            counts.append(h.size)
+        rows = self.c[0].rows_of(rids)
+        with_hashes = sum(counts) > 0 and self.rng.random() < 0.8
+        batch = StepBatch(append_rows=rows, append_num_tokens=n_new, num_lookahead_tokens=lookahead,
+                          append_hashes=(np.concatenate(hashes),) if with_hashes else (),
+                          append_hash_counts=(np.array(counts, np.int32),) if with_hashes else ())
+        res = self.step(batch)
+        for r, st, k in zip(rids, res.append_status.tolist(), counts):
+            if st == 0:
+                self.tokens[r] = np.concatenate([self.tokens[r], new[r]])
+                if with_hashes:
+                    self.registered[r] += k
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_decode_op_and_the_json_step_agree_on_random_runs(seed):
+    daemons = [Daemon(Cfg), Daemon(Cfg)]
+    try:
+        run = _Run(seed, [InProc(daemons[0], json=False), InProc(daemons[1], json=True)])
+        ops = [run.admit, run.admit, run.fork, run.free, run.decode, run.decode, run.decode, run.decode]
+        for _ in range(60):
+            ops[int(run.rng.integers(0, len(ops)))]()
+        decode_ops = sum(rep[0][:4] == P.DECODE_REPLY_MAGIC for rep in run.c[0].raw)
+        assert decode_ops >= 5 and not any(rep[0][:4] == P.DECODE_REPLY_MAGIC for rep in run.c[1].raw)
+        for d in daemons:
+            d.manager.flush_deferred()
+            d.manager.check_invariants(heavy=True)
+        assert _manager_state(daemons[0]) == _manager_state(daemons[1])
+    finally:
+        for d in daemons:
+            for s in list(d.sessions.values()):
+                d.end_session(s, "test")
