@@ -66,7 +66,7 @@ from kvd.errors import (
 )
 from kvd.shm import SHM_DIR, SessionBuffers
 
-from .step import StepMessage, group_token_ids, tag_of, token_frame
+from .step import StepMessage, group_token_ids, int32_array, tag_of, token_frame
 
 DEFAULT_ENDPOINT_ENV = "KVD_ENDPOINT"
 _EMPTY_I32 = np.empty(0, np.int32)
@@ -330,7 +330,8 @@ class _Core:
         rid = self._id_of[row]
         if rid is not None:
             self._id_of[row] = None
-            del self._row_of[rid]
+            if self._row_of.get(rid) == row:  # (a step that freed rid may have given its id a new row)
+                del self._row_of[rid]
             self._free_rows.append(row)
 
     def row_of(self, req_id: Hashable) -> int:
@@ -666,7 +667,7 @@ class _Core:
         way, no per-request Python. None when the batch needs the general message (hashes of
         several groups, counts that do not fit the rows)."""
         if type(rows) is not np.ndarray or rows.dtype != np.int32 or not rows.flags.c_contiguous:
-            rows = np.ascontiguousarray(rows, np.int32)
+            rows = int32_array(rows, "append_rows")  # InvalidArgument rather than a wrapped row
         na = rows.shape[0]
         if not 0 <= num_tokens <= P.MAX_COUNT or not 0 <= lookahead <= P.MAX_COUNT:
             return None

@@ -2,9 +2,10 @@
 
 One error channel per call: a request of the batch that the client can already judge bad (an
 unknown id to free, append or fork from, a child or admission id that exists, no free session row,
-bad hashes) gets that error's code in its status array, exactly as the daemon reports the requests
-it judges; the rest of the batch is sent and applied. Only a malformed batch as a whole (an
-``append_rows`` row out of range, mismatched array lengths) raises.
+bad hashes, an append count below 0 or past ``P.MAX_COUNT``) gets that error's code in its status
+array, exactly as the daemon (and the in-process manager) reports the requests it judges; the rest
+of the batch is sent and applied. Only a malformed batch as a whole (an ``append_rows`` row out of
+range, rows or counts that are not integers, mismatched array lengths) raises.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 
 from kvd import protocol as P
 from kvd.api import STATUS_OK, StepBatch, StepResult
-from kvd.errors import InvalidArgument, KvdError
+from kvd.errors import InvalidArgument, KvdError, UnknownRequest
 
 _EMPTY_I32 = np.empty(0, np.int32)
 _EMPTY_U64 = np.empty(0, np.uint64)
@@ -55,6 +56,48 @@ def group_token_ids(token_ids, num_groups: int) -> list:
     return list(token_ids)
 
 
+def int32_array(values, what: str) -> np.ndarray:
+    """``values`` as a C-contiguous int32 array, or InvalidArgument: integers only, none wrapped
+    (an int64 row 2**32 is not row 0)."""
+    if type(values) is np.ndarray and values.dtype == np.int32:
+        return np.ascontiguousarray(values)
+    arr = int64_array(values, what)
+    if arr.size and (int(arr.min()) < -(1 << 31) or int(arr.max()) >= 1 << 31):
+        raise InvalidArgument(f"{what}: a value out of the range of int32")
+    return np.ascontiguousarray(arr, np.int32)
+
+
+def int64_array(values, what: str) -> np.ndarray:
+    """``values`` as an int64 array, or InvalidArgument (floats are not truncated, uint64 values
+    past int64 not wrapped)."""
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidArgument(f"{what} must be integers") from None
+    if not arr.size:
+        return arr.astype(np.int64)
+    if arr.dtype.kind not in "iu":
+        raise InvalidArgument(f"{what} must be integers, got {arr.dtype}")
+    if arr.dtype == np.uint64 and int(arr.max()) >= 1 << 63:
+        raise InvalidArgument(f"{what}: a value out of the range of int64")
+    return arr.astype(np.int64, copy=False)
+
+
+def _repeats(keys) -> np.ndarray:
+    """Per item, whether an earlier item has the same key (unhashable keys never repeat)."""
+    seen: set = set()
+    out = np.zeros(len(keys), bool)
+    for i, k in enumerate(keys.tolist() if isinstance(keys, np.ndarray) else keys):
+        try:
+            if k in seen:
+                out[i] = True
+            else:
+                seen.add(k)
+        except TypeError:
+            pass
+    return out
+
+
 def _error_code(exc: BaseException) -> int:
     if isinstance(exc, KvdError):
         return exc.code
@@ -80,6 +123,7 @@ class StepMessage:
         self.G = num_groups
         self.send_tokens = bool(core.info.get("kv_events"))  # only a daemon that publishes keeps them
         self.new_rows: list[int] = []
+        self.unmapped: list[tuple[Hashable, int]] = []  # (id, row) of the requests this step frees
 
     # ---- building -------------------------------------------------------------------------------
     @staticmethod
@@ -118,6 +162,38 @@ class StepMessage:
         self.new_rows.append(row)
         return (row, a.num_tokens, a.num_lookahead_tokens, a.priority, a.num_encoder_tokens,
                 a.max_new_tokens, 0, tag_of(a.req_id)), per_g, tokens
+
+    def _append_counts(self, ant, app_rows: np.ndarray, num_appends: int, keys) -> tuple[np.ndarray, bytes, int]:
+        """(the rows sent, the counts frame (empty: one count for all), that count): an append whose
+        count is below 0 or past the wire's MAX_COUNT is the client's InvalidArgument, not sent;
+        so then is every repeat of a request (``keys``: each append's row or id) after its first, as
+        the manager refuses them whatever the first one's fate (the daemon would otherwise take a
+        repeat for the first)."""
+        if isinstance(ant, (int, np.integer)) and not isinstance(ant, bool):
+            if 0 <= ant <= P.MAX_COUNT:
+                return app_rows, P.EMPTY, int(ant)
+            bad = np.ones(num_appends, bool)
+        else:
+            counts = int64_array(ant, "append_num_tokens")
+            if counts.shape != (num_appends,):
+                raise InvalidArgument("append_num_tokens must be an int or have one count per append")
+            bad = (counts < 0) | (counts > P.MAX_COUNT)
+        if bad.any():
+            bad |= _repeats(keys)
+            local = self.app_local if self.app_local is not None else np.zeros(num_appends, np.int16)
+            sent = self.app_sent if self.app_sent is not None else np.ones(num_appends, bool)
+            newly = bad & sent
+            local[newly] = InvalidArgument.code
+            if self.free_rows.size:  # a request this step frees is unknown by its appends (frees go first)
+                rows_all = np.full(num_appends, -1, np.int32)
+                rows_all[sent] = app_rows
+                local[newly & np.isin(rows_all, self.free_rows)] = UnknownRequest.code
+            app_rows = app_rows[~newly[sent]]  # the rows of the appends still sent, in order
+            self.app_local, self.app_sent = local, sent & ~bad
+        if not isinstance(ant, (int, np.integer)) or isinstance(ant, bool):
+            sent_counts = counts if self.app_sent is None else counts[self.app_sent]
+            return app_rows, sent_counts.astype(np.int32).tobytes(), 0
+        return app_rows, P.EMPTY, 0
 
     def _append_hashes(self, sent: np.ndarray) -> list[bytes]:
         """Per group (hashes, counts) frames of the appends that are sent."""
@@ -168,31 +244,34 @@ class StepMessage:
         free_ids = list(b.free)
         self.free_local, self.free_sent, free_rows = self._judge(free_ids, core.row_of)
         self.free_rows = np.array(free_rows, np.int32) if free_rows else _EMPTY_I32
+        # Frees go first: by the step's forks, appends and admissions the freed requests are gone, so
+        # their ids may name a new child or admission and appends of them are unknown (the manager's
+        # order). Their rows stay the client's until the reply confirms the frees.
+        sent_ids = free_ids if self.free_sent is None else [i for i, s in zip(free_ids, self.free_sent) if s]
+        for rid, row in zip(sent_ids, free_rows):
+            if core._row_of.get(rid) == row:
+                del core._row_of[rid]
+                self.unmapped.append((rid, row))
         self.fork_local, self.fork_sent, forks = self._judge(list(b.forks), self._fork_one)
         fr = np.array([x[:2] for x in forks], np.int32).reshape(-1, 2) if forks else _NO_FORKS
         tags = np.array([x[2] for x in forks], np.uint64) if forks else _EMPTY_U64
         if b.append_rows is not None:
-            app_rows = np.ascontiguousarray(b.append_rows, np.int32)
+            app_rows = int32_array(b.append_rows, "append_rows")
             self.app_local = self.app_sent = None
             num_appends = app_rows.shape[0]
         else:
             self.app_local, self.app_sent, rows = self._judge(list(b.append_ids), core.row_of)
             app_rows = np.array(rows, np.int32) if rows else _EMPTY_I32
             num_appends = len(b.append_ids)
-        na = app_rows.shape[0]
-        ant = b.append_num_tokens
-        fields = {"la": int(b.num_lookahead_tokens), "nf": len(free_rows), "nk": len(forks), "na": na}
+        keys = app_rows if b.append_rows is not None else b.append_ids
+        app_rows, ant_b, an = self._append_counts(b.append_num_tokens, app_rows, num_appends, keys)
+        self.an = an
+        fields = {"la": int(b.num_lookahead_tokens), "nf": len(free_rows), "nk": len(forks), "na": app_rows.shape[0]}
         c = core._confirmation(b.computed_through)
         if c is not None:
             fields["c"] = c
-        if isinstance(ant, (int, np.integer)):
-            fields["an"] = int(ant)
-            ant_b = P.EMPTY
-        else:
-            ant_a = np.ascontiguousarray(ant, np.int32)
-            if ant_a.shape[0] != num_appends:
-                raise InvalidArgument("append_num_tokens must be an int or have one count per append")
-            ant_b = (ant_a if self.app_sent is None else ant_a[self.app_sent]).tobytes()
+        if not ant_b:
+            fields["an"] = an
         frames = [self.free_rows.tobytes(), fr.tobytes() if forks else P.EMPTY, tags.tobytes() if forks else P.EMPTY,
                   app_rows.tobytes(), ant_b]
         frames += self._append_hashes(self.app_sent)
@@ -220,7 +299,7 @@ class StepMessage:
         self.app_rows_b = frames[3]
         self.fork_children = fr[:, 1].copy() if forks else _EMPTY_I32
         self.admit_rows_sent = adm[:, 0].astype(np.int32)
-        self.counts = (len(free_rows), len(forks), na, nd)
+        self.counts = (len(free_rows), len(forks), app_rows.shape[0], nd)
         fields["fl"], body = P.pack_frames(frames)  # one ZeroMQ frame instead of up to 13
         return P.STEP, fields, [body], self.post, self.undo
 
@@ -228,13 +307,16 @@ class StepMessage:
         for r in self.new_rows:
             self.core._drop_row(r)
         self.new_rows = []
+        for rid, row in self.unmapped:
+            self.core._row_of[rid] = row
+        self.unmapped = []
 
     # ---- the reply ------------------------------------------------------------------------------
     def post(self, h: dict, f: list) -> StepResult:
         if self.decode_reply:
             from kvd_client.client import _decode_post
 
-            res = _decode_post(self.app_rows_b, int(self.batch.append_num_tokens), h, f)
+            res = _decode_post(self.app_rows_b, self.an, h, f)
             # frees, forks and admissions the client judged bad (nothing of them was sent)
             res.free_status = _spread(self.free_local, self.free_sent, res.free_status)
             res.fork_status = _spread(self.fork_local, self.fork_sent, res.fork_status)
@@ -251,6 +333,9 @@ class StepMessage:
         for r, st in zip(self.free_rows.tolist(), free_st.tolist()):
             if st == STATUS_OK:
                 core._drop_row(r)
+        for rid, row in self.unmapped:  # a free the daemon refused: that request is still there
+            if core._id_of[row] == rid and rid not in core._row_of:
+                core._row_of[rid] = row
         for c, st in zip(self.fork_children.tolist(), fork_st.tolist()):
             if st != STATUS_OK:
                 core._drop_row(c)

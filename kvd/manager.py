@@ -2365,14 +2365,20 @@ class _BatchAdmission:
 
 
 def _int_array(values, dtype, what: str) -> np.ndarray:
-    """``values`` as an integer array, or a typed error (no silent float truncation)."""
+    """``values`` as an integer array, or a typed error (no silent float truncation, and no value
+    wrapped into a narrower type: row 2**32 is not row 0)."""
     try:
         arr = np.asarray(values)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise errors.InvalidArgument(f"{what} must be integers") from None
     if arr.size and arr.dtype.kind not in "iu":
         raise errors.InvalidArgument(f"{what} must be integers, got {arr.dtype}")
-    return arr.astype(dtype, copy=False)
+    out = arr.astype(dtype, copy=False)
+    if out is not arr and arr.size and not np.can_cast(arr.dtype, dtype):
+        info = np.iinfo(dtype)
+        if int(arr.min()) < info.min or int(arr.max()) > info.max:
+            raise errors.InvalidArgument(f"{what}: a value out of the range of {np.dtype(dtype)}")
+    return out
 
 
 def _safe_get(get, req_id) -> int:

@@ -294,8 +294,8 @@ def hashes_frame(h: Any, width: int = HASH_WIDTH) -> bytes:
         return EMPTY
     if isinstance(h, np.ndarray) and h.dtype.kind == "S" and h.dtype.itemsize == width and h.ndim == 1:
         return h.tobytes()
-    if isinstance(h, (tuple, list)) and not h:
-        return EMPTY
+    if isinstance(h, (tuple, list)) and not h or isinstance(h, np.ndarray) and not h.size:
+        return EMPTY  # no hashes, whatever the empty array's type (as the manager takes them)
     from kvd.hashing import as_hash_array
 
     return as_hash_array(h, width).tobytes()

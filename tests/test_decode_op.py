@@ -14,9 +14,10 @@ import pytest
 
 from kvd import protocol as P
 from kvd import rowloops
-from kvd.api import AdmitRequest, StepBatch
-from kvd.errors import InvalidArgument, ProtocolError, SessionError
+from kvd.api import AdmitRequest, GroupSpec, ManagerConfig, StepBatch
+from kvd.errors import InvalidArgument, ProtocolError, SessionError, UnknownRequest
 from kvd.hashing import hash_prompt
+from kvd.manager import BlockManager
 from kvd.server import Daemon
 from kvd_client.client import Client, _Core
 from kvd_client.step import tag_of
@@ -417,3 +418,52 @@ def test_a_packed_step_and_its_frames_one_by_one_do_the_same_thing():
         for d in daemons:
             for s in list(d.sessions.values()):
                 d.end_session(s, "test")
+
+
+def test_the_client_refuses_rows_and_counts_that_do_not_fit_as_the_manager_does(pair):
+    """Rows and token counts are judged as the in-process manager judges them, never wrapped into
+    int32: a row past int32 makes the batch malformed; a count below 0 or past the wire's
+    MAX_COUNT is its append's InvalidArgument, the rest of the batch applied."""
+    c = pair[0]
+    c.step(StepBatch(admit=[AdmitRequest("a", 3), AdmitRequest("b", 3)]))
+    ra, rb = (int(r) for r in c.rows_of(["a", "b"]))
+    mrow = c.d.sessions[c.sid].mrow
+    ma, mb = int(mrow[ra]), int(mrow[rb])
+    sizes = lambda: [int(c.d.manager.num_tokens[r]) for r in (ma, mb)]  # noqa: E731
+    for rows in (np.array([2**32 + ra], np.int64), [2**32 + ra], np.array([ra], np.float64)):
+        with pytest.raises(InvalidArgument):
+            c.step(StepBatch(append_rows=rows, append_num_tokens=1))
+    assert sizes() == [3, 3]
+    res = c.step(StepBatch(append_ids=["a", "b"], append_num_tokens=np.array([2**32 + 1, 1], np.int64)))
+    assert res.append_status.tolist() == [InvalidArgument.code, 0] and sizes() == [3, 4]
+    res = c.step(StepBatch(append_rows=np.array([ra, rb], np.int32), append_num_tokens=np.array([-1, 1])))
+    assert res.append_status.tolist() == [InvalidArgument.code, 0] and sizes() == [3, 5]
+    res = c.step(StepBatch(append_rows=np.array([ra, rb], np.int32), append_num_tokens=-1, free=["b"]))
+    # b is freed first: its append is unknown by then, as in process; a's count is refused
+    assert res.append_status.tolist() == [InvalidArgument.code, UnknownRequest.code] and res.free_status.tolist() == [0]
+    assert sorted(c._row_of) == ["a"] and int(c.d.manager.num_tokens[ma]) == 3
+
+
+def test_a_step_may_free_a_request_and_admit_or_fork_its_id_again_as_in_process(pair):
+    """Frees go first in a step (the manager's order), so a step may free a request and reuse its
+    id for an admission (preemption by recomputation) or a fork's child; an append of it in that
+    step names a request that is gone. The client's rows follow."""
+    c = pair[0]
+    m = BlockManager(ManagerConfig(num_gpu_blocks=Cfg.num_gpu_blocks, max_model_len=Cfg.max_model_len,
+                                   max_num_reqs=Cfg.max_num_reqs, groups=(GroupSpec(BS),)))
+    first = [StepBatch(admit=[AdmitRequest("a", 5), AdmitRequest("p", 6)])]
+    again = StepBatch(free=["a", "p"], admit=[AdmitRequest("a", 9)], forks=[("p", "q")], append_ids=["a"],
+                      append_num_tokens=1)
+    for b in first:
+        c.step(b), m.step(b)
+    old = int(c.rows_of(["a"])[0])
+    res, want = c.step(again), m.step(again)
+    for f in ("free_status", "fork_status", "append_status", "admit_status"):
+        assert getattr(res, f).tolist() == getattr(want, f).tolist(), f
+    assert res.free_status.tolist() == [0, 0] and res.fork_status.tolist() == [UnknownRequest.code]
+    assert res.append_status.tolist() == [UnknownRequest.code] and res.admit_status.tolist() == [0]
+    assert sorted(c._row_of) == ["a"] and int(c.rows_of(["a"])[0]) != old and old in c._free_rows
+    assert c.block_table("a").tolist() == m.block_table("a").tolist() and c.block_table("a").size == 3
+    res = c.step(StepBatch(free=["a"], forks=[("a", "a")]))  # a child may not be its freed parent
+    assert res.free_status.tolist() == [0] and res.fork_status.tolist() == [UnknownRequest.code]
+    assert not c._row_of and len(c._free_rows) == Cfg.max_reqs_per_session

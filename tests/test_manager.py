@@ -529,3 +529,16 @@ def test_a_step_naming_more_rows_than_the_manager_has_reports_the_repeats_and_ch
     res = m.step(StepBatch(free=["a", "b"] * 5))
     assert res.free_status.tolist() == [0, 0] + [errors.InvalidArgument.code] * 8  # each repeat refused
     assert m.num_free_blocks == 15 and not m.pool.ref_cnt.any()
+
+
+def test_rows_and_counts_that_do_not_fit_their_type_are_refused_not_wrapped():
+    m = make(num_blocks=16)
+    m.allocate("a", 3)
+    row = int(m.rows_of(["a"])[0])
+    with pytest.raises(errors.InvalidArgument):  # 2**32 + row would wrap to a's row as int32
+        m.step(StepBatch(append_rows=np.array([2**32 + row], np.int64), append_num_tokens=1))
+    res = m.step(StepBatch(append_ids=["a"], append_num_tokens=np.array([2**32 + 1], np.int64)))
+    assert res.append_status.tolist() == [errors.InvalidArgument.code]
+    with pytest.raises(errors.InvalidArgument):  # uint64 beyond int64 would wrap negative
+        m.step(StepBatch(append_ids=["a"], append_num_tokens=np.array([2**64 - 1], np.uint64)))
+    assert m.num_tokens[row] == 3
