@@ -169,7 +169,10 @@ class StepMessage:
         so then is every repeat of a request (``keys``: each append's row or id) after its first, as
         the manager refuses them whatever the first one's fate (the daemon would otherwise take a
         repeat for the first)."""
-        if isinstance(ant, (int, np.integer)) and not isinstance(ant, bool):
+        scalar = isinstance(ant, (int, np.integer)) and not isinstance(ant, bool)
+        if not num_appends and (scalar or not np.size(ant)):  # (an admission's step: nothing to judge)
+            return app_rows, P.EMPTY, int(ant) if scalar else 1
+        if scalar:
             if 0 <= ant <= P.MAX_COUNT:
                 return app_rows, P.EMPTY, int(ant)
             bad = np.ones(num_appends, bool)
@@ -190,7 +193,7 @@ class StepMessage:
                 local[newly & np.isin(rows_all, self.free_rows)] = UnknownRequest.code
             app_rows = app_rows[~newly[sent]]  # the rows of the appends still sent, in order
             self.app_local, self.app_sent = local, sent & ~bad
-        if not isinstance(ant, (int, np.integer)) or isinstance(ant, bool):
+        if not scalar:
             sent_counts = counts if self.app_sent is None else counts[self.app_sent]
             return app_rows, sent_counts.astype(np.int32).tobytes(), 0
         return app_rows, P.EMPTY, 0
