@@ -2064,10 +2064,10 @@ def _kept(arr: np.ndarray | None) -> np.ndarray | None:
     """A caller's array as deferred work keeps it: as is when nothing can change it (a read-only
     view of an immutable ``bytes``: the daemon's message frames), else a copy (an in-process caller
     may reuse its buffer once the call returned)."""
-    if arr is None or arr.flags.writeable:
-        return None if arr is None else arr.copy()
+    if arr is None:
+        return None
     base = arr
-    while isinstance(base, np.ndarray) and base.base is not None:
+    while not arr.flags.writeable and isinstance(base, np.ndarray) and base.base is not None:
         base = base.base
     return arr if isinstance(base, bytes) else arr.copy()
 
