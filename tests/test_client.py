@@ -418,3 +418,61 @@ def test_decode_lane_skips_stale_replies_and_detects_another_boot(daemon):
         fake.close(0)
         router.close(0)
         c.close()
+
+
+def test_the_asyncio_client_and_the_blocking_one_agree_on_a_random_run(daemon_factory):
+    """The same seeded random steps (lone and batched admissions, decode ops, appends by id with
+    counts, forks, frees, now and then an unknown id or a bad count) through the blocking client to
+    one daemon and the asyncio client to another: the same results, errors and tables."""
+    rng = np.random.default_rng(7)
+    d1, d2 = daemon_factory(), daemon_factory()
+    fields = ("free_status", "fork_status", "append_status", "admit_status", "admit_cached_tokens", "copies",
+              "sched_start", "sched_len", "tick")
+
+    async def main():
+        a = Client(d1.endpoint, tenant="t")
+        b = await AsyncClient.connect(d2.endpoint, tenant="t")
+        live: list[str] = []
+        prefix = rng.integers(1, 300, 40).astype(np.int32)
+        try:
+            for k in range(80):
+                op = int(rng.integers(0, 5))
+                if op == 0 or not live:
+                    admit = []
+                    for j in range(int(rng.integers(1, 3))):
+                        p = np.concatenate([prefix[: int(rng.integers(0, 41))], rng.integers(1, 300, 5).astype(np.int32)])
+                        admit.append(AdmitRequest(f"r{k}.{j}", p.size, hash_prompt(p, BS)))
+                    batch = StepBatch(admit=admit)
+                elif op == 1:  # the decode op
+                    batch = StepBatch(append_rows=a.rows_of(live), append_num_tokens=int(rng.integers(1, 3)))
+                elif op == 2:  # appends by id, some counts bad, some ids unknown
+                    ids = [live[int(i)] for i in rng.integers(0, len(live), 3)] + (["ghost"] if rng.random() < 0.3 else [])
+                    batch = StepBatch(append_ids=ids, append_num_tokens=rng.choice([1, 2, -1], len(ids)))
+                elif op == 3:
+                    batch = StepBatch(forks=[(live[int(rng.integers(0, len(live)))], f"f{k}")])
+                else:
+                    batch = StepBatch(free=[live[int(rng.integers(0, len(live)))], "ghost"])
+                got = []
+                for step in (lambda: a.step(batch), None):
+                    try:
+                        got.append(step() if step else await b.step(batch))
+                    except Exception as e:  # noqa: BLE001 - both must raise the same
+                        got.append(e)
+                if isinstance(got[0], Exception):
+                    assert type(got[0]) is type(got[1]), (got, batch)
+                    continue
+                for f in fields:
+                    assert np.array_equal(np.asarray(getattr(got[0], f)), np.asarray(getattr(got[1], f))), (f, batch)
+                live = sorted(a.request_ids)
+                assert live == sorted(b.request_ids)
+                for rid in live:
+                    assert a.block_table(rid).tolist() == b.block_table(rid).tolist()
+                if len(live) > 40:
+                    a.step(StepBatch(free=live[:20]))
+                    await b.step(StepBatch(free=live[:20]))
+                    live = live[20:]
+        finally:
+            a.close()
+            await b.close()
+
+    asyncio.run(main())
