@@ -476,3 +476,46 @@ def test_the_asyncio_client_and_the_blocking_one_agree_on_a_random_run(daemon_fa
             await b.close()
 
     asyncio.run(main())
+
+
+def test_a_hybrid_pool_agrees_with_the_in_process_manager_on_a_random_run(daemon_factory):
+    """kv_groups "16,32:64" in a pool small enough to evict: seeded random admissions sharing a
+    prefix, appends of random sizes, forks and frees through a daemon and in process give the same
+    statuses, cached tokens, copies and every group's tables."""
+    blocks = 160
+    d = daemon_factory(kv_groups="16,32:64", num_gpu_blocks=blocks)
+    groups = (GroupSpec(16), GroupSpec(32, sliding_window=64))
+    m = BlockManager(ManagerConfig(num_gpu_blocks=blocks, groups=groups, max_model_len=SMALL["max_model_len"],
+                                   max_num_reqs=SMALL["max_num_reqs"]))
+    c = Client(d.endpoint, tenant="hybrid")
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(0, 1000, 160).astype(np.int32)
+    live: list = []
+    try:
+        for k in range(90):
+            op = int(rng.integers(0, 6))
+            if op == 0 or not live:
+                admit = []
+                for j in range(int(rng.integers(1, 3))):
+                    p = np.concatenate([prefix[: int(rng.integers(0, 161))], rng.integers(0, 1000, 9).astype(np.int32)])
+                    admit.append(AdmitRequest(f"r{k}.{j}", p.size, [hash_prompt(p, g.block_size) for g in groups]))
+                batch = StepBatch(admit=admit)
+            elif op == 1:
+                batch = StepBatch(forks=[(live[int(rng.integers(0, len(live)))], f"f{k}")])
+            elif op == 2:
+                batch = StepBatch(free=[live[int(rng.integers(0, len(live)))]])
+            else:
+                ids = [r for r in live if rng.random() < 0.7] or live[:1]
+                batch = StepBatch(append_ids=ids, append_num_tokens=rng.choice([1, 1, 1, 5, 17], len(ids)))
+            ra, rb = c.step(batch), m.step(batch)
+            for f in ("free_status", "fork_status", "append_status", "admit_status", "admit_cached_tokens", "copies",
+                      "sched_start", "sched_len"):
+                assert np.asarray(getattr(ra, f)).tolist() == np.asarray(getattr(rb, f)).tolist(), (k, f, batch)
+            live = sorted(m._row_of)
+            assert live == sorted(c.request_ids)
+            for rid in live:
+                for g in range(len(groups)):
+                    assert c.block_table(rid, g).tolist() == m.block_table(rid, g).tolist(), (k, rid, g)
+        assert m.pool.num_evictions > 0 and c.stats()["num_used_blocks"] == m.stats()["num_used_blocks"]
+    finally:
+        c.close()
