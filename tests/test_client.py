@@ -519,3 +519,61 @@ def test_a_hybrid_pool_agrees_with_the_in_process_manager_on_a_random_run(daemon
         assert m.pool.num_evictions > 0 and c.stats()["num_used_blocks"] == m.stats()["num_used_blocks"]
     finally:
         c.close()
+
+
+def test_swaps_through_a_daemon_agree_with_the_manager_in_process_on_a_random_run(daemon_factory):
+    """Seeded random admissions, appends, swap-outs (some refused: no CPU room, or already out),
+    swap-ins (some refused: no GPU room) and frees in small GPU and CPU pools: the daemon's
+    statuses, mappings and tables equal the in-process manager's."""
+    gpu, cpu = 48, 8
+    d = daemon_factory(num_gpu_blocks=gpu, num_cpu_blocks=cpu)
+    m = local_manager(num_gpu_blocks=gpu, num_cpu_blocks=cpu)
+    c = Client(d.endpoint)
+    rng = np.random.default_rng(5)
+    live: list[str] = []
+    out: set[str] = set()
+    counts = {"swap_out": 0, "swap_in": 0, "refused": 0}
+    try:
+        for k in range(120):
+            op = int(rng.integers(0, 5))
+            if op == 0 or not live:
+                n = int(rng.integers(1, 80))
+                a, b = c.allocate(f"r{k}", n), m.allocate(f"r{k}", n)
+                assert (a.status, a.num_cached_tokens) == (b.status, b.num_cached_tokens), k
+                if b.ok:
+                    live.append(f"r{k}")
+            elif op == 1:
+                rid = live[int(rng.integers(0, len(live)))]
+                try:
+                    a = c.swap_out([rid])
+                except Exception as e:  # noqa: BLE001 - e.g. already swapped out: the same error both ways
+                    with pytest.raises(type(e)):
+                        m.swap_out([rid])
+                    continue
+                b = m.swap_out([rid])
+                assert a.status == b.status and a.mapping.tolist() == b.mapping.tolist(), k
+                counts["swap_out" if b.ok else "refused"] += 1
+                out |= {rid} if b.ok else set()
+            elif op == 2 and out:
+                rid = sorted(out)[int(rng.integers(0, len(out)))]
+                a, b = c.swap_in([rid]), m.swap_in([rid])
+                assert a.status == b.status and a.mapping.tolist() == b.mapping.tolist(), k
+                counts["swap_in" if b.ok else "refused"] += 1
+                out -= {rid} if b.ok else set()
+            elif op == 3:
+                ids = [r for r in live if r not in out]
+                if ids:
+                    ra, rb = c.step(StepBatch(append_ids=ids, append_num_tokens=3)), m.step(
+                        StepBatch(append_ids=ids, append_num_tokens=3))
+                    assert ra.append_status.tolist() == rb.append_status.tolist(), k
+            else:
+                rid = live.pop(int(rng.integers(0, len(live))))
+                c.free(rid), m.free(rid)
+                out.discard(rid)
+            for rid in live:
+                if rid not in out:
+                    assert c.block_table(rid).tolist() == m.block_table(rid).tolist(), (k, rid)
+        assert counts["swap_out"] and counts["swap_in"] and counts["refused"], counts
+        assert c.stats()["num_used_blocks"] == m.stats()["num_used_blocks"]
+    finally:
+        c.close()
