@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvd.api import AdmitRequest, ManagerConfig, StepBatch
+from kvd.errors import BadHashes, DuplicateRequest, InvalidArgument, UnknownRequest
 from kvd.hashing import hash_prompt
 from kvd.manager import BlockManager
 from kvd.server import Daemon
@@ -31,6 +32,7 @@ class _Run:
         self.prefix = self.rng.integers(1, 300, 12).astype(np.int32)
         self.live: list[str] = []
         self.n = 0
+        self.codes: set[int] = set()  # the error codes seen (the run must have exercised misuse)
 
     def pick(self, p_unknown: float = 0.2) -> str:
         if not self.live or self.rng.random() < p_unknown:
@@ -83,6 +85,8 @@ class _Run:
         want = self.m.step(b)
         for f in STATUS:
             assert np.asarray(getattr(got, f)).tolist() == np.asarray(getattr(want, f)).tolist(), (f, b)
+            if f.endswith("status"):
+                self.codes |= set(np.asarray(getattr(want, f)).tolist()) - {0}
         alive = set(self.m._row_of)
         assert alive == set(self.c._row_of), "the client's rows and the manager's requests differ"
         self.live = sorted(alive)
@@ -96,9 +100,11 @@ def test_misuse_through_the_daemon_is_judged_as_in_process(seed):
     try:
         for _ in range(40):
             run.step()
-            run.c.step(StepBatch())  # the session confirms what it computed, as an engine's next step does
-            run.m.mark_computed(0, run.m.tick)
-        assert sum(np.asarray(run.c.raw[i][0][:1] == b"{") for i in range(len(run.c.raw)))
+            run.c.step(StepBatch())  # (the session confirms what it computed, as an engine's next step does)
+            run.m.step(StepBatch())
+        # misuse was exercised: bad counts and unknown ids, and duplicate ids or bad hashes
+        assert {InvalidArgument.code, UnknownRequest.code} <= run.codes, run.codes
+        assert run.codes & {DuplicateRequest.code, BadHashes.code}, run.codes
     finally:
         for s in list(run.d.sessions.values()):
             run.d.end_session(s, "test")
