@@ -40,6 +40,7 @@ class _Run:
         self.tokens: dict[str, np.ndarray] = {}
         self.registered: dict[str, int] = {}
         self.n = 0
+        self.taken = self.declined = 0  # decode_rows's answers: the run exercised both
 
     def both(self, fn):
         return fn(self.fast), fn(self.slow)
@@ -109,6 +110,8 @@ class _Run:
         except errors.KvdError as e:
             slow = e
         fast = self.fast.decode_rows(rows, n_new, lookahead, hs if with_hashes else None, cnt if with_hashes else None)
+        self.taken += fast is not None
+        self.declined += fast is None
         if fast is None:  # declined, nothing changed: the server's general path decides
             try:
                 fres = self.fast.step(batch)
@@ -144,3 +147,4 @@ def test_the_decode_entry_and_its_fallback_do_what_step_does(seed):
         m.flush_deferred()
         m.check_invariants(heavy=True)
     assert _state(run.fast) == _state(run.slow)
+    assert run.taken and run.declined and run.fast.pool.num_evictions, (run.taken, run.declined)
