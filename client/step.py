@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from kvd import protocol as P
-from kvd.api import STATUS_OK, StepBatch, StepResult
+from kvd.api import STATUS_OK, StepBatch, StepResult, int_array
 from kvd.errors import InvalidArgument, KvdError, UnknownRequest
 
 _EMPTY_I32 = np.empty(0, np.int32)
@@ -57,30 +57,11 @@ def group_token_ids(token_ids, num_groups: int) -> list:
 
 
 def int32_array(values, what: str) -> np.ndarray:
-    """``values`` as a C-contiguous int32 array, or InvalidArgument: integers only, none wrapped
-    (an int64 row 2**32 is not row 0)."""
+    """``values`` as a C-contiguous int32 array, or InvalidArgument (``kvd.api.int_array``'s rule:
+    an int64 row 2**32 is not row 0)."""
     if type(values) is np.ndarray and values.dtype == np.int32:
         return np.ascontiguousarray(values)
-    arr = int64_array(values, what)
-    if arr.size and (int(arr.min()) < -(1 << 31) or int(arr.max()) >= 1 << 31):
-        raise InvalidArgument(f"{what}: a value out of the range of int32")
-    return np.ascontiguousarray(arr, np.int32)
-
-
-def int64_array(values, what: str) -> np.ndarray:
-    """``values`` as an int64 array, or InvalidArgument (floats are not truncated, uint64 values
-    past int64 not wrapped)."""
-    try:
-        arr = np.asarray(values)
-    except (TypeError, ValueError, OverflowError):
-        raise InvalidArgument(f"{what} must be integers") from None
-    if not arr.size:
-        return arr.astype(np.int64)
-    if arr.dtype.kind not in "iu":
-        raise InvalidArgument(f"{what} must be integers, got {arr.dtype}")
-    if arr.dtype == np.uint64 and int(arr.max()) >= 1 << 63:
-        raise InvalidArgument(f"{what}: a value out of the range of int64")
-    return arr.astype(np.int64, copy=False)
+    return np.ascontiguousarray(int_array(values, np.int32, what))
 
 
 def _repeats(keys) -> np.ndarray:
@@ -177,7 +158,7 @@ class StepMessage:
                 return app_rows, P.EMPTY, int(ant)
             bad = np.ones(num_appends, bool)
         else:
-            counts = int64_array(ant, "append_num_tokens")
+            counts = int_array(ant, np.int64, "append_num_tokens")
             if counts.shape != (num_appends,):
                 raise InvalidArgument("append_num_tokens must be an int or have one count per append")
             bad = (counts < 0) | (counts > P.MAX_COUNT)

@@ -30,7 +30,29 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvd.errors import InvalidArgument
+
 ReqId = Hashable
+
+
+def int_array(values, dtype, what: str) -> np.ndarray:
+    """``values`` as an integer array of ``dtype``, or ``kvd.errors.InvalidArgument``: no float
+    truncated, and no value wrapped into a narrower type (row 2**32 is not row 0). An empty sequence
+    of any type is an empty array. The manager and the client judge rows and counts by it."""
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidArgument(f"{what} must be integers") from None
+    if not arr.size:
+        return arr.astype(dtype)
+    if arr.dtype.kind not in "iu":
+        raise InvalidArgument(f"{what} must be integers, got {arr.dtype}")
+    out = arr.astype(dtype, copy=False)
+    if out is not arr and not np.can_cast(arr.dtype, dtype):
+        info = np.iinfo(dtype)
+        if int(arr.min()) < info.min or int(arr.max()) > info.max:
+            raise InvalidArgument(f"{what}: a value out of the range of {np.dtype(dtype)}")
+    return out
 
 STATUS_OK = 0
 STATUS_NO_SPACE = 1

@@ -61,6 +61,7 @@ from kvd.api import (
     StepBatch,
     StepResult,
     SwapResult,
+    int_array,
 )
 from kvd.hashing import as_hash_array, count_total, hash_dtype
 from kvd.pool import ALL_SHARED, BlockPool
@@ -542,7 +543,7 @@ class BlockManager:
             if arr.size and int(arr.min()) < 0:
                 raise errors.InvalidArgument(f"{what} must be in [0, {_MAX_TOKEN_ID}]")
             return arr
-        arr = _int_array(token_ids, np.int64, what).reshape(-1)
+        arr = int_array(token_ids, np.int64, what).reshape(-1)
         if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN_ID):
             raise errors.InvalidArgument(f"{what} must be in [0, {_MAX_TOKEN_ID}]")
         return arr.astype(np.int32)
@@ -1870,12 +1871,12 @@ class BlockManager:
             raise errors.InvalidArgument("give append_ids or append_rows, not both")
         rows = None
         if batch.append_rows is not None:
-            rows = _int_array(batch.append_rows, np.int32, "append_rows").reshape(-1)
+            rows = int_array(batch.append_rows, np.int32, "append_rows").reshape(-1)
         n = len(batch.append_ids) if rows is None else rows.size
         n_new = batch.append_num_tokens
         if isinstance(n_new, (int, np.integer)) and not isinstance(n_new, bool):
             return int(n_new), rows, n
-        n_new = _int_array(n_new, np.int64, "append_num_tokens")
+        n_new = int_array(n_new, np.int64, "append_num_tokens")
         if n_new.shape != (n,):
             raise errors.InvalidArgument("append_num_tokens must be one per appended request")
         return n_new, rows, n
@@ -1910,7 +1911,7 @@ class BlockManager:
             hashes = as_hash_array(hashes, self.hash_width) if len(hashes) else self._empty_hashes
         if not (type(counts) is np.ndarray and counts.dtype == np.int32):
             try:
-                counts = _int_array(counts, np.int64, "append_hash_counts")
+                counts = int_array(counts, np.int64, "append_hash_counts")
             except errors.InvalidArgument as exc:
                 raise errors.BadHashes(str(exc)) from None
         if counts.shape != (n,):
@@ -2362,23 +2363,6 @@ class _BatchAdmission:
         if mgr.config.enable_prefix_caching:
             mgr.counters["prefix_queries"] += int(tokens.sum())
             mgr.counters["prefix_hits"] += int(cached.sum())
-
-
-def _int_array(values, dtype, what: str) -> np.ndarray:
-    """``values`` as an integer array, or a typed error (no silent float truncation, and no value
-    wrapped into a narrower type: row 2**32 is not row 0)."""
-    try:
-        arr = np.asarray(values)
-    except (TypeError, ValueError, OverflowError):
-        raise errors.InvalidArgument(f"{what} must be integers") from None
-    if arr.size and arr.dtype.kind not in "iu":
-        raise errors.InvalidArgument(f"{what} must be integers, got {arr.dtype}")
-    out = arr.astype(dtype, copy=False)
-    if out is not arr and arr.size and not np.can_cast(arr.dtype, dtype):
-        info = np.iinfo(dtype)
-        if int(arr.min()) < info.min or int(arr.max()) > info.max:
-            raise errors.InvalidArgument(f"{what}: a value out of the range of {np.dtype(dtype)}")
-    return out
 
 
 def _safe_get(get, req_id) -> int:
