@@ -168,10 +168,10 @@ class StepMessage:
             sent = self.app_sent if self.app_sent is not None else np.ones(num_appends, bool)
             newly = bad & sent
             local[newly] = InvalidArgument.code
-            if self.free_rows.size:  # a request this step frees is unknown by its appends (frees go first)
-                rows_all = np.full(num_appends, -1, np.int32)
-                rows_all[sent] = app_rows
-                local[newly & np.isin(rows_all, self.free_rows)] = UnknownRequest.code
+            if self.free_rows.size and sent.all():
+                # by row, a request this step frees is unknown by its appends (frees go first); by
+                # id, _spec unmapped it before judging them
+                local[newly & np.isin(app_rows, self.free_rows)] = UnknownRequest.code
             app_rows = app_rows[~newly[sent]]  # the rows of the appends still sent, in order
             self.app_local, self.app_sent = local, sent & ~bad
         if not scalar:
