@@ -24,7 +24,8 @@ after them. ``--steps-per-message K,...`` (default 8,16; 1: none): the daemon's 
 more per K with multi-step windows (one message per K steady steps, ``Engine(steps_per_message=K)``),
 its tokens checked equal to the per-step run's; the daemon polls ``--daemon-busy-poll-us`` (20 ms)
 and keeps its admission path warm while it idles (``--daemon-warm-every-us``, kvd serve's default)
-after each message. Tokens: the daemon run's tokens vs per-request HF generate (identity required in
+after each message; with ``--pin`` (default on 4+ CPUs) the engine has a CPU of its own and its
+clients wait for replies by polling (``--client-busy-poll-us``). Tokens: the daemon run's tokens vs per-request HF generate (identity required in
 float32, agreement reported in bf16). TTFT: engine B
 (its own kvd session) admits a prompt sharing engine A's ``--prefix``-token system prompt after A
 confirmed it, vs A's cold prefill; both engines warm at their timed shapes first, median of 5 rounds,
@@ -57,6 +58,7 @@ from paged_engine import KvdDaemon  # noqa: E402
 from kvd import gcheap  # noqa: E402
 from kvd.config import ServeConfig  # noqa: E402
 from kvd_client import Client  # noqa: E402
+from kvd_client.client import DEFAULT_BUSY_POLL_US  # noqa: E402
 
 GPU = dict(layers=8, hidden=2048, heads=16, kv_heads=4, vocab=32000, dtype="bfloat16", batches=(64, 256),
            prompt=128, steps=32, prefix=1024, block=16, agree=16)
@@ -154,14 +156,15 @@ def _hit_round(a, b, tag, system, tail, dev):
             "hit_phases_ms": hit}
 
 
-def _ttft(endpoint, model, cfg, dev, rng, graph_tokens, rounds=5, kvd_slots=False, fused=True, io_cpu=None):
+def _ttft(endpoint, model, cfg, dev, rng, graph_tokens, rounds=5, kvd_slots=False, fused=True, io=None):
     """A cold ``--prefix``-token prefill in engine A vs engine B's admission with A's prefix cached.
     Both sides are warm at their timed shapes first (a round on another prefix: every kernel variant
     of both steps compiled, both sessions' first-call costs paid), then ``rounds`` timed rounds on
     fresh prefixes; the median round is reported with each step's phases."""
     tail = lambda: rng.integers(1, cfg["vocab"], 16).tolist()  # noqa: E731
-    with Client(endpoint, name="A", steps_in_flight=0, slot_mapping=kvd_slots, io_cpu=io_cpu) as ca, \
-            Client(endpoint, name="B", steps_in_flight=0, slot_mapping=kvd_slots, io_cpu=io_cpu) as cb:
+    io = io or {}
+    with Client(endpoint, name="A", steps_in_flight=0, slot_mapping=kvd_slots, **io) as ca, \
+            Client(endpoint, name="B", steps_in_flight=0, slot_mapping=kvd_slots, **io) as cb:
         a = Engine(ca, model, device=dev, max_tokens=4096, keep_logits=False, graph_tokens=graph_tokens, fused=fused)
         b = Engine(cb, model, device=dev, max_tokens=4096, keep_logits=False, graph_tokens=graph_tokens, fused=fused)
         warm = _hit_round(a, b, "warm", rng.integers(1, cfg["vocab"], cfg["prefix"]).tolist(), tail, dev)
@@ -212,6 +215,9 @@ def main(argv=None) -> int:
                          "CPU of their own (kvd serve --pin-cpu, Client(io_cpu=...)): a message then wakes its "
                          "I/O thread on a CPU the polling loop keeps busy (default: on with >= 4 CPUs)")
     ap.add_argument("--daemon-cpu", type=int, default=None, help="the daemon's CPU with --pin (default: the last)")
+    ap.add_argument("--client-busy-poll-us", type=int, default=None,
+                    help="the engine clients' busy_poll_us (default: kvd_client's default, or "
+                         "DEFAULT_BUSY_POLL_US when the engine is pinned to a CPU of its own)")
     ap.add_argument("--engine-cpu", type=int, default=None,
                     help="the engine's CPU with --pin (default: the one before the daemon's; -1: the engine "
                          "and its I/O thread stay unpinned)")
@@ -256,7 +262,14 @@ def main(argv=None) -> int:
         opts["device"] = str(dev)
     if pin:
         opts["pin_cpu"] = daemon_cpu
-    io = dict(io_cpu=engine_cpu)
+    # An engine pinned to a CPU of its own (the daemon has another) waits for replies by polling:
+    # the client's default (no polling on one CPU) protects a daemon sharing that CPU, and a reply
+    # that wakes a sleeping engine costs a wake-up (on the device hosts' microVMs, ~0.5 ms of a
+    # prefix hit's admission round trip, session 27: .dev/ttft_legs.py CPOLL).
+    client_poll = args.client_busy_poll_us
+    if client_poll is None and engine_cpu is not None:
+        client_poll = DEFAULT_BUSY_POLL_US
+    io = dict(io_cpu=engine_cpu, busy_poll_us=client_poll)
     rng = np.random.default_rng(args.seed)
     rows, checks = {}, {}
     d = KvdDaemon(**opts)
@@ -314,11 +327,10 @@ def main(argv=None) -> int:
                 print(f"        daemon, one message per {k} steps: {w['tokens_per_s']:9.1f} tok/s {w['step_ms']:7.2f} "
                       f"ms/step (kvd {w['kvd_share'] * 100:5.2f} %: rt {w['round_trip_ms']:.3f} + meta "
                       f"{w['meta_ms']:.3f} ms a step; exposed {w['kvd_exposed_share'] * 100:5.2f} %)", flush=True)
-        ttft = _ttft(d.endpoint, model, cfg, dev, rng, gt, kvd_slots=args.kvd_slots, fused=not args.no_fused,
-                     io_cpu=engine_cpu)
+        ttft = _ttft(d.endpoint, model, cfg, dev, rng, gt, kvd_slots=args.kvd_slots, fused=not args.no_fused, io=io)
         # honesty: the same with the cold prefill graphed too (GPU work against GPU work)
         ttft_all = _ttft(d.endpoint, model, cfg, dev, rng, 2 * (cfg["prefix"] + 16), kvd_slots=args.kvd_slots,
-                         fused=not args.no_fused, io_cpu=engine_cpu) if gt else None
+                         fused=not args.no_fused, io=io) if gt else None
     finally:
         d.stop()
         gcheap.thaw()
@@ -353,6 +365,7 @@ def main(argv=None) -> int:
            "steps_per_message": per_message, "daemon_busy_poll_us": args.daemon_busy_poll_us,
            "daemon_warm_every_us": args.daemon_warm_every_us,
            "pinned_cpus": {"daemon": daemon_cpu, "engine": engine_cpu} if pin else None,
+           "client_busy_poll_us": client_poll,
            "kvd_share_at_max_batch_windows": {k: w["kvd_share"] for k, w in bigw.items()},
            "targets": {"kvd_share_le_2pct": big["kvd_share"] <= 0.02,
                        **{f"kvd_share_le_2pct_windows_{k}": w["kvd_share"] <= 0.02 for k, w in bigw.items()},
