@@ -109,6 +109,15 @@ class _EvictionQueue:
         valid &= self.evict_prio[span] == self.prio
         return valid
 
+    def pop_into(self, k: int, queue_pos: np.ndarray, out: np.ndarray, o: int) -> None:
+        """``pop`` into ``out[o:o + k]`` (one compiled loop with numba)."""
+        assert 0 < k <= self.live
+        if rowloops.HAVE_NUMBA:
+            self.head = rowloops.pop_queue(self.buf, self.head, queue_pos, self.evict_prio, self.prio, k, out, o)
+            self.live -= k
+        else:
+            out[o : o + k] = self.pop(k, queue_pos)
+
     def pop(self, k: int, queue_pos: np.ndarray) -> np.ndarray:
         """Take the k oldest live blocks (k <= live)."""
         assert 0 < k <= self.live
@@ -205,12 +214,11 @@ class BlockPool:
         assert 0 <= k <= self.num_free, (k, self.num_free)
         from_stack = min(k, self._stack_top)
         top = self._stack_top
-        blocks = self._stack[top - from_stack : top][::-1]
         self._stack_top = top - from_stack
+        blocks = np.empty(k, np.int32)
+        blocks[:from_stack] = self._stack[top - from_stack : top][::-1]
         if from_stack < k:
-            blocks = np.concatenate([blocks, self._evict(k - from_stack)])
-        else:
-            blocks = blocks.copy()
+            self._evict_into(blocks, from_stack)
         self.ref_cnt[blocks] = 1
         return blocks
 
@@ -225,23 +233,24 @@ class BlockPool:
         assert 0 <= k <= self._stack_top, (k, self._stack_top)
         self._stack_top -= k
 
-    def _evict(self, k: int) -> np.ndarray:
-        parts = []
+    def _evict_into(self, out: np.ndarray, start: int) -> None:
+        """Evict ``out.size - start`` blocks from the front of the eviction queues (lowest priority
+        first) into ``out[start:]``."""
+        o = start
         for prio in self._queue_order:
             queue = self._queues[prio]
             if not queue.live:
                 continue
-            n = min(k, queue.live)
-            parts.append(queue.pop(n, self.queue_pos))
-            k -= n
-            if not k:
+            n = min(out.size - o, queue.live)
+            queue.pop_into(n, self.queue_pos, out, o)
+            o += n
+            if o == out.size:
                 break
-        assert k == 0
-        blocks = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        assert o == out.size
+        blocks = out[start:]
         self._num_evictable -= blocks.size
         self._uncache(blocks)
         self.num_evictions += blocks.size
-        return blocks
 
     def _uncache(self, blocks: np.ndarray) -> None:
         keys = self.cache_key[blocks]

@@ -292,6 +292,24 @@ def park_blocks(freed, cache_key, no_cache_key, stack, stack_top, qbuf, qtail, q
 
 
 @_jit
+def pop_queue(buf, head, queue_pos, evict_prio, prio, k, out, o):
+    """Take the ``k`` oldest live entries of an eviction queue (``kvd.pool._EvictionQueue``: an
+    entry at index i is live when its block's ``queue_pos`` is i and its ``evict_prio`` is
+    ``prio``; the caller knows k are live) into ``out[o:o + k]``, marking each block out of every
+    queue (``queue_pos`` -1). Returns the new head: just past the last entry taken."""
+    i = head
+    n = 0
+    while n < k:
+        b = buf[i]
+        if queue_pos[b] == i and evict_prio[b] == prio:
+            out[o + n] = b
+            queue_pos[b] = -1
+            n += 1
+        i += 1
+    return i
+
+
+@_jit
 def sync_appended_rows(mrows, owner_sid, owner_srow, sid, table, counts, last_block, out_table, out_counts,
                        dirty_start, dirty_end, srows_out):
     """Publish rows after appends without copy-on-write to a group without a sliding window (its
@@ -579,6 +597,7 @@ def warm_up() -> None:
     count_unheld(i32, i32[:0])
     widen_counts(i32, i64.copy())  # counts built in process
     hold_blocks(i32[:0], i32.copy(), i32.copy(), np.zeros(1, np.uint8), i64.copy())
+    pop_queue(i32, 0, i32.copy(), np.zeros(1, np.uint8), 0, 0, i32.copy(), 0)
     ro = i32.copy()
     ro.flags.writeable = False
     gather_rows(i32, ro, i32.copy())  # rows straight from a message frame (read-only)

@@ -229,3 +229,42 @@ def test_touch_revives_free_cached_blocks_of_each_priority_and_holds_the_rest_on
     assert pool.free_queue_order().tolist() == [6, 7, 8, 9, 1, 2, 3, 4]  # revived blocks queue anew
     assert pool.num_evictable == 4 and pool.ref_cnt[1:6].tolist() == [0, 0, 0, 0, 1]
     pool.check_invariants(heavy=True)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_take_hands_out_the_front_of_the_free_queue_across_priorities_and_tombstones(monkeypatch, compiled):
+    """Every ``take`` (fresh blocks, then evictions that skip tombstones and cross from one priority's
+    queue to the next, compiled or as arrays) hands out exactly the front of ``free_queue_order``,
+    in that order, and uncaches what it evicts."""
+    from kvd import rowloops
+
+    if compiled and not rowloops.HAVE_NUMBA:
+        pytest.skip("numba not installed")
+    monkeypatch.setattr(rowloops, "HAVE_NUMBA", compiled)
+    rng = np.random.default_rng(11)
+    pool, held, n = BlockPool(48), [], 0
+    for step in range(400):
+        if held and (rng.random() < 0.5 or pool.num_free < 6):
+            blocks = held.pop(int(rng.integers(len(held))))
+            pool.release(blocks[::-1].copy(), int(rng.integers(0, 3)))
+        elif rng.random() < 0.2 and pool.num_evictable:  # a prefix hit: a tombstone mid-queue
+            cached = np.flatnonzero((pool.cache_key != 0) & (pool.ref_cnt == 0)).astype(np.int32)
+            hit = cached[rng.integers(cached.size, size=1)]
+            pool.touch(hit)
+            held.append(hit)
+        else:
+            k = int(rng.integers(1, min(6, pool.num_free) + 1))
+            front = pool.free_queue_order()[:k]
+            were_cached = int(np.count_nonzero(pool.cache_key[front]))
+            evictions = pool.num_evictions
+            blocks = pool.take(k)
+            assert blocks.tolist() == front.tolist() and blocks.dtype == np.int32
+            assert pool.num_evictions - evictions == were_cached
+            assert (pool.cache_key[blocks] == 0).all() and (pool.ref_cnt[blocks] == 1).all()
+            fresh = rng.integers(0, k + 1)
+            if fresh:
+                pool.register(KEY, h(*[(n + i) % 251 for i in range(fresh)]), blocks[:fresh])
+                n += fresh
+            held.append(blocks)
+        pool.check_invariants(heavy=True)
+    assert pool.num_evictions > 50
