@@ -144,6 +144,22 @@ def _row_blocks(table: np.ndarray, rows: np.ndarray, starts: np.ndarray, stops: 
     return sub[mask], (np.nonzero(mask)[0] if need_rep else None)
 
 
+
+#: ``BlockManager.step`` takes ``_lone_admission_step`` for a step that only admits one request
+#: (tests switch it off to compare with the general path).
+_LONE_ADMISSION_PATH = True
+
+
+def _admits_only(batch: StepBatch) -> bool:
+    """Whether ``batch`` carries nothing but its admissions (and a confirmation): no frees, forks
+    or appends, and the append fields at values the general path accepts without a check."""
+    rows = batch.append_rows
+    return (not len(batch.free) and not len(batch.forks) and not len(batch.append_ids)
+            and (rows is None or (type(rows) is np.ndarray and rows.size == 0))
+            and type(batch.append_num_tokens) is int and not len(batch.append_hashes)
+            and not len(batch.append_hash_counts) and not len(batch.append_token_ids))
+
+
 class BlockManager:
     @staticmethod
     def estimate_bytes(config: ManagerConfig) -> int:
@@ -1647,6 +1663,8 @@ class BlockManager:
             if result is not None:
                 return result
             self.flush_deferred()  # the general path reads the cache
+        if _LONE_ADMISSION_PATH and len(batch.admit) == 1 and _admits_only(batch):
+            return self._lone_admission_step(batch.admit[0], space)
         n_new, given_rows, n = self._step_append_sizes(batch)
         hash_lists, hash_counts = self._step_hashes(batch, n) if len(batch.append_hashes) else (self._no_hashes, None)
         tokens = None
@@ -1679,6 +1697,45 @@ class BlockManager:
             sched_start=sched_start,
             sched_len=sched_len,
             freed_rows=freed_rows,
+            tick=self.tick,
+        )
+
+    def _lone_admission_step(self, req: AdmitRequest, space: int) -> StepResult:
+        """``step`` of one admission and nothing else (a new request's first step: its time to first
+        token) without the append and batch machinery; the same result and state as the general
+        path (``tests/test_lone_admission.py`` compares them)."""
+        copies_before = len(self._copies)
+        row, cached = -1, 0
+        try:
+            # a lone admission registers its prompt after the reply, as a decode step its blocks
+            result = self._admit(req, space, self.config.defer_cache_registration)
+        except errors.KvdError as exc:
+            code = exc.code
+        except (TypeError, ValueError, AttributeError):
+            code = errors.InvalidArgument.code
+        else:
+            code, row, cached = result.status, result.row, result.num_cached_tokens
+        if code == STATUS_OK:
+            sched_rows = np.array([row], np.int32)
+            sched_len = np.array([req.num_tokens - cached], np.int32)
+            sched_start = np.array([int(self.num_tokens[row])], np.int32) - sched_len
+        else:
+            sched_rows = sched_start = sched_len = _EMPTY_I32
+        if self.config.debug_checks:
+            self.check_invariants(heavy=True)
+        return StepResult(
+            free_status=_EMPTY_I16,
+            fork_status=_EMPTY_I16,
+            append_status=_EMPTY_I16,
+            admit_status=np.array([code], np.int16),
+            admit_rows=np.array([row], np.int32),
+            admit_cached_tokens=np.array([cached], np.int64),
+            copies=self._copies_since(copies_before),
+            changed_rows=sched_rows,
+            sched_rows=sched_rows,
+            sched_start=sched_start,
+            sched_len=sched_len,
+            freed_rows=_EMPTY_I32,
             tick=self.tick,
         )
 
