@@ -9,10 +9,17 @@ Three kinds of step, each ``--steps`` times (after ``--warmup``), R = ``--reques
 * ``mixed``: a serving step: the R requests decode, the oldest is freed and a new one is admitted
   (a ``--prompt``-token prompt, every other one starting with the same ``--system``-token system
   prompt: its blocks are a prefix hit once the first sharer registered them);
-* ``free``: one request is freed (the general step, nothing else in it).
+* ``free``: one request is freed (the general step, nothing else in it; the refill admission after
+  it, untimed, registers its prompt before the next free, as an idle daemon would);
+* ``hit``: a new request's first step in another session (the time to first token of issue 11's
+  cross-engine hit): session A admits a ``--prompt``-token prefix plus 16 tokens and confirms it
+  with its next step (its registration runs before B's message, as in an idle daemon), then session
+  B (a writer of the same prefix cache) admits the same prefix plus
+  16 other tokens, a lone admission that hits the prefix's whole blocks; A and B free theirs untimed.
 
 Medians in µs. Ends with ONE JSON line: the figures and honesty checks (every status OK, the
-shared admissions hit exactly the system prompt's whole blocks, the pool empty at the end).
+shared admissions hit exactly the system prompt's whole blocks, B's exactly the prefix's, the pool
+empty at the end).
 
     python scripts/bench_handle.py                 # R = 256, 1,024-token prompts, 512 shared
     python scripts/bench_handle.py -R 16 --steps 20 --warmup 5 -P 64 -S 32   # a quick run (a test)
@@ -114,23 +121,43 @@ def main(argv=None) -> int:
         next_id[0] += 1
         return AdmitRequest(rid, args.prompt, c.hash_prompt(p)), shared
 
-    def run(batch: StepBatch):
+    def run(batch: StepBatch, client=None):
+        client = client or c
         manager_s.clear()
         t0 = time.perf_counter()
-        res = c.step(batch)
+        res = client.step(batch)
         client_s = time.perf_counter() - t0
         ok = not (res.free_status.any() or res.append_status.any() or res.admit_status.any())
         checks["statuses_ok"] &= bool(ok)
-        return res, (client_s, c.handle_s, sum(manager_s))
+        return res, (client_s, client.handle_s, sum(manager_s))
 
     first = [admission() for _ in range(args.requests)]
     res, _ = run(StepBatch(admit=[a for a, _ in first]))
     order += [a.req_id for a, _ in first]
     figures: dict[str, dict] = {}
-    for kind in ("decode", "mixed", "free"):
+    # the hit kind's two sessions: each step confirms the one before (steps_in_flight=0)
+    ca, cb = _InProc(d, "a", steps_in_flight=0), _InProc(d, "b", steps_in_flight=0)
+    hit_tokens = []
+
+    def hit_round(k: int):
+        prefix = rng.integers(1, 32000, args.prompt)
+        pa, pb = (np.concatenate([prefix, rng.integers(1, 32000, 16)]) for _ in range(2))
+        ca.step(StepBatch(admit=[AdmitRequest(f"a{k}", pa.size, ca.hash_prompt(pa))]))
+        ca.step(StepBatch(append_rows=ca.rows_of([f"a{k}"]), append_num_tokens=1))  # confirms the admission
+        d.manager.flush_deferred()  # A's registration: an idle daemon runs it before B's message comes
+        hashes = cb.hash_prompt(pb)
+        res, t = run(StepBatch(admit=[AdmitRequest(f"b{k}", pb.size, hashes)]), cb)
+        hit_tokens.append(int(res.admit_cached_tokens[0]))
+        cb.step(StepBatch(free=[f"b{k}"]))
+        ca.step(StepBatch(free=[f"a{k}"]))
+        return res, t
+
+    for kind in ("decode", "mixed", "free", "hit"):
         times = []
         for k in range(args.warmup + args.steps):
-            if kind == "decode":
+            if kind == "hit":
+                res, t = hit_round(k)
+            elif kind == "decode":
                 res, t = run(StepBatch(append_rows=c.rows_of(order), append_num_tokens=1))
             elif kind == "mixed":
                 victim = order.pop(0)
@@ -143,6 +170,7 @@ def main(argv=None) -> int:
                 res, t = run(StepBatch(free=[order.pop(0)]))
                 adm, _ = admission()  # refill untimed, so that every free step sees R - 1 requests
                 run(StepBatch(admit=[adm]))
+                d.manager.flush_deferred()  # its registration, as an idle daemon runs it: not the next free's
                 order.append(adm.req_id)
             if k >= args.warmup:
                 times.append(t)
@@ -158,6 +186,7 @@ def main(argv=None) -> int:
     checks["pool_empty_after"] = int(st["num_used_blocks"]) == 0
     whole = args.system // args.block_size * args.block_size
     checks["shared_admissions_hit_the_system_prompt"] = bool(shared_hits) and set(shared_hits) == {whole}
+    checks["hits_cover_the_prefix"] = set(hit_tokens) == {args.prompt // args.block_size * args.block_size}
     for s in list(d.sessions.values()):
         d.end_session(s, "bench done")
     for name, fn in real.items():
