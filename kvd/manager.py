@@ -144,7 +144,6 @@ def _row_blocks(table: np.ndarray, rows: np.ndarray, starts: np.ndarray, stops: 
     return sub[mask], (np.nonzero(mask)[0] if need_rep else None)
 
 
-
 #: ``BlockManager.step`` takes ``_lone_admission_step`` for a step that only admits one request
 #: (tests switch it off to compare with the general path).
 _LONE_ADMISSION_PATH = True
