@@ -1704,16 +1704,8 @@ class BlockManager:
         token) without the append and batch machinery; the same result and state as the general
         path (``tests/test_lone_admission.py`` compares them)."""
         copies_before = len(self._copies)
-        row, cached = -1, 0
-        try:
-            # a lone admission registers its prompt after the reply, as a decode step its blocks
-            result = self._admit(req, space, self.config.defer_cache_registration)
-        except errors.KvdError as exc:
-            code = exc.code
-        except (TypeError, ValueError, AttributeError):
-            code = errors.InvalidArgument.code
-        else:
-            code, row, cached = result.status, result.row, result.num_cached_tokens
+        # a lone admission registers its prompt after the reply, as a decode step its blocks
+        code, row, cached = self._try_admit(req, space, self.config.defer_cache_registration)
         if code == STATUS_OK:
             sched_rows = np.array([row], np.int32)
             sched_len = np.array([req.num_tokens - cached], np.int32)
@@ -1997,22 +1989,21 @@ class BlockManager:
                 if i >= m:
                     break
             # a lone admission registers its prompt after the reply, as a decode step its blocks
-            self._admit_one(admits[i], space, i, status, rows, cached, m == 1 and self.config.defer_cache_registration)
+            status[i], rows[i], cached[i] = self._try_admit(
+                admits[i], space, m == 1 and self.config.defer_cache_registration)
             i += 1
         return status, rows, cached
 
-    def _admit_one(self, req, space: int, i: int, status, rows, cached, defer: bool = False) -> None:
+    def _try_admit(self, req, space: int, defer: bool = False) -> tuple[int, int, int]:
+        """(status, row, cached tokens) of one admission of a step: misuse is its status code
+        (row -1, nothing cached), not an exception."""
         try:
             result = self._admit(req, space, defer)
         except errors.KvdError as exc:
-            status[i] = exc.code
-            return
+            return exc.code, -1, 0
         except (TypeError, ValueError, AttributeError):
-            status[i] = errors.InvalidArgument.code
-            return
-        status[i] = result.status
-        rows[i] = result.row
-        cached[i] = result.num_cached_tokens
+            return errors.InvalidArgument.code, -1, 0
+        return result.status, result.row, result.num_cached_tokens
 
     # ================================================================== queries
     def block_table(self, req_id: ReqId, group: int = 0) -> np.ndarray:
