@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers")
+from kvd_client.client import DEFAULT_BUSY_POLL_US  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -34,6 +36,8 @@ def test_tiny_bench_runs_and_its_checks_hold():
     assert out["batches"]["6"]["identical_requests"] == "6/6"
     assert out["ttft"]["hit_tokens"] == 64 and out["ttft"]["hit_prefilled"] == 16
     assert out["pinned_cpus"] == ({"daemon": cpus[-1], "engine": cpus[-2]} if pin else None)
+    # an engine with a CPU of its own polls for its replies (the client's default polling time)
+    assert out["client_busy_poll_us"] == (DEFAULT_BUSY_POLL_US if pin else None)
     assert out["daemon_busy_poll_us"] == 20000 and out["daemon_warm_every_us"] == 2000  # kvd serve's default
 
 
