@@ -25,8 +25,8 @@ more per K with multi-step windows (one message per K steady steps, ``Engine(ste
 its tokens checked equal to the per-step run's; the daemon polls ``--daemon-busy-poll-us`` (20 ms)
 and keeps its admission path warm while it idles (``--daemon-warm-every-us``, kvd serve's default)
 after each message; with ``--pin`` (default on 4+ CPUs) the engine has a CPU of its own and its
-clients wait for replies by polling (``--client-busy-poll-us``). Tokens: the daemon run's tokens vs per-request HF generate (identity required in
-float32, agreement reported in bf16). TTFT: engine B
+clients wait for replies by polling (``--client-busy-poll-us``). Tokens: the daemon run's tokens vs
+per-request HF generate (identity required in float32, agreement reported in bf16). TTFT: engine B
 (its own kvd session) admits a prompt sharing engine A's ``--prefix``-token system prompt after A
 confirmed it, vs A's cold prefill; both engines warm at their timed shapes first, median of 5 rounds,
 each step's phases (plan, round trip, kvd metadata, model launch, device wait + sampling). The cold
@@ -264,8 +264,8 @@ def main(argv=None) -> int:
         opts["pin_cpu"] = daemon_cpu
     # An engine pinned to a CPU of its own (the daemon has another) waits for replies by polling:
     # the client's default (no polling on one CPU) protects a daemon sharing that CPU, and a reply
-    # that wakes a sleeping engine costs a wake-up (on the device hosts' microVMs, ~0.5 ms of a
-    # prefix hit's admission round trip, session 27: .dev/ttft_legs.py CPOLL).
+    # that wakes a sleeping engine costs a wake-up (on an H200 microVM host in session 27: the
+    # prefix hit's admission round trip 1.12 -> 0.62 ms).
     client_poll = args.client_busy_poll_us
     if client_poll is None and engine_cpu is not None:
         client_poll = DEFAULT_BUSY_POLL_US

@@ -3,7 +3,7 @@
 process, so each step's cost splits into the manager, the daemon around it (parsing, publishing to
 shared memory, the reply) and the client around that (building the message, reading the reply).
 
-Three kinds of step, each ``--steps`` times (after ``--warmup``), R = ``--requests`` running requests:
+Four kinds of step, each ``--steps`` times (after ``--warmup``), R = ``--requests`` running requests:
 
 * ``decode``: every running request appends one token (the binary decode op);
 * ``mixed``: a serving step: the R requests decode, the oldest is freed and a new one is admitted
@@ -14,8 +14,8 @@ Three kinds of step, each ``--steps`` times (after ``--warmup``), R = ``--reques
 * ``hit``: a new request's first step in another session (the time to first token of issue 11's
   cross-engine hit): session A admits a ``--prompt``-token prefix plus 16 tokens and confirms it
   with its next step (its registration runs before B's message, as in an idle daemon), then session
-  B (a writer of the same prefix cache) admits the same prefix plus
-  16 other tokens, a lone admission that hits the prefix's whole blocks; A and B free theirs untimed.
+  B (a writer of the same prefix cache) admits the same prefix plus 16 other tokens, a lone
+  admission that hits the prefix's whole blocks; A and B free theirs untimed.
 
 Medians in µs. Ends with ONE JSON line: the figures and honesty checks (every status OK, the
 shared admissions hit exactly the system prompt's whole blocks, B's exactly the prefix's, the pool
