@@ -11,6 +11,7 @@ the manager and the model agree on every reference count, the whole free-queue o
 from collections import deque
 
 import numpy as np
+import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
@@ -178,7 +179,8 @@ class Model:
 
     def confirm(self, w, through):
         """The manager (defer_cache_registration, like a daemon's) applies a confirmation at its
-        next flush: before any call except a decode step that registers nothing."""
+        next flush: before any call except a decode step that registers nothing and takes only
+        fresh blocks (one that must evict flushes first: which block it evicts depends on it)."""
         self.pending.append((w, through))
 
     def flush(self):
@@ -206,14 +208,24 @@ class Model:
                     pool.forget(old)
                 pool.cache(SHARED, h, b, 0)
 
-    def decode_fits(self, rids, k):
-        need = 0
+    def decode_need(self, rids, k):
+        """Blocks a decode step of ``rids`` takes, growing and copying in batch order as ``append``
+        does (a shared block's last appender writes in place once the others copied it)."""
+        need, ref = 0, {}
         for rid in rids:
             r = self.reqs[rid]
             old, new = r["tokens"], r["tokens"] + k
             need += max(cdiv(new, BS) - len(r["blocks"]), 0)
-            need += bool(k > 0 and old % BS and self.pool.ref[r["blocks"][old // BS]] > 1)
-        return need <= self.pool.num_free()
+            if k > 0 and old % BS:
+                b = r["blocks"][old // BS]
+                ref.setdefault(b, self.pool.ref[b])
+                if ref[b] > 1:
+                    ref[b] -= 1
+                    need += 1
+        return need
+
+    def decode_fits(self, rids, k):
+        return self.decode_need(rids, k) <= self.pool.num_free()
 
     def drop_writer(self, w):
         pool = self.pool
@@ -305,9 +317,11 @@ class SharingMachine(RuleBasedStateMachine):
             return  # the general path (it flushes first) is another rule's business
         rows = np.array([self.mgr.row_of(r) for r in rids], np.int32)
         confirm = data.draw(st.one_of(st.none(), st.tuples(st.sampled_from(WRITERS[1:]), st.integers(0, self.mgr.tick))))
-        if confirm is not None:  # deferred: applied after this step (the invariant flushes)
+        if confirm is not None:  # deferred: applied after this step (the invariant flushes) ...
             self.mgr.mark_computed(*confirm)
             self.model.confirm(*confirm)
+            if self.model.decode_need(rids, k) > len(self.model.pool.fresh):
+                self.model.flush()  # ... unless the step evicts: then before it
         res = self.mgr.step(StepBatch(append_rows=rows, append_num_tokens=k))
         self._ticked()
         assert res.append_status.tolist() == [0] * len(rids)
@@ -465,3 +479,48 @@ def test_a_decode_step_of_several_writers_registers_in_batch_order():
     assert mgr.pool.caches == {key[0]: {full[0]: 2}, key[1]: {full[0]: 3}}
     assert mgr.pool.unconfirmed_by[[2, 3]].tolist() == [key[2], key[1]]
     assert mgr.lookup(full, writer=2) == 1 and mgr.lookup(full, writer=1) == 1 and mgr.lookup(full, writer=0) == 0
+
+
+class _Draws:
+    """``data`` for calling the machine's rules directly: each ``draw`` returns the next value."""
+
+    def __init__(self, *values):
+        self.values = list(values)
+
+    def draw(self, _strategy):
+        return self.values.pop(0)
+
+
+@pytest.mark.parametrize("case", [1, 2])
+def test_a_decode_step_that_evicts_applies_a_confirmation_given_before_it_first(case):
+    """Found by exploring the machine (session 27): a confirmation given just before a decode step
+    that registers nothing waits for the next flush, unless the step must evict. Here writer 1's
+    side copies (blocks 5-7 in case 1) are free and cached; its confirmation uncaches the copies that
+    duplicate writer 2's confirmed blocks, which makes them fresh, so the step takes a fresh block
+    instead of evicting the front of the queue: the manager runs the confirmation first (as a
+    manager that does not defer would), and so must the model."""
+    s = SharingMachine()
+    if case == 1:
+        _, r1, r2 = s.step_admit(data=_Draws(None), many=[[0] * 5, [0, 0, 0, 1, 0, 0, 0, 0], [0]], w=2).values
+        s.agree()
+        s.free(rid=r2)
+        r3, _, _ = s.step_admit(data=_Draws(None), many=[[0] * 12, [0], [0]], w=1).values
+        s.agree()
+        s.free(rid=r3)
+        grower, confirm = r1, (1, 2)
+    else:
+        r0, r1, r2 = s.step_admit(data=_Draws(None), many=[[0] * 7, [1, 1, 0, 0, 0, 0, 0, 0], [0]], w=2).values
+        s.agree()
+        s.free(rid=r2)
+        s.free(rid=r1)
+        s.append(more=[], rid=r0)
+        s.step_admit(data=_Draws(None), many=[[0], [0], [1, 1, 0, 0, 0, 0, 0, 0, 0]], w=1)
+        s.agree()
+        grower, confirm = r0, (1, 3)
+    s.confirm(data=_Draws(1), w=2)
+    s.agree()
+    fresh_before = s.mgr.pool.num_fresh
+    s.decode_step(data=_Draws([grower], confirm), k=2 if case == 2 else 1)
+    assert fresh_before == 0  # the step had to evict
+    s.agree()
+    s.teardown()
