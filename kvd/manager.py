@@ -1703,13 +1703,12 @@ class BlockManager:
         """``step`` of one admission and nothing else (a new request's first step: its time to first
         token) without the append and batch machinery; the same result and state as the general
         path (``tests/test_lone_admission.py`` compares them)."""
-        copies_before = len(self._copies)
         # a lone admission registers its prompt after the reply, as a decode step its blocks
         code, row, cached = self._try_admit(req, space, self.config.defer_cache_registration)
-        if code == STATUS_OK:
+        if code == STATUS_OK:  # its tokens from the first one the cache did not hold
             sched_rows = np.array([row], np.int32)
+            sched_start = np.array([cached], np.int32)
             sched_len = np.array([req.num_tokens - cached], np.int32)
-            sched_start = np.array([int(self.num_tokens[row])], np.int32) - sched_len
         else:
             sched_rows = sched_start = sched_len = _EMPTY_I32
         if self.config.debug_checks:
@@ -1721,7 +1720,7 @@ class BlockManager:
             admit_status=np.array([code], np.int16),
             admit_rows=np.array([row], np.int32),
             admit_cached_tokens=np.array([cached], np.int64),
-            copies=self._copies_since(copies_before),
+            copies=_EMPTY_COPIES,  # an admission copies nothing
             changed_rows=sched_rows,
             sched_rows=sched_rows,
             sched_start=sched_start,
@@ -2114,10 +2113,13 @@ def _kept(arr: np.ndarray | None) -> np.ndarray | None:
     may reuse its buffer once the call returned)."""
     if arr is None:
         return None
-    base = arr
-    while not arr.flags.writeable and isinstance(base, np.ndarray) and base.base is not None:
-        base = base.base
-    return arr if isinstance(base, bytes) else arr.copy()
+    if not arr.flags.writeable:
+        base = arr.base
+        while isinstance(base, np.ndarray):
+            base = base.base
+        if isinstance(base, bytes):
+            return arr
+    return arr.copy()
 
 
 def _split_appends(item: tuple, k: int) -> tuple[tuple, tuple]:
