@@ -31,6 +31,13 @@ class StepMeta:
     query_start_loc: torch.Tensor
 
 
+def _tokens_first(x: torch.Tensor) -> torch.Tensor:
+    """``x [1, H, T, D]`` as ``[T, H, D]``, copied only where the head dim is strided: the K/V write
+    takes any token and head stride (a fused projection's K and V are slices of a wider product)."""
+    x = x[0].transpose(0, 1)
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def _paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                      sliding_window=None, kvd_meta: StepMeta | None = None, **kwargs):
     """HF attention signature: query [1, H_q, T, D], key/value [1, H_kv, T, D] (RoPE applied);
@@ -43,8 +50,7 @@ def _paged_attention(module, query, key, value, attention_mask, scaling=None, dr
     g = m.layer_group[layer]
     kv_layer = m.kv[layer]
     q = query[0].transpose(0, 1).contiguous()
-    k = key[0].transpose(0, 1).contiguous()
-    v = value[0].transpose(0, 1).contiguous()
+    k, v = _tokens_first(key), _tokens_first(value)
     kvd_kernels.write_kv(k, v, kv_layer, m.slots[g])
     out = kvd_kernels.paged_attention(q, kv_layer, m.tables[g], m.seq_lens, m.query_start_loc,
                                       scale=float(scaling if scaling is not None else q.shape[-1] ** -0.5),
