@@ -66,7 +66,7 @@ from kvd.errors import (
 )
 from kvd.shm import SHM_DIR, SessionBuffers
 
-from .step import StepMessage, group_token_ids, int32_array, tag_of, token_frame
+from .step import LoneAdmission, StepMessage, group_token_ids, int32_array, is_lone_admission, tag_of, token_frame
 
 DEFAULT_ENDPOINT_ENV = "KVD_ENDPOINT"
 _EMPTY_I32 = np.empty(0, np.int32)
@@ -657,6 +657,8 @@ class _Core:
                                     batch.append_token_ids)
             if spec is not None:
                 return spec
+        if is_lone_admission(batch):
+            return LoneAdmission(self, batch, G).spec()
         return StepMessage(self, batch, G).spec()
 
     def _req_decode(self, rows, num_tokens: int, lookahead: int, computed_through: int | None = None,

@@ -21,6 +21,7 @@ from kvd.api import STATUS_OK, StepBatch, StepResult, int_array
 from kvd.errors import InvalidArgument, KvdError, UnknownRequest
 
 _EMPTY_I32 = np.empty(0, np.int32)
+_EMPTY_I16 = P.EMPTY_I16_RO
 _EMPTY_U64 = np.empty(0, np.uint64)
 _NO_FORKS = np.empty((0, 2), np.int32)
 
@@ -344,3 +345,74 @@ class StepMessage:
         res.num_scheduled_tokens = h.get("nt", [])  # type: ignore[attr-defined]
         return res
 
+
+
+def is_lone_admission(batch: StepBatch) -> bool:
+    """Whether ``batch`` is one admission and nothing else (a new request's first step): what
+    :class:`LoneAdmission` builds. Append fields only at their defaults' kinds (no rows, one int
+    count, no hashes or token ids): anything else takes :class:`StepMessage`'s checks."""
+    rows = batch.append_rows
+    return (len(batch.admit) == 1 and not len(batch.free) and not len(batch.forks) and not len(batch.append_ids)
+            and (rows is None or (type(rows) is np.ndarray and rows.size == 0))
+            and type(batch.append_num_tokens) is int and not len(batch.append_hashes)
+            and not len(batch.append_hash_counts) and not len(batch.append_token_ids))
+
+
+class LoneAdmission(StepMessage):
+    """:class:`StepMessage` of a lone admission (``is_lone_admission``): the same header fields and
+    body bytes, and the same ``StepResult`` from the reply, without the sections it does not carry
+    (a new request's time to first token). An admission the client judges bad (bad hashes, a
+    duplicate id, no free row) goes the general way, which reports it in its status."""
+
+    def spec(self) -> tuple:
+        try:
+            one = self._admit_one(self.batch.admit[0])
+        except BaseException:
+            self.undo()
+            return StepMessage(self.core, self.batch, self.G).spec()
+        try:
+            return self._lone_spec(one)
+        except BaseException:
+            self.undo()
+            raise
+
+    def _lone_spec(self, one) -> tuple:
+        core, b = self.core, self.batch
+        cols, per_g, tokens = one
+        fields = {"la": int(b.num_lookahead_tokens), "nf": 0, "nk": 0, "na": 0}
+        c = core._confirmation(b.computed_through)
+        if c is not None:
+            fields["c"] = c
+        fields["an"] = b.append_num_tokens
+        fields["nd"] = 1
+        tag = cols[7] - (1 << 64) if cols[7] >= 1 << 63 else cols[7]  # the uint64 tag as an int64
+        adm = np.array([(*cols[:6], tag)], np.int64)
+        frames = [P.EMPTY] * (5 + 2 * self.G)
+        frames.append(adm.tobytes())
+        width = core.hash_width
+        for g in range(self.G):
+            frames += [per_g[g], np.array([len(per_g[g]) // width], np.int32).tobytes()]
+        if tokens:  # the optional token-id frames (kvd.protocol)
+            frames += [tokens, np.array([len(tokens) // 4], np.int32).tobytes()]
+        while not frames[-1]:
+            frames.pop()  # trailing empty frames may be left out (the admission frame never is)
+        self.admit_row = cols[0]
+        fields["fl"], body = P.pack_frames(frames)
+        return P.STEP, fields, [body], self.post, self.undo
+
+    def post(self, h: dict, f: list) -> StepResult:
+        (_, _, _, adm_st, cached, copies, changed, freed, sched_rows, sched_start, sched_len) = P.split_step_reply(
+            f[0], 0, 0, 0, 1, h["nc"], h["nch"], h["nfr"], h["ns"])
+        row = self.admit_row
+        if int(adm_st[0]) != STATUS_OK:
+            self.core._drop_row(row)
+            row = -1
+        res = StepResult(
+            free_status=_EMPTY_I16, fork_status=_EMPTY_I16, append_status=_EMPTY_I16, admit_status=adm_st,
+            admit_rows=np.array([row], np.int32), admit_cached_tokens=cached,
+            copies=copies, changed_rows=changed,
+            sched_rows=sched_rows, sched_start=sched_start, sched_len=sched_len,
+            freed_rows=freed, tick=h["t"],
+        )
+        res.num_scheduled_tokens = h.get("nt", [])  # type: ignore[attr-defined]
+        return res

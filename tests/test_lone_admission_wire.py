@@ -1,0 +1,151 @@
+"""The client's lone-admission message (``kvd_client.step.LoneAdmission``) against the general one
+(``StepMessage``): seeded random runs of two clients on two identical daemons, one taking the lean
+path and one made to take the general path, send the same bytes, get the same results or the same
+errors, and leave the same client rows, shared memory and manager tables, after every call.
+
+The runs: lone admissions (prefix hits, misses, bad hashes, a repeated id, a full session, a prompt
+past max_model_len, lookahead and append-count fields in and out of range, confirmations), between
+decode steps and frees."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from kvd import protocol as P
+from kvd.api import AdmitRequest, StepBatch
+from kvd.hashing import hash_prompt
+from kvd.server import Daemon
+from kvd_client import client as client_mod
+from kvd_client import step as step_mod
+from tests.test_decode_op import InProc
+
+BS = 4
+
+
+class Cfg:
+    block_size = BS
+    num_gpu_blocks = 48
+    max_model_len = 40
+    max_num_reqs = 16
+    max_reqs_per_session = 5
+    max_num_batched_tokens = 64
+
+
+class Recorded(InProc):
+    """An in-process client that keeps every message it sends; ``general``: never the lean path."""
+
+    def __init__(self, d: Daemon, general: bool):
+        self.sent: list[list[bytes]] = []
+        self.general = general
+        handle = d.handle
+
+        def record(msg):
+            self.sent.append(list(msg))
+            return handle(msg)
+
+        d.handle = record
+        super().__init__(d, json=False)
+
+    def step(self, batch):
+        if not self.general:
+            return super().step(batch)
+        was = client_mod.is_lone_admission
+        client_mod.is_lone_admission = lambda b: False
+        try:
+            return super().step(batch)
+        finally:
+            client_mod.is_lone_admission = was
+
+
+def _header(raw: bytes, sid: int):
+    """A sent header without its session id (the two daemons' sessions differ)."""
+    if raw[:4] == P.DECODE_MAGIC:  # the binary decode header: its bytes, the session id blanked
+        return raw.replace(sid.to_bytes(8, "little"), bytes(8), 1)
+    h = P.parse_header(raw)
+    h.pop("s", None)
+    return h
+
+
+def _outcome(c: Recorded, batch: StepBatch):
+    try:
+        res = c.step(batch)
+    except Exception as e:  # noqa: BLE001 - the two paths must fail alike
+        return ("error", type(e).__name__, str(e))
+    return ("ok", {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in vars(res).items()})
+
+
+def _state(c: Recorded):
+    m = c.d.manager
+    return (dict(c._row_of), list(c._id_of), sorted(c._free_rows), c.shm.tables[0].tolist(), c.shm.counts[0].tolist(),
+            m.tables[0].tolist(), m.num_blocks[0].tolist())
+
+
+def _admission(rng, prefixes, k):
+    """A lone admission batch, sometimes malformed in one field."""
+    prompt = np.concatenate([prefixes[rng.integers(len(prefixes))], rng.integers(1, 500, rng.integers(0, 9))])
+    prompt = prompt.astype(np.int32)
+    n = len(prompt)
+    hashes = hash_prompt(prompt, BS)
+    kind = rng.integers(12)
+    rid = f"r{k}"
+    la = 0
+    extra = {}
+    if kind == 0:
+        hashes = [b"short"]  # bad hashes: the client judges them
+    elif kind == 1:
+        n = Cfg.max_model_len + 3  # never fits
+    elif kind == 2:
+        la = int(rng.integers(1, 4))
+    elif kind == 3:
+        la = -1  # the daemon refuses the step
+    elif kind == 4:
+        extra["append_num_tokens"] = int(rng.choice([-1, P.MAX_COUNT + 1, 0, 3]))
+    elif kind == 5:
+        extra["computed_through"] = int(rng.integers(0, k + 2))
+    elif kind == 6:
+        hashes = hashes[: max(len(hashes) - 1, 0)]  # fewer hashes than full blocks: allowed
+    return StepBatch(admit=[AdmitRequest(rid, n, hashes, num_lookahead_tokens=la)], **extra)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_lean_and_general_lone_admission_are_the_same_message_and_result(seed):
+    rng = np.random.default_rng(seed)
+    daemons = [Daemon(Cfg), Daemon(Cfg)]
+    try:
+        lean, general = Recorded(daemons[0], False), Recorded(daemons[1], True)
+        prefixes = [rng.integers(1, 500, int(rng.integers(0, 20))) for _ in range(3)]
+        live: list[str] = []
+        lean_steps = 0
+        for k in range(60):
+            op = rng.integers(10)
+            if op < 6:
+                batch = _admission(rng, prefixes, k)
+                if rng.integers(4) == 0 and live:  # a repeated id
+                    a = batch.admit[0]
+                    batch = StepBatch(admit=[dataclasses.replace(a, req_id=live[int(rng.integers(len(live)))])])
+                lean_steps += step_mod.is_lone_admission(batch)
+            elif op < 8 and live:
+                batch = StepBatch(append_rows=lean.rows_of(live), append_num_tokens=1)
+            elif live:
+                batch = StepBatch(free=[live.pop(int(rng.integers(len(live))))])
+            else:
+                continue
+            n_sent = (len(lean.sent), len(general.sent))
+            outs = [_outcome(c, batch) for c in (lean, general)]
+            assert outs[0] == outs[1], (k, batch)
+            sent = [c.sent[n:] for c, n in zip((lean, general), n_sent)]
+            assert [m[2:] for m in sent[0]] == [m[2:] for m in sent[1]], k  # the bodies, byte for byte
+            heads = [[_header(m[1], c.sid) for m in s] for c, s in zip((lean, general), sent)]
+            assert heads[0] == heads[1], k
+            assert _state(lean) == _state(general), k
+            if outs[0][0] == "ok" and batch.admit and outs[0][1]["admit_status"] == [0]:
+                live.append(batch.admit[0].req_id)
+            live = [r for r in live if r in lean._row_of]
+        assert lean_steps >= 20  # the lean path did run
+    finally:
+        for d in daemons:
+            for s in list(d.sessions.values()):
+                d.end_session(s, "test")
