@@ -166,10 +166,16 @@ if HAS_TRITON:
 
     @triton.jit
     def _merge_splits_kernel(part_o, part_lse, out, qsl, num_seqs, so_t, so_h,
-                             D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                             D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                             ZERO_PAD: tl.constexpr):
         t = tl.program_id(0)
         h = tl.program_id(1)
-        if t < tl.load(qsl + num_seqs):  # rows past the last request are padding: left alone
+        if t >= tl.load(qsl + num_seqs):  # rows past the last request are padding: zero or left alone
+            if ZERO_PAD:
+                d = tl.arange(0, BLOCK_D)
+                tl.store(out + t.to(tl.int64) * so_t + h * so_h + d,
+                         tl.zeros([BLOCK_D], tl.float32).to(out.dtype.element_ty), mask=d < D)
+        else:
             prow = (t.to(tl.int64) * tl.num_programs(1) + h) * NUM_SPLITS
             sp = tl.arange(0, NUM_SPLITS)
             lse = tl.load(part_lse + prow + sp)
@@ -222,18 +228,21 @@ def paged_attention_triton(query, kv_layer, block_table, seq_lens, query_start_l
         raise ValueError(f"query ({query.dtype}) and kv_layer ({kv_layer.dtype}) dtypes differ")
     if num_splits is not None and num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, not {num_splits}")
-    if out is None:
-        out = torch.zeros_like(query)
-    elif out.stride(2) != 1:
+    if out is not None and out.stride(2) != 1:
         raise ValueError("out needs a contiguous head_dim")
     t, h_q, d = query.shape
     num_seqs, h_kv, block_size = seq_lens.shape[0], kv_layer.shape[3], kv_layer.shape[2]
     if t == 0 or num_seqs == 0:
-        return out
+        return torch.zeros_like(query) if out is None else out
     cfg = attention_config(t, num_seqs, h_q, h_kv, block_table.shape[1] * block_size, query.device)
     block_m = block_m or cfg["block_m"]
     block_n = block_n or cfg["block_n"]
     splits = num_splits or cfg["num_splits"]
+    # padding rows of a new output are zero: with splits the merge kernel writes them (one
+    # fill kernel less a layer in a graph's step), else they are zero from the start
+    zero_pad = out is None and splits > 1
+    if out is None:
+        out = torch.empty_like(query) if zero_pad else torch.zeros_like(query)
     group = h_q // h_kv
     tile_q = block_m // group
     if tile_q < 1:
@@ -258,7 +267,7 @@ def paged_attention_triton(query, kv_layer, block_table, seq_lens, query_start_l
     if splits > 1:
         _merge_splits_kernel[(t, h_q)](part_o, part_lse, out, query_start_loc, num_seqs,
                                        out.stride(0), out.stride(1), D=d, BLOCK_D=block_d,
-                                       NUM_SPLITS=splits)
+                                       NUM_SPLITS=splits, ZERO_PAD=zero_pad)
     return out
 
 

@@ -26,8 +26,43 @@ def _model(kind="llama", dtype=torch.bfloat16, device="cpu"):
 
 @pytest.fixture
 def forced_on(monkeypatch):
-    """The wrappers' fused path on CPU tensors too (normally CUDA paged forwards only)."""
+    """The wrappers' fused path on CPU tensors too (normally CUDA paged forwards only); the SiLU
+    kernel as its reference (Triton's interpreter computes float32 only: it has its own test)."""
     monkeypatch.setattr(projections, "_active", lambda x: True)
+    monkeypatch.setattr(fused, "silu_mul", fused.silu_mul_ref)
+
+
+def _interpreted():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(fused._silu_mul_kernel, InterpretedFunction):
+        pytest.skip("CPU runs need TRITON_INTERPRET=1 (set without a GPU by tests/conftest.py)")
+
+
+@pytest.mark.parametrize("rows,n", [(5, 24), (1, 1), (3, 2500), (0, 8)])
+def test_silu_mul_kernel_matches_hf_on_the_interpreter(rows, n):
+    """float32 through Triton's interpreter (its own exp: close, not bits; the GPU test is exact)."""
+    _interpreted()
+    x = torch.randn(1, rows, 2 * n, generator=torch.Generator().manual_seed(rows + n)) * 6
+    got = fused.silu_mul(x, n)
+    assert got.shape == (1, rows, n)
+    torch.testing.assert_close(got, fused.silu_mul_ref(x, n), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=["fp32", "bf16", "fp16"])
+def test_cuda_silu_mul_kernel_is_hf_bit_for_bit(dtype):
+    """On CUDA the kernel's bits are torch's ``silu(gate) * up``: values from -90 to 90 (exp
+    overflowing to inf included) and every row count of a step's bucket."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for t, n in ((1, 4096), (16, 4096), (256, 4096), (7, 1000)):
+        x = (torch.randn(1, t, 2 * n, device="cuda", generator=g) * 8).to(dtype)
+        x[0, 0, :8] = torch.tensor([-90.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 90.0, -0.0]).to(dtype)
+        got, want = fused.silu_mul(x, n), fused.silu_mul_ref(x, n)
+        assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                           want.view(torch.int16 if dtype != torch.float32 else torch.int32)), (t, n, dtype)
 
 
 @pytest.mark.parametrize("kind", ["llama", "hybrid"])

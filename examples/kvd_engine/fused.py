@@ -68,9 +68,30 @@ def rope_ref(q, k, cos, sin, unsqueeze_dim: int = 1):
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
+def silu_mul_ref(both, n: int):
+    """HF's MLP activation of a fused gate/up product ``both [..., 2n]``: ``silu(gate) * up``."""
+    return torch.nn.functional.silu(both[..., :n]) * both[..., n:]
+
+
 # ---- kernels --------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _silu_mul_kernel(x, out, sxt, N, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = cols < N
+        g = tl.load(x + t * sxt + cols, mask=m, other=0.0)
+        u = tl.load(x + t * sxt + N + cols, mask=m, other=0.0)
+        gf = g.to(tl.float32)
+        # torch's CUDA silu: x / (1 + expf(-x)) in float (accurate expf, IEEE division), rounded to
+        # the dtype; then the product of two dtype values in float, rounded (Triton's interpreter,
+        # the CPU tests, has no libdevice: its exp there)
+        e = libdevice.exp(-gf) if LIBDEVICE else tl.exp(-gf)
+        s = tl.math.div_rn(gf, 1.0 + e).to(g.dtype)
+        tl.store(out + t * N + cols, (s.to(tl.float32) * u.to(tl.float32)).to(out.dtype.element_ty), mask=m)
 
     @triton.jit
     def _rms_norm_kernel(x, w, out, sxt, sot, N, eps, BLOCK: tl.constexpr):
@@ -127,6 +148,18 @@ def rms_norm(x, weight, eps: float):
                                          BLOCK=block, num_warps=8 if block >= 4096 else 4,
                                          enable_fp_fusion=False)
     return out.view(x.shape)
+
+
+def silu_mul(both, n: int):
+    """:func:`silu_mul_ref` in one kernel: ``both [..., 2n]`` with rows of stride ``2n``."""
+    rows = both.reshape(-1, 2 * n)
+    out = torch.empty(both.shape[:-1] + (n,), dtype=both.dtype, device=both.device)
+    if rows.shape[0]:
+        block = min(triton.next_power_of_2(n), 1024)
+        _silu_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](rows, out, rows.stride(0), n, BLOCK=block,
+                                                                 LIBDEVICE=both.is_cuda, num_warps=4,
+                                                                 enable_fp_fusion=False)
+    return out
 
 
 def rope(q, k, cos, sin):

@@ -11,7 +11,8 @@ matrix (``q_proj.weight`` is rows ``[0, Hq)`` of it, and so on: no second copy, 
 read the same bytes) and wraps the projections: while a fused paged forward runs (``fused.ACTIVE``)
 on CUDA, ``q_proj(x)`` computes all three products at once and keeps them for the ``k_proj(x)`` and
 ``v_proj(x)`` calls on the same ``x`` that HF's attention makes next; the MLP computes gate and up
-at once. Their slices are strided views; the paged attention writes K/V from any row stride.
+at once, and (a SiLU MLP) ``silu(gate) * up`` as one kernel (``fused.silu_mul``, torch's bits). The
+slices are strided views; the paged attention writes K/V from any row stride.
 
 Only bfloat16 and float16 models: there each output column of the fused product is bit-identical
 to the separate product's (checked on the GPU by ``tests/test_engine_fused.py``), so a fused
@@ -31,6 +32,8 @@ from . import fused
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 _ATTENTIONS = ("LlamaAttention", "Qwen2Attention", "MistralAttention")
 _MLPS = ("LlamaMLP", "Qwen2MLP", "MistralMLP")
+#: activations that are ``F.silu`` (HF's "silu"): their MLPs take the fused ``fused.silu_mul``
+_SILUS = ("SiLUActivation", "SiLU")
 
 
 def _concat_rows(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -103,10 +106,14 @@ def fuse_mlp(mlp) -> bool:
     n = gate.out_features
     orig = mlp.forward
 
+    silu = type(mlp.act_fn).__name__ in _SILUS
+
     def forward(x):
         if not _active(x):
             return orig(x)
         both = F.linear(x, weight, bias)
+        if silu:
+            return mlp.down_proj(fused.silu_mul(both, n))
         return mlp.down_proj(mlp.act_fn(both[..., :n]) * both[..., n:])
 
     mlp.forward = forward

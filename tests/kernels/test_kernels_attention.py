@@ -123,6 +123,23 @@ def test_paged_attention_small_chunks_and_split_k(device, dtype, name, splits):
     run_case(device, dtype, CASES[name], num_splits=splits, block_n=16)
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_a_new_output_has_zero_padding_rows(device, splits, monkeypatch):
+    """Without ``out`` the padding rows are zero: with splits the merge kernel writes them into an
+    uninitialized tensor (made NaN here, as fresh memory may hold anything), without splits the
+    output starts zeroed; the other rows are the same bits as with a given ``out``."""
+    from kvd_kernels import paged_attention_triton
+    case = make_case(**CASES["padded_rows"], dtype=torch.float32, device=device)
+    given = paged_attention_triton(*case.args(), out=torch.zeros_like(case.query), **case.kwargs(),
+                                   num_splits=splits, block_n=16)
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: empty_like(t, **kw).fill_(float("nan")))
+    got = paged_attention_triton(*case.args(), **case.kwargs(), num_splits=splits, block_n=16)
+    n = int(case.qsl[-1])
+    assert n < got.shape[0] and torch.all(got[n:] == 0)
+    assert torch.equal(bits(got), bits(given))
+
+
 @pytest.mark.parametrize("null_value", [float("nan"), 1e30, float("inf")])
 def test_null_block_never_influences_output(device, null_value):
     spec = dict(CASES["window"], null_value=null_value)
