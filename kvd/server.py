@@ -1586,6 +1586,10 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                 d.warmer.close()
             if d.kv is not None:
                 d.kv.close()
+            if d.gpu_pool is not None and d.gpu_pool.cuda:
+                from kvd.gpu_session import remove_ipc_event_files
+
+                remove_ipc_event_files()  # the driver would leave its file behind
             if d.events is not None:
                 d.events.close()
             if d.metrics is not None:

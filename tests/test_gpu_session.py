@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest_daemon import REPO, daemon_factory, shm_segments, short_tmp  # noqa: F401
+from conftest_daemon import REPO, daemon_factory, ipc_event_files, shm_segments, short_tmp  # noqa: F401
 from kvd.gpu_session import ChangeTracker, arena_layout, stage_slot_inputs
 
 
@@ -453,6 +453,7 @@ def test_gpu_buffers_equal_shared_memory(daemon_factory, short_tmp):
         print(f"\nGPU daemon worker: ready {ready_s:.1f}s {json.dumps(r)}")
     assert d.stop() == 0, d.stderr[-3000:]
     assert shm_segments(d.pid) == []
+    assert ipc_event_files(d.pid) == []  # the driver's file behind the daemon's events, unlinked at exit
     with pytest.raises(ProcessLookupError):
         os.kill(d.pid, 0)
     # the same client calls against a CPU daemon: the round-trip cost of the GPU mirror
@@ -477,3 +478,18 @@ def test_replies_whose_writes_have_run_need_no_stream_wait(daemon_factory, short
     waits, skipped = r["gpu_waits"]
     assert waits == 0 and skipped >= 362, r["gpu_waits"]  # at least one per step
     assert d.stop() == 0, d.stderr[-3000:]
+
+
+def test_remove_ipc_event_files_takes_only_that_process_files(tmp_path):
+    """The CUDA driver's interprocess-event files are named ``cuda.shm.<n>.<pid hex>.<n>``: only the
+    given process's go (another process's, kvd's own segments and look-alikes stay)."""
+    from kvd.gpu_session import remove_ipc_event_files
+
+    names = ["cuda.shm.0.fcb.1", "cuda.shm.1.fcb.2", "cuda.shm.0.fcbb.1", "cuda.shm.0.1fcb.1", "kvd_4043_a",
+             "cuda.shm.0.fcb", "xcuda.shm.0.fcb.1"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"x")
+    assert sorted(remove_ipc_event_files(0xFCB, str(tmp_path))) == ["cuda.shm.0.fcb.1", "cuda.shm.1.fcb.2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])
+    assert remove_ipc_event_files(0xFCB, str(tmp_path)) == []
+    assert remove_ipc_event_files(1, str(tmp_path / "absent")) == []
