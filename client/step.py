@@ -80,6 +80,11 @@ def _repeats(keys) -> np.ndarray:
     return out
 
 
+def _signed64(tag: int) -> int:
+    """A request's uint64 tag as the int64 column it travels in (its two's-complement value)."""
+    return tag - (1 << 64) if tag >= 1 << 63 else tag
+
+
 def _error_code(exc: BaseException) -> int:
     if isinstance(exc, KvdError):
         return exc.code
@@ -263,9 +268,7 @@ class StepMessage:
         self.adm_local, self.adm_sent, admits = self._judge(list(b.admit), self._admit_one)
         nd = len(admits)
         fields["nd"] = nd
-        # the tag (uint64) travels in an int64 column: its two's-complement value
-        adm = np.array([(*a[0][:6], a[0][7] - (1 << 64) if a[0][7] >= 1 << 63 else a[0][7]) for a in admits],
-                       np.int64).reshape(nd, P.ADMIT_COLS)
+        adm = np.array([(*a[0][:6], _signed64(a[0][7])) for a in admits], np.int64).reshape(nd, P.ADMIT_COLS)
         frames.append(adm.tobytes())
         for g in range(G):
             frames.append(b"".join(a[1][g] for a in admits))
@@ -346,7 +349,6 @@ class StepMessage:
         return res
 
 
-
 def is_lone_admission(batch: StepBatch) -> bool:
     """Whether ``batch`` is one admission and nothing else (a new request's first step): what
     :class:`LoneAdmission` builds. Append fields only at their defaults' kinds (no rows, one int
@@ -367,9 +369,12 @@ class LoneAdmission(StepMessage):
     def spec(self) -> tuple:
         try:
             one = self._admit_one(self.batch.admit[0])
-        except BaseException:
+        except (KvdError, TypeError, ValueError):  # what StepMessage._judge reports as a status
             self.undo()
             return StepMessage(self.core, self.batch, self.G).spec()
+        except BaseException:
+            self.undo()
+            raise
         try:
             return self._lone_spec(one)
         except BaseException:
@@ -385,8 +390,7 @@ class LoneAdmission(StepMessage):
             fields["c"] = c
         fields["an"] = b.append_num_tokens
         fields["nd"] = 1
-        tag = cols[7] - (1 << 64) if cols[7] >= 1 << 63 else cols[7]  # the uint64 tag as an int64
-        adm = np.array([(*cols[:6], tag)], np.int64)
+        adm = np.array([(*cols[:6], _signed64(cols[7]))], np.int64)
         frames = [P.EMPTY] * (5 + 2 * self.G)
         frames.append(adm.tobytes())
         width = core.hash_width

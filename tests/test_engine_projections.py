@@ -175,3 +175,23 @@ def test_cuda_fused_products_are_the_separate_products_bit_for_bit(kind, dtype):
                 assert torch.equal(mlp(x), want), t
     finally:
         fused.ACTIVE[0] = was
+
+
+def test_replaced_weights_take_their_own_products(forced_on):
+    """A weight replaced after install (``load_state_dict(assign=True)``, ``model.to``) is no
+    longer a slice of the concatenation: the projections then compute from the weights the modules
+    hold, never from the stale concatenation."""
+    model = _model()
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    projections.install(model)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 3, 64, generator=g).to(torch.bfloat16)
+    attn.k_proj.weight = torch.nn.Parameter(torch.randn(32, 64, generator=g).to(torch.bfloat16), requires_grad=False)
+    mlp.up_proj.weight = torch.nn.Parameter(torch.randn(128, 64, generator=g).to(torch.bfloat16), requires_grad=False)
+    with torch.no_grad():
+        q = attn.q_proj(x)
+        assert q.stride(1) == 64  # its own product: the concatenation is not used any more
+        assert torch.equal(attn.k_proj(x), F.linear(x, attn.k_proj.weight))
+        assert torch.equal(attn.v_proj(x), F.linear(x, attn.v_proj.weight))
+        want = mlp.down_proj(F.silu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight))
+        assert torch.equal(mlp(x), want)

@@ -65,18 +65,32 @@ def _active(x: torch.Tensor) -> bool:
     return fused.ACTIVE[0] and x.is_cuda
 
 
+def _seated(linears, weight: torch.Tensor):
+    """A check that ``linears``' weights are still the row slices of ``weight`` ``_concat_rows``
+    made them (a later ``model.to(...)`` or ``load_state_dict(assign=True)`` replaces them: then
+    their own products, never a stale concatenation)."""
+    row = weight.stride(0) * weight.element_size()
+    want, start = [], weight.data_ptr()
+    for lin in linears:
+        want.append(start)
+        start += lin.out_features * row
+    want = tuple(want)
+    return lambda: tuple(lin.weight.data_ptr() for lin in linears) == want
+
+
 def fuse_attention(attn) -> bool:
     """Wrap ``attn``'s q/k/v projections (see the module docstring); False where they do not fit."""
     q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
     if not _fusable((q, k, v)):
         return False
     weight, bias = _concat_rows((q, k, v))
+    seated = _seated((q, k, v), weight)
     nq, nk = q.out_features, k.out_features
     kept: list = [None, None]  # the x of the last fused q_proj call and its product
     q_orig, k_orig, v_orig = q.forward, k.forward, v.forward
 
     def q_forward(x):
-        if not _active(x):
+        if not (_active(x) and seated()):
             return q_orig(x)
         kept[0], kept[1] = x, F.linear(x, weight, bias)
         return kept[1][..., :nq]
@@ -103,13 +117,13 @@ def fuse_mlp(mlp) -> bool:
     if not _fusable((gate, up)):
         return False
     weight, bias = _concat_rows((gate, up))
+    seated = _seated((gate, up), weight)
     n = gate.out_features
     orig = mlp.forward
-
     silu = type(mlp.act_fn).__name__ in _SILUS
 
     def forward(x):
-        if not _active(x):
+        if not (_active(x) and seated()):
             return orig(x)
         both = F.linear(x, weight, bias)
         if silu:
