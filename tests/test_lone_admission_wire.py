@@ -20,18 +20,15 @@ from kvd.hashing import hash_prompt
 from kvd.server import Daemon
 from kvd_client import client as client_mod
 from kvd_client import step as step_mod
-from tests.test_decode_op import InProc
+from tests.test_decode_op import BS, InProc
+from tests.test_decode_op import Cfg as DecodeCfg
 
-BS = 4
+class Cfg(DecodeCfg):
+    """A small pool, short prompts and a session of 5 rows: full sessions and never-fits happen."""
 
-
-class Cfg:
-    block_size = BS
     num_gpu_blocks = 48
     max_model_len = 40
-    max_num_reqs = 16
     max_reqs_per_session = 5
-    max_num_batched_tokens = 64
 
 
 class Recorded(InProc):
