@@ -169,6 +169,7 @@ def test_cuda_fused_products_are_the_separate_products_bit_for_bit(kind, dtype):
         with torch.no_grad():
             for t in (1, 16, 64, 256, 1040):
                 x = torch.randn(1, t, 2048, device="cuda", generator=g).to(dtype)
+                assert attn.q_proj(x).stride(1) == 2048 + 512 + 512  # the fused product's rows
                 for lin in (attn.q_proj, attn.k_proj, attn.v_proj):
                     assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias)), (t, lin)
                 want = mlp.down_proj(mlp.act_fn(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight))
