@@ -4,7 +4,8 @@ paged CUDA forwards of a half-precision model.
 With the few tokens of a prefix hit's suffix (or a decode batch) a projection is a thin matrix
 product whose time is mostly the kernel's fixed cost, not its bytes: on an H200, bf16, hidden
 2,048, 16 tokens, q + k + v as three products took 15.1 µs and as one 5.3 µs; gate + up 10.1 and
-7.0 µs; at 256 tokens 16.8 -> 7.0 and 19.3 -> 13.2 (``.dev``-style micro-benchmark, graph replays).
+7.0 µs; at 256 tokens 16.8 -> 7.0 and 19.3 -> 13.2 (CUDA-graph replays of the products alone;
+README, the engine's session 28 entry).
 
 ``install(model)`` re-seats each layer's projection weights as row slices of one concatenated
 matrix (``q_proj.weight`` is rows ``[0, Hq)`` of it, and so on: no second copy, HF's own forwards
@@ -15,7 +16,7 @@ at once, and (a SiLU MLP) ``silu(gate) * up`` as one kernel (``fused.silu_mul``,
 slices are strided views; the paged attention writes K/V from any row stride.
 
 Only bfloat16 and float16 models: there each output column of the fused product is bit-identical
-to the separate product's (checked on the GPU by ``tests/test_engine_fused.py``), so a fused
+to the separate product's (checked on the GPU by ``tests/test_engine_projections.py``), so a fused
 forward's logits are the unfused forward's bits. In float32 cuBLAS picks other algorithms for the
 wider product and the columns differ in the last bits: float32 is the dtype whose tokens must be
 identical to HF's, so it keeps HF's three and two products.
@@ -38,7 +39,7 @@ _SILUS = ("SiLUActivation", "SiLU")
 
 def _concat_rows(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) holding ``linears``' rows in order; each linear's own parameters become
-    views of it."""
+    views of it (without gradients: the engine only runs inference)."""
     weight = torch.cat([lin.weight.detach() for lin in linears])
     has_bias = linears[0].bias is not None
     bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
