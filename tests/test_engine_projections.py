@@ -28,8 +28,15 @@ def _model(kind="llama", dtype=torch.bfloat16, device="cpu"):
 def forced_on(monkeypatch):
     """The wrappers' fused path on CPU tensors too (normally CUDA paged forwards only); the SiLU
     kernel as its reference (Triton's interpreter computes float32 only: it has its own test)."""
+    calls = []
+
+    def silu_mul(both, n):
+        calls.append(n)
+        return fused.silu_mul_ref(both, n)
+
     monkeypatch.setattr(projections, "_active", lambda x: True)
-    monkeypatch.setattr(fused, "silu_mul", fused.silu_mul_ref)
+    monkeypatch.setattr(fused, "silu_mul", silu_mul)
+    return calls
 
 
 def _interpreted():
@@ -104,7 +111,8 @@ def test_fused_install_counts_the_projections():
     model = _model()
     assert fused.install(model) is True
     assert model._kvd_fused_projections == 4
-    assert fused.install(_model(dtype=torch.float32)) is True
+    fp32 = _model(dtype=torch.float32)
+    assert fused.install(fp32) is True and fp32._kvd_fused_projections == 0
 
 
 @pytest.mark.parametrize("kind", ["llama", "hybrid"])
@@ -128,6 +136,7 @@ def test_forced_fused_products_match_separate_ones(kind, forced_on):
         assert q.stride(1) == k.stride(1) == v.stride(1) == 128  # rows of the one [7, 64 + 32 + 32] product
         want = mlp.down_proj(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w))
         torch.testing.assert_close(mlp(x), want, rtol=2 ** -6, atol=2e-2)
+    assert forced_on == [128]  # the fused MLP's one silu_mul call, over the intermediate width
 
 
 def test_k_and_v_of_another_input_take_their_own_products(forced_on):
