@@ -349,19 +349,8 @@ class StepMessage:
         return res
 
 
-def is_lone_admission(batch: StepBatch) -> bool:
-    """Whether ``batch`` is one admission and nothing else (a new request's first step): what
-    :class:`LoneAdmission` builds. Append fields only at their defaults' kinds (no rows, one int
-    count, no hashes or token ids): anything else takes :class:`StepMessage`'s checks."""
-    rows = batch.append_rows
-    return (len(batch.admit) == 1 and not len(batch.free) and not len(batch.forks) and not len(batch.append_ids)
-            and (rows is None or (type(rows) is np.ndarray and rows.size == 0))
-            and type(batch.append_num_tokens) is int and not len(batch.append_hashes)
-            and not len(batch.append_hash_counts) and not len(batch.append_token_ids))
-
-
 class LoneAdmission(StepMessage):
-    """:class:`StepMessage` of a lone admission (``is_lone_admission``): the same header fields and
+    """:class:`StepMessage` of a lone admission (``StepBatch.is_lone_admission``): the same header fields and
     body bytes, and the same ``StepResult`` from the reply, without the sections it does not carry
     (a new request's time to first token). An admission the client judges bad (bad hashes, a
     duplicate id, no free row) goes the general way, which reports it in its status."""

@@ -179,6 +179,16 @@ class StepBatch:
     token ids of the blocks ``append_hashes[g]`` names, block_size of group g per hash in the same
     order (flat, or one row per block; with one group the array itself may be given)."""
 
+    def is_lone_admission(self) -> bool:
+        """One admission and nothing else (but a confirmation): no frees, forks or appends, the
+        append fields at their defaults' kinds. A new request's first step, its time to first token:
+        the manager (``_lone_admission_step``) and the client (``LoneAdmission``) take lean paths."""
+        rows = self.append_rows
+        return (len(self.admit) == 1 and not len(self.free) and not len(self.forks) and not len(self.append_ids)
+                and (rows is None or (type(rows) is np.ndarray and rows.size == 0))
+                and type(self.append_num_tokens) is int and not len(self.append_hashes)
+                and not len(self.append_hash_counts) and not len(self.append_token_ids))
+
 
 @dataclass
 class StepResult:

@@ -149,16 +149,6 @@ def _row_blocks(table: np.ndarray, rows: np.ndarray, starts: np.ndarray, stops: 
 _LONE_ADMISSION_PATH = True
 
 
-def _admits_only(batch: StepBatch) -> bool:
-    """Whether ``batch`` carries nothing but its admissions (and a confirmation): no frees, forks
-    or appends, and the append fields at values the general path accepts without a check."""
-    rows = batch.append_rows
-    return (not len(batch.free) and not len(batch.forks) and not len(batch.append_ids)
-            and (rows is None or (type(rows) is np.ndarray and rows.size == 0))
-            and type(batch.append_num_tokens) is int and not len(batch.append_hashes)
-            and not len(batch.append_hash_counts) and not len(batch.append_token_ids))
-
-
 class BlockManager:
     @staticmethod
     def estimate_bytes(config: ManagerConfig) -> int:
@@ -1662,7 +1652,7 @@ class BlockManager:
             if result is not None:
                 return result
             self.flush_deferred()  # the general path reads the cache
-        if _LONE_ADMISSION_PATH and len(batch.admit) == 1 and _admits_only(batch):
+        if _LONE_ADMISSION_PATH and batch.is_lone_admission():
             return self._lone_admission_step(batch.admit[0], space)
         n_new, given_rows, n = self._step_append_sizes(batch)
         hash_lists, hash_counts = self._step_hashes(batch, n) if len(batch.append_hashes) else (self._no_hashes, None)
