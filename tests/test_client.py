@@ -349,18 +349,34 @@ def test_a_started_step_is_the_step_and_the_client_refuses_calls_meanwhile(daemo
         assert c2.stats()["num_requests"] == 0
 
 
+def _zmq_io_threads() -> set[int]:
+    tasks = f"/proc/{os.getpid()}/task"
+    return {int(t) for t in os.listdir(tasks) if open(f"{tasks}/{t}/comm").read().strip().startswith("ZMQbg/IO")}
+
+
 def test_io_cpu_pins_the_clients_zmq_io_thread_and_nothing_else(daemon):
     cpu = min(os.sched_getaffinity(0))
-    before = os.sched_getaffinity(0)
+    before, others = os.sched_getaffinity(0), _zmq_io_threads()
     c = Client(daemon.endpoint, io_cpu=cpu)
     try:
         c.allocate("a", 16)
-        io = [int(t) for t in os.listdir(f"/proc/{os.getpid()}/task")
-              if open(f"/proc/{os.getpid()}/task/{t}/comm").read().strip().startswith("ZMQbg/IO")]
-        assert {cpu} in [os.sched_getaffinity(t) for t in io]  # this client's I/O thread
+        mine = _zmq_io_threads() - others
+        assert len(mine) == 1  # this client's I/O thread
+        (io,) = mine
+        assert os.sched_getaffinity(io) == {cpu}
+        assert os.sched_getscheduler(io) == os.SCHED_BATCH  # never preempts the engine's thread
         assert os.sched_getaffinity(0) == before  # the caller's thread is the caller's to pin
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
     finally:
         c.close()
+
+
+def test_an_unpinned_clients_io_thread_keeps_the_normal_policy(daemon):
+    others = _zmq_io_threads()
+    with Client(daemon.endpoint) as c:
+        c.allocate("a", 16)
+        (io,) = _zmq_io_threads() - others
+        assert os.sched_getscheduler(io) == os.SCHED_OTHER
 
 
 @pytest.mark.parametrize("bad", [-1, 1 << 20, 1.0, True, "0"])
