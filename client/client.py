@@ -720,8 +720,8 @@ _EMPTY_COPIES.flags.writeable = False
 # woke it at once (wake-up preemption), so the engine thread waited while it wrote the message out;
 # SCHED_BATCH keeps its weight but never preempts on waking: the engine's send returns, and the
 # thread writes the message (and reads a reply) when the engine next polls (sched_yield) or blocks.
-# H200 host (session 29, bench_engine's model, 256 requests): a decode message's send 86 -> 49 µs,
-# a 16-step window's 103-156 -> 72-108 µs; the cross-engine hit's round trip the same (0.84 ms).
+# H200 hosts (session 29, bench_engine's model, 256 requests): a decode message's send 76-86 -> 49 µs,
+# a 16-step window's 103-156 -> 72-111 µs; the cross-engine hit's round trip the same (0.84 ms).
 IO_THREAD_POLICY = os.SCHED_BATCH
 
 DEFAULT_BUSY_POLL_US = 1000
