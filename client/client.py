@@ -722,7 +722,29 @@ _EMPTY_COPIES.flags.writeable = False
 # thread writes the message (and reads a reply) when the engine next polls (sched_yield) or blocks.
 # H200 hosts (session 29, bench_engine's model, 256 requests): a decode message's send 76-86 -> 49 µs,
 # a 16-step window's 103-156 -> 72-111 µs; the cross-engine hit's round trip the same (0.84 ms).
-IO_THREAD_POLICY = os.SCHED_BATCH
+IO_THREAD_POLICY = getattr(os, "SCHED_BATCH", None)  # Linux
+_io_policy_ok: bool | None = None
+
+
+def _io_policy_allowed() -> bool:
+    """Whether this process may give a thread ``IO_THREAD_POLICY`` (tried once, on a throwaway
+    thread): libzmq aborts the process when its I/O thread's policy cannot be set."""
+    global _io_policy_ok
+    if _io_policy_ok is None:
+        ok = []
+
+        def probe() -> None:
+            try:
+                os.sched_setscheduler(0, IO_THREAD_POLICY, os.sched_param(0))  # this thread only
+                ok.append(True)
+            except (OSError, AttributeError):
+                pass
+
+        t = threading.Thread(target=probe, name="kvd-policy-probe", daemon=True)
+        t.start()
+        t.join()
+        _io_policy_ok = IO_THREAD_POLICY is not None and bool(ok)
+    return _io_policy_ok
 
 DEFAULT_BUSY_POLL_US = 1000
 # On one CPU a polling engine holds the CPU the daemon needs. Measured on the 2-core box (session 16,
@@ -850,8 +872,8 @@ class Client(_Core):
         engine's thread pinned there too (``os.sched_setaffinity``), a reply wakes the I/O thread on
         the CPU the busy-polling engine keeps awake rather than an idle one (the daemon's
         ``pin_cpu`` is the same on its side). The pinned I/O thread runs under
-        ``IO_THREAD_POLICY`` (``SCHED_BATCH``): it never preempts the engine's thread, and does
-        its work when that thread waits or yields.
+        ``IO_THREAD_POLICY`` (``SCHED_BATCH``, where the process may set it): woken, it does not
+        preempt the engine's thread, and does its work when that thread waits or yields.
 
         Raises ``DaemonUnavailable`` (no socket file), ``PermissionDenied`` (socket or segment not
         accessible), ``Timeout`` (no answer), ``ServerBusy`` (too many sessions)."""
@@ -869,7 +891,8 @@ class Client(_Core):
         self._ctx = zmq.Context()
         if io_cpu is not None:
             self._ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, io_cpu)  # before the first socket starts the thread
-            self._ctx.set(zmq.THREAD_SCHED_POLICY, IO_THREAD_POLICY)
+            if _io_policy_allowed():
+                self._ctx.set(zmq.THREAD_SCHED_POLICY, IO_THREAD_POLICY)
         self._sock: zmq.Socket | None = None
         self._hb: _Heartbeat | None = None
         self._pending: PendingStep | None = None  # a started step whose reply is not taken yet

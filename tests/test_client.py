@@ -371,6 +371,22 @@ def test_io_cpu_pins_the_clients_zmq_io_thread_and_nothing_else(daemon):
         c.close()
 
 
+def test_a_process_that_may_not_set_the_io_policy_keeps_the_normal_one(daemon, monkeypatch):
+    """libzmq aborts when it cannot set its thread's policy: the client asks only after a probe."""
+    import kvd_client.client as C
+
+    def refuse(*a):
+        raise PermissionError("seccomp")
+
+    monkeypatch.setattr(C, "_io_policy_ok", None)
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    others = _zmq_io_threads()
+    with Client(daemon.endpoint, io_cpu=min(os.sched_getaffinity(0))) as c:
+        c.allocate("a", 16)
+        (io,) = _zmq_io_threads() - others
+        assert os.sched_getscheduler(io) == os.SCHED_OTHER and C._io_policy_ok is False
+
+
 def test_an_unpinned_clients_io_thread_keeps_the_normal_policy(daemon):
     others = _zmq_io_threads()
     with Client(daemon.endpoint) as c:
