@@ -86,7 +86,7 @@ def _decode_run(eng, prompts, steps, dev):
     # H200 host); the timed steps then start in the steady state they measure
     eng.step()
     k0, m0, x0, mx0, s0 = eng.kvd_s, eng.meta_s, eng.kvd_exposed_s, eng.meta_exposed_s, eng.steady_steps
-    w0 = eng.kvd_wall_s
+    w0, n_sends, n_takes = eng.kvd_wall_s, len(eng.sends_s), len(eng.takes_s)
     phases = []
     gc0 = gcheap.status()["collections"]
     t0 = time.perf_counter()
@@ -100,6 +100,7 @@ def _decode_run(eng, prompts, steps, dev):
     # round trips come after the wall clock stopped)
     kvd_s, meta_s, wall_rt = eng.kvd_s - k0, eng.meta_s - m0, eng.kvd_wall_s - w0
     rt_x, meta_x, steady = eng.kvd_exposed_s - x0, eng.meta_exposed_s - mx0, eng.steady_steps - s0
+    sends, takes = np.array(eng.sends_s[n_sends:]) * 1e6, np.array(eng.takes_s[n_takes:]) * 1e6
     eng.run()
     n = len(prompts)
     exposed = np.array([p.get("rt_exposed", 0.0) for p in phases]) * 1e3
@@ -109,6 +110,10 @@ def _decode_run(eng, prompts, steps, dev):
             "meta_ms": meta_s / steps * 1e3,
             "round_trip_exposed_ms": rt_x / steps * 1e3, "meta_exposed_ms": meta_x / steps * 1e3,
             "overlap_exposed_ms_p50_p99_max": [round(float(x), 3) for x in np.percentile(exposed, [50, 99, 100])],
+            # each message sent ahead in the timed steps: the engine thread's send and taking of its reply
+            "ahead_messages_timed": int(sends.size),
+            "ahead_send_us_p50_max": [round(float(np.median(sends)), 1), round(float(sends.max()), 1)] if sends.size else None,
+            "ahead_take_us_p50_max": [round(float(np.median(takes)), 1), round(float(takes.max()), 1)] if takes.size else None,
             "steps_sent_ahead": eng.ahead_steps, "steady_steps": steady, "prehashed_blocks": eng.prehashed_blocks,
             "gc_collections_in_timed_steps": gc_timed,
             "graph_replays": eng.graphs.replays if eng.graphs else 0,
@@ -131,6 +136,14 @@ def _hf_run(model, prompts, steps, dev):
     gen(1)  # warm-up
     wall = gen(steps + 1) - gen(1)
     return {"step_ms": wall / steps * 1e3, "tokens_per_s": len(prompts) * steps / wall}
+
+
+def _per_message(run: dict) -> str:
+    """The summary line's tail for a run's messages sent ahead: the engine thread's send and take."""
+    if not run["ahead_messages_timed"]:
+        return ""
+    return (f"  {run['ahead_messages_timed']} messages timed: send {run['ahead_send_us_p50_max'][0]:.0f} + "
+            f"take {run['ahead_take_us_p50_max'][0]:.0f} µs (p50)")
 
 
 def _phases_ms(eng) -> dict:
@@ -326,7 +339,8 @@ def main(argv=None) -> int:
             for k, w in windows.items():
                 print(f"        daemon, one message per {k} steps: {w['tokens_per_s']:9.1f} tok/s {w['step_ms']:7.2f} "
                       f"ms/step (kvd {w['kvd_share'] * 100:5.2f} %: rt {w['round_trip_ms']:.3f} + meta "
-                      f"{w['meta_ms']:.3f} ms a step; exposed {w['kvd_exposed_share'] * 100:5.2f} %)", flush=True)
+                      f"{w['meta_ms']:.3f} ms a step; exposed {w['kvd_exposed_share'] * 100:5.2f} %){_per_message(w)}",
+                      flush=True)
         ttft = _ttft(d.endpoint, model, cfg, dev, rng, gt, kvd_slots=args.kvd_slots, fused=not args.no_fused, io=io)
         # honesty: the same with the cold prefill graphed too (GPU work against GPU work)
         ttft_all = _ttft(d.endpoint, model, cfg, dev, rng, 2 * (cfg["prefix"] + 16), kvd_slots=args.kvd_slots,

@@ -323,6 +323,7 @@ def _overlapping(batch, pending):
     e = Eng()
     e._ahead, e._took, e._batch, e.prehashed_blocks = ("ids", 2, [0, 0], pending, 1e-4, 0.0, None), None, batch, 0
     e.kvd_s = e.kvd_wall_s = e.kvd_exposed_s = 0.0
+    e.sends_s, e.takes_s = [], []
     e.phases = {}
     e.c = type("C", (), {"hash_next_blocks": staticmethod(hash_next_blocks)})()
     return e
@@ -336,6 +337,7 @@ def test_the_reply_is_taken_during_the_forward_when_it_comes_first_and_the_queue
     e = _overlapping(b, _Pending(3))
     e._reply_or_gpu(_Event(100))  # the reply after 3 polls, the forward still running
     assert e._ahead[3] == "reply" and e._took is not None and e.prehashed_blocks == 4
+    assert len(e.takes_s) == 1 and e.takes_s[0] == e._took[1] - e._took[0]  # the taking, as kvd_s counts it
     assert b.q_hashed.tolist() == [True] * 4
     e._ahead_exposed((0.0, 1e-6), gpu_done=1e9)  # the forward ended long after: nothing exposed
     assert e.kvd_exposed_s == 0.0 and e._took is None and e.phases["rt_exposed"] == 0.0

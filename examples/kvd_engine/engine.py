@@ -99,6 +99,9 @@ class Engine(ForwardMixin, OverlapMixin):
         self.meta_s = 0.0  # ... and building slots / table views / varlen layout from its answer
         self.meta_exposed_s = 0.0  # the part of meta_s the GPU waited for (not done during a forward)
         self.kvd_wall_s = 0.0  # the round trips from send to reply taken, overlapped or not
+        # a message sent ahead (overlap): each send's and each reply's taking host seconds, in order
+        self.sends_s: list[float] = []
+        self.takes_s: list[float] = []
         # the last step's phases (seconds): plan (scheduling, hashing), rt (kvd round trip), inputs
         # (token ids), meta (kvd's metadata), launch (the forward's), model (the launch and, with
         # overlap, the next step's plan and send), gpu (launch to the forward's end on the GPU, when

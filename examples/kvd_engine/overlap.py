@@ -83,6 +83,7 @@ class OverlapMixin:
         pending = self.c.start_step(msg)
         t2 = time.perf_counter()
         self.kvd_s += t2 - t1
+        self.sends_s.append(t2 - t1)
         self.ahead_steps += 1
         self._ahead = (*ahead, pending, t1 - t0, t1, steady)
         return t1, t2
@@ -95,6 +96,7 @@ class OverlapMixin:
         res = pending.result()
         t1 = time.perf_counter()
         self.kvd_s += t1 - t0
+        self.takes_s.append(t1 - t0)
         self.kvd_wall_s += t1 - t_sent
         self._took = (t0, t1)
         self._ahead = (*ahead, res, plan_s, t1 - t_sent, steady)
