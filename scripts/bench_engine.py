@@ -20,7 +20,8 @@ counts only the part of the round trips (a round trip sent ahead: its send and t
 reply) after the forward it overlapped had finished on the GPU, and all of the metadata built while
 the GPU waits (a steady step whose inputs the last forward's graph advanced on the device builds
 none: ``Bucket.advance``); both count the timed steps only, not the frees of the finished batch
-after them. ``--steps-per-message K,...`` (default 8,16; 1: none): the daemon's engine runs once
+after them; each message sent ahead in the timed steps is reported too (the engine thread's send and
+taking of its reply: ``ahead_send_us_p50_max``, ``ahead_take_us_p50_max``). ``--steps-per-message K,...`` (default 8,16; 1: none): the daemon's engine runs once
 more per K with multi-step windows (one message per K steady steps, ``Engine(steps_per_message=K)``),
 its tokens checked equal to the per-step run's; the daemon polls ``--daemon-busy-poll-us`` (20 ms)
 and keeps its admission path warm while it idles (``--daemon-warm-every-us``, kvd serve's default)
