@@ -730,6 +730,8 @@ def _io_policy_allowed() -> bool:
     """Whether this process may give a thread ``IO_THREAD_POLICY`` (tried once, on a throwaway
     thread): libzmq aborts the process when its I/O thread's policy cannot be set."""
     global _io_policy_ok
+    if _io_policy_ok is None and IO_THREAD_POLICY is None:
+        _io_policy_ok = False
     if _io_policy_ok is None:
         ok = []
 
@@ -743,7 +745,7 @@ def _io_policy_allowed() -> bool:
         t = threading.Thread(target=probe, name="kvd-policy-probe", daemon=True)
         t.start()
         t.join()
-        _io_policy_ok = IO_THREAD_POLICY is not None and bool(ok)
+        _io_policy_ok = bool(ok)
     return _io_policy_ok
 
 DEFAULT_BUSY_POLL_US = 1000

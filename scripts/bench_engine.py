@@ -21,11 +21,12 @@ reply) after the forward it overlapped had finished on the GPU, and all of the m
 the GPU waits (a steady step whose inputs the last forward's graph advanced on the device builds
 none: ``Bucket.advance``); both count the timed steps only, not the frees of the finished batch
 after them; each message sent ahead in the timed steps is reported too (the engine thread's send and
-taking of its reply: ``ahead_send_us_p50_max``, ``ahead_take_us_p50_max``). ``--steps-per-message K,...`` (default 8,16; 1: none): the daemon's engine runs once
-more per K with multi-step windows (one message per K steady steps, ``Engine(steps_per_message=K)``),
-its tokens checked equal to the per-step run's; the daemon polls ``--daemon-busy-poll-us`` (20 ms)
-and keeps its admission path warm while it idles (``--daemon-warm-every-us``, kvd serve's default)
-after each message; with ``--pin`` (default on 4+ CPUs) the engine has a CPU of its own and its
+taking of its reply: ``ahead_send_us_p50_max``, ``ahead_take_us_p50_max``).
+``--steps-per-message K,...`` (default 8,16; 1: none): the daemon's engine runs once more per K
+with multi-step windows (one message per K steady steps, ``Engine(steps_per_message=K)``), its
+tokens checked equal to the per-step run's; the daemon polls ``--daemon-busy-poll-us`` (20 ms) and
+keeps its admission path warm while it idles (``--daemon-warm-every-us``, kvd serve's default) after
+each message; with ``--pin`` (default on 4+ CPUs) the engine has a CPU of its own and its
 clients wait for replies by polling (``--client-busy-poll-us``). Tokens: the daemon run's tokens vs
 per-request HF generate (identity required in float32, agreement reported in bf16). TTFT: engine B
 (its own kvd session) admits a prompt sharing engine A's ``--prefix``-token system prompt after A
@@ -113,8 +114,7 @@ def _decode_run(eng, prompts, steps, dev):
             "overlap_exposed_ms_p50_p99_max": [round(float(x), 3) for x in np.percentile(exposed, [50, 99, 100])],
             # each message sent ahead in the timed steps: the engine thread's send and taking of its reply
             "ahead_messages_timed": int(sends.size),
-            "ahead_send_us_p50_max": [round(float(np.median(sends)), 1), round(float(sends.max()), 1)] if sends.size else None,
-            "ahead_take_us_p50_max": [round(float(np.median(takes)), 1), round(float(takes.max()), 1)] if takes.size else None,
+            "ahead_send_us_p50_max": _p50_max(sends), "ahead_take_us_p50_max": _p50_max(takes),
             "steps_sent_ahead": eng.ahead_steps, "steady_steps": steady, "prehashed_blocks": eng.prehashed_blocks,
             "gc_collections_in_timed_steps": gc_timed,
             "graph_replays": eng.graphs.replays if eng.graphs else 0,
@@ -137,6 +137,10 @@ def _hf_run(model, prompts, steps, dev):
     gen(1)  # warm-up
     wall = gen(steps + 1) - gen(1)
     return {"step_ms": wall / steps * 1e3, "tokens_per_s": len(prompts) * steps / wall}
+
+
+def _p50_max(us: np.ndarray) -> list[float] | None:
+    return [round(float(np.median(us)), 1), round(float(us.max()), 1)] if us.size else None
 
 
 def _per_message(run: dict) -> str:
