@@ -88,7 +88,9 @@ def _decode_run(eng, prompts, steps, dev):
     # H200 host); the timed steps then start in the steady state they measure
     eng.step()
     k0, m0, x0, mx0, s0 = eng.kvd_s, eng.meta_s, eng.kvd_exposed_s, eng.meta_exposed_s, eng.steady_steps
-    w0, n_sends, n_takes = eng.kvd_wall_s, len(eng.sends_s), len(eng.takes_s)
+    w0 = eng.kvd_wall_s
+    eng.sends_s.clear()  # the timed steps' messages only
+    eng.takes_s.clear()
     phases = []
     gc0 = gcheap.status()["collections"]
     t0 = time.perf_counter()
@@ -102,7 +104,7 @@ def _decode_run(eng, prompts, steps, dev):
     # round trips come after the wall clock stopped)
     kvd_s, meta_s, wall_rt = eng.kvd_s - k0, eng.meta_s - m0, eng.kvd_wall_s - w0
     rt_x, meta_x, steady = eng.kvd_exposed_s - x0, eng.meta_exposed_s - mx0, eng.steady_steps - s0
-    sends, takes = np.array(eng.sends_s[n_sends:]) * 1e6, np.array(eng.takes_s[n_takes:]) * 1e6
+    sends, takes = np.array(eng.sends_s) * 1e6, np.array(eng.takes_s) * 1e6
     eng.run()
     n = len(prompts)
     exposed = np.array([p.get("rt_exposed", 0.0) for p in phases]) * 1e3

@@ -51,14 +51,17 @@ def test_decode_run_counts_only_the_timed_steps():
     class Counting:
         kvd_s = meta_s = kvd_exposed_s = meta_exposed_s = kvd_wall_s = 0.0
         steady_steps = ahead_steps = prehashed_blocks = 0
-        sends_s = [0.5]  # a message of the untimed steps: not in the figures
-        takes_s = [0.5]
         graphs = None
         reqs: dict = {}
         phases: dict = {}
 
+        def __init__(self):
+            self.sends_s, self.takes_s = [0.5], [0.5]  # a message before the timed steps: not in the figures
+            self.calls = 0
+
         def step(self):
-            self.sends_s.append(1e-5 * (len(self.sends_s) + 1))  # 20, 30 µs untimed, then 40 .. 70
+            self.calls += 1
+            self.sends_s.append(1e-5 * self.calls)  # 10, 20 µs in the two untimed steps, then 30 .. 60
             self.takes_s.append(4e-5)
             self.kvd_s += 0.001
             self.kvd_wall_s += 0.003
@@ -80,5 +83,5 @@ def test_decode_run_counts_only_the_timed_steps():
     assert out["meta_ms"] == pytest.approx(0.5) and out["meta_exposed_ms"] == 0.0
     assert out["steady_steps"] == 4
     assert out["ahead_messages_timed"] == 4
-    assert out["ahead_send_us_p50_max"] == [55.0, 70.0] and out["ahead_take_us_p50_max"] == [40.0, 40.0]
+    assert out["ahead_send_us_p50_max"] == [45.0, 60.0] and out["ahead_take_us_p50_max"] == [40.0, 40.0]
     assert out["overlap_exposed_ms_p50_p99_max"] == [0.2, 0.2, 0.2]

@@ -21,6 +21,7 @@ engine's own (``OwnedKv``: the engine performs ``res.copies`` and the swap copie
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import numpy as np
 import torch
@@ -37,6 +38,9 @@ from .state import DONE, PREFILL, RUNNING, SWAPPED, WAITING, OwnedKv, Request, d
 from .steady import SteadyBatch
 
 __all__ = ["Engine", "OwnedKv", "Request", "daemon_kv", "WAITING", "PREFILL", "RUNNING", "SWAPPED", "DONE"]
+
+
+MESSAGE_TIMES = 1 << 14
 
 
 class Engine(ForwardMixin, OverlapMixin):
@@ -99,9 +103,10 @@ class Engine(ForwardMixin, OverlapMixin):
         self.meta_s = 0.0  # ... and building slots / table views / varlen layout from its answer
         self.meta_exposed_s = 0.0  # the part of meta_s the GPU waited for (not done during a forward)
         self.kvd_wall_s = 0.0  # the round trips from send to reply taken, overlapped or not
-        # a message sent ahead (overlap): each send's and each reply's taking host seconds, in order
-        self.sends_s: list[float] = []
-        self.takes_s: list[float] = []
+        # a message sent ahead (overlap): each send's and each reply's taking host seconds, the
+        # latest MESSAGE_TIMES of each (a serving engine sends messages for days)
+        self.sends_s: deque[float] = deque(maxlen=MESSAGE_TIMES)
+        self.takes_s: deque[float] = deque(maxlen=MESSAGE_TIMES)
         # the last step's phases (seconds): plan (scheduling, hashing), rt (kvd round trip), inputs
         # (token ids), meta (kvd's metadata), launch (the forward's), model (the launch and, with
         # overlap, the next step's plan and send), gpu (launch to the forward's end on the GPU, when
