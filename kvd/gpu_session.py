@@ -78,24 +78,32 @@ PAD_SLOT_ID = -1
 IPC_EVENT_SHM_DIR = "/dev/shm"
 
 
-def remove_ipc_event_files(pid: int | None = None, shm_dir: str = IPC_EVENT_SHM_DIR) -> list[str]:
-    """Unlink the CUDA driver's interprocess-event files of process ``pid`` (default: this one);
-    their names. For a process that exports event handles, once nobody will open them again (the
-    daemon at exit: its clients mapped theirs when they opened them)."""
+def ipc_event_files(pid: int | None = None, shm_dir: str = IPC_EVENT_SHM_DIR) -> list[str]:
+    """The names of the CUDA driver's interprocess-event files of process ``pid`` (default: this
+    one), sorted."""
     tag = f"{os.getpid() if pid is None else pid:x}"
     try:
         names = os.listdir(shm_dir)
     except FileNotFoundError:
         return []
+    return sorted(n for n in names if _is_event_file_of(n.split("."), tag))
+
+
+def _is_event_file_of(parts: list[str], pid_hex: str) -> bool:
+    return len(parts) == 5 and parts[:2] == ["cuda", "shm"] and parts[3] == pid_hex
+
+
+def remove_ipc_event_files(pid: int | None = None, shm_dir: str = IPC_EVENT_SHM_DIR) -> list[str]:
+    """Unlink the CUDA driver's interprocess-event files of process ``pid`` (default: this one);
+    their names. For a process that exports event handles, once nobody will open them again (the
+    daemon at exit: its clients mapped theirs when they opened them)."""
     removed = []
-    for name in names:
-        parts = name.split(".")
-        if len(parts) == 5 and parts[:2] == ["cuda", "shm"] and parts[3] == tag:
-            try:
-                os.unlink(os.path.join(shm_dir, name))
-                removed.append(name)
-            except FileNotFoundError:
-                pass
+    for name in ipc_event_files(pid, shm_dir):
+        try:
+            os.unlink(os.path.join(shm_dir, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
     return removed
 
 

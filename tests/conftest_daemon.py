@@ -35,15 +35,6 @@ def shm_segments(pid: int | None = None) -> list[str]:
     return sorted(n for n in names if n.startswith(pre))
 
 
-def ipc_event_files(pid: int) -> list[str]:
-    """The CUDA driver's interprocess-event files of process ``pid`` (kvd.gpu_session)."""
-    try:
-        names = os.listdir("/dev/shm")
-    except FileNotFoundError:
-        return []
-    return sorted(n for n in names if n.startswith("cuda.shm.") and n.split(".")[3:4] == [f"{pid:x}"])
-
-
 class DaemonProc:
     """One ``python -m kvd serve`` process on ipc://<runtime_dir>/kvd.sock."""
 

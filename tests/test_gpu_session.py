@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from conftest_daemon import REPO, daemon_factory, ipc_event_files, shm_segments, short_tmp  # noqa: F401
-from kvd.gpu_session import ChangeTracker, arena_layout, stage_slot_inputs
+from conftest_daemon import REPO, daemon_factory, shm_segments, short_tmp  # noqa: F401
+from kvd.gpu_session import ChangeTracker, arena_layout, ipc_event_files, stage_slot_inputs
 
 
 def _apply_ref(tables, counts2d, groups, rows, starts, offsets, ids, n):
