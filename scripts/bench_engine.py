@@ -93,6 +93,7 @@ def _decode_run(eng, prompts, steps, dev):
     eng.takes_s.clear()
     phases = []
     gc0 = gcheap.status()["collections"]
+    cap0 = eng.graphs.captures if eng.graphs else 0
     t0 = time.perf_counter()
     for _ in range(steps):
         eng.step()
@@ -100,6 +101,7 @@ def _decode_run(eng, prompts, steps, dev):
     _sync(dev)
     wall = time.perf_counter() - t0
     gc_timed = [b - a for a, b in zip(gc0, gcheap.status()["collections"])]
+    captured = (eng.graphs.captures if eng.graphs else 0) - cap0
     # kvd's figures of the timed steps only: read before run() frees the finished batch (those
     # round trips come after the wall clock stopped)
     kvd_s, meta_s, wall_rt = eng.kvd_s - k0, eng.meta_s - m0, eng.kvd_wall_s - w0
@@ -120,8 +122,19 @@ def _decode_run(eng, prompts, steps, dev):
             "steps_sent_ahead": eng.ahead_steps, "steady_steps": steady, "prehashed_blocks": eng.prehashed_blocks,
             "gc_collections_in_timed_steps": gc_timed,
             "graph_replays": eng.graphs.replays if eng.graphs else 0,
+            "graph_captures_in_timed_steps": captured,
             "phases_p50_ms": {k: round(float(np.median([p.get(k, 0.0) for p in phases])) * 1e3, 3)
                               for k in sorted({k for p in phases for k in p})}}
+
+
+def _host_cpu() -> str:
+    """The host's CPU model and count: the engine targets' figures differ by host (session 28)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+    except OSError:
+        model = "?"
+    return f"{model} x{os.cpu_count()}"
 
 
 def _hf_run(model, prompts, steps, dev):
@@ -363,6 +376,10 @@ def main(argv=None) -> int:
         checks["float32_tokens_identical"] = all(r["token_agreement"] == 1.0 for r in rows.values())
     checks["inproc_equals_daemon"] = all(r["inproc_tokens_equal_daemon"] for r in rows.values())
     checks["windows_equal_daemon"] = all(r["windows_tokens_equal_daemon"] for r in rows.values())
+    # a capture inside the timed steps would time the capture, not the steady step
+    checks["no_graph_capture_in_timed_steps"] = all(
+        run["graph_captures_in_timed_steps"] == 0 for r in rows.values()
+        for run in (r["daemon"], r["inproc"], *r["daemon_windows"].values()))
     big = rows[max(cfg["batches"])]["daemon"]
     bigw = rows[max(cfg["batches"])]["daemon_windows"]
     print(f"TTFT {cfg['prefix']}-token prefix (median of {len(ttft['rounds_ms'])} rounds): cold "
@@ -372,7 +389,7 @@ def main(argv=None) -> int:
     if ttft_all is not None:
         print(f"  every step graphed (honesty): cold {ttft_all['ttft_cold_ms']:.1f} ms, hit {ttft_all['ttft_hit_ms']:.1f} "
               f"ms ({ttft_all['ttft_hit_ms'] / ttft_all['ttft_cold_ms']:.3f}x)")
-    out = {"device": str(dev), "dtype": cfg["dtype"], "layers": cfg["layers"], "hidden": cfg["hidden"],
+    out = {"device": str(dev), "host_cpu": _host_cpu(), "dtype": cfg["dtype"], "layers": cfg["layers"], "hidden": cfg["hidden"],
            "heads": [cfg["heads"], cfg["kv_heads"]], "prompt": cfg["prompt"], "decode_steps": cfg["steps"],
            "graph_tokens": gt, "overlap": not args.no_overlap, "prestage": not args.no_prestage, "kvd_slots": args.kvd_slots,
            "fused": not args.no_fused and dev.type == "cuda",
