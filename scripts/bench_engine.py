@@ -310,6 +310,10 @@ def main(argv=None) -> int:
         d.start(timeout=180)  # a CUDA daemon imports torch and creates its context first
         if engine_cpu is not None:  # after the daemon started: it inherits nothing from this thread
             os.sched_setaffinity(0, {engine_cpu})
+            # torch's intra-op (OpenMP) threads start later and inherit the one CPU: on an H200 host
+            # 16 of them there turned the in-process engine's host-table staging from 0.1 into
+            # 62-127 ms a step once its tables were 12 blocks wide (`--steps 128`)
+            torch.set_num_threads(1)
         warm = {f"w{i}": rng.integers(1, cfg["vocab"], cfg["prompt"]).tolist() for i in range(2)}
         with Client(d.endpoint, name="bench", slot_mapping=args.kvd_slots, **io) as c:  # numba compiles, CUDA contexts
             _decode_run(Engine(c, model, device=dev, **eng_opts), warm, 2, dev)
@@ -389,7 +393,7 @@ def main(argv=None) -> int:
     if ttft_all is not None:
         print(f"  every step graphed (honesty): cold {ttft_all['ttft_cold_ms']:.1f} ms, hit {ttft_all['ttft_hit_ms']:.1f} "
               f"ms ({ttft_all['ttft_hit_ms'] / ttft_all['ttft_cold_ms']:.3f}x)")
-    out = {"device": str(dev), "host_cpu": _host_cpu(), "dtype": cfg["dtype"], "layers": cfg["layers"], "hidden": cfg["hidden"],
+    out = {"device": str(dev), "host_cpu": _host_cpu(), "torch_threads": torch.get_num_threads(), "dtype": cfg["dtype"], "layers": cfg["layers"], "hidden": cfg["hidden"],
            "heads": [cfg["heads"], cfg["kv_heads"]], "prompt": cfg["prompt"], "decode_steps": cfg["steps"],
            "graph_tokens": gt, "overlap": not args.no_overlap, "prestage": not args.no_prestage, "kvd_slots": args.kvd_slots,
            "fused": not args.no_fused and dev.type == "cuda",
