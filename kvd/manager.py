@@ -78,6 +78,14 @@ _NO_REQ_ID = object()
 """Stands for the request of ``can_allocate`` (which has no id) in the checks ``allocate`` makes."""
 
 
+def warm_up() -> None:
+    """Compile (or load from numba's disk cache) every compiled loop a manager runs. numba loads a
+    loop on its first call, 4-10 ms each on the box: a process that times or serves steps calls
+    this once first (the daemon at start), or its first step of each kind pays for it."""
+    rowloops.warm_up()
+    prefixindex.warm_up()
+
+
 def _cdiv(a, b):
     return -(-a // b)
 

@@ -43,7 +43,7 @@ import numpy as np
 import zmq
 
 from kvd import protocol as P
-from kvd import gcheap, prefixindex, rowloops
+from kvd import gcheap, rowloops
 from kvd.api import (
     PAD_SLOT_ID,
     STATUS_NEVER,
@@ -175,7 +175,7 @@ def resolve_group(name: str) -> int:
 
 class Daemon:
     def __init__(self, config: Any):
-        from kvd.manager import BlockManager
+        from kvd.manager import BlockManager, warm_up as manager_warm_up
 
         self.config = config
         self.epoch = secrets.token_hex(P.EPOCH_BYTES // 2)
@@ -203,8 +203,7 @@ class Daemon:
                                    "(MemAvailable, or the cgroup's limit): lower num_gpu_blocks, max_num_reqs or "
                                    "max_model_len")
         self.manager = BlockManager(self.mcfg)
-        rowloops.warm_up()  # compile now, not on the first step served
-        prefixindex.warm_up()
+        manager_warm_up()  # compile now, not on the first step served
         if not rowloops.HAVE_NUMBA:
             log.warning("numba is not installed: the per-request loops run as plain Python (decode "
                         "steps ~10x slower, see the README); pip install 'kvd[fast]'")

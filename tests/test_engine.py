@@ -153,6 +153,20 @@ def test_in_process_block_manager_matches_hf():
     assert c.stats()["num_requests"] == 0
 
 
+def test_in_process_client_loads_the_managers_compiled_loops_first(monkeypatch):
+    """As a daemon does at start (kvd.manager.warm_up), before the manager exists: else each loop
+    loads inside the first step that calls it, a step of the engine's timed ones."""
+    import kvd_engine.inproc as inproc
+
+    calls = []
+    real = inproc.BlockManager
+    monkeypatch.setattr(inproc, "warm_up", lambda: calls.append("warm_up"))
+    monkeypatch.setattr(inproc, "BlockManager", lambda cfg: calls.append("manager") or real(cfg))
+    c = InProcClient(16, BLOCK)
+    assert calls == ["warm_up", "manager"]
+    assert c.stats()["num_requests"] == 0
+
+
 def test_kv_cache_serves_several_groups_of_one_block_size():
     ServeConfig(kv_cache="2,2,16,float32", kv_groups="8,8:12")
     with pytest.raises(ConfigError, match="one block size"):

@@ -389,3 +389,34 @@ def test_widened_counts_widens_and_totals_or_flags_a_negative_count(monkeypatch,
     assert rowloops.widened_counts(np.array([4, -1, 2], np.int32))[1] == -1
     assert rowloops.widened_counts(np.array([-2**31], np.int32), keep=False)[1] == -1
     assert rowloops.widened_counts(frame[:0])[1] == 0
+
+
+_COLD_LOOPS = """
+import json
+from kvd import prefixindex, rowloops
+from kvd.manager import warm_up
+
+def cold(mod):
+    return sorted(n for n, v in vars(mod).items()
+                  if hasattr(v, "py_func") and hasattr(v, "signatures") and not v.signatures)
+
+before = cold(rowloops) + cold(prefixindex)
+warm_up()
+print(json.dumps([before, cold(rowloops), cold(prefixindex)]))
+"""
+
+
+@pytest.mark.skipif(not rowloops.HAVE_NUMBA, reason="numba is not installed: nothing compiles")
+def test_manager_warm_up_loads_every_loop_that_python_calls():
+    """numba loads a loop at its first call (4-10 ms, inside whatever step calls it first): after
+    ``kvd.manager.warm_up`` none is left to load but the helpers only compiled code calls (a fresh
+    process, whose loops start unloaded)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _COLD_LOOPS], capture_output=True, text=True, timeout=300, check=True)
+    before, rows_cold, index_cold = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"append_batch", "plan_appends", "insert_new", "find_run", "rebuild"} <= set(before)
+    assert rows_cold == ["fork_row_state"]  # inlined into fork_rows
+    assert index_cold and all(n.startswith("_") for n in index_cold)  # the index's inner helpers

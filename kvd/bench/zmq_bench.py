@@ -340,10 +340,10 @@ class _InprocStepper:
 
     def __init__(self, spec: WorkloadSpec, num_blocks: int):
         from kvd import rowloops
-        from kvd.manager import BlockManager
+        from kvd.manager import BlockManager, warm_up
         from kvd_kernels import slot_mapping_from_ranges_ref
 
-        rowloops.warm_up()
+        warm_up()
 
         self.m = BlockManager(ManagerConfig(
             num_gpu_blocks=num_blocks, groups=(GroupSpec(spec.block_size),),
