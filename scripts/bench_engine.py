@@ -393,7 +393,8 @@ def main(argv=None) -> int:
     if ttft_all is not None:
         print(f"  every step graphed (honesty): cold {ttft_all['ttft_cold_ms']:.1f} ms, hit {ttft_all['ttft_hit_ms']:.1f} "
               f"ms ({ttft_all['ttft_hit_ms'] / ttft_all['ttft_cold_ms']:.3f}x)")
-    out = {"device": str(dev), "host_cpu": _host_cpu(), "torch_threads": torch.get_num_threads(), "dtype": cfg["dtype"], "layers": cfg["layers"], "hidden": cfg["hidden"],
+    out = {"device": str(dev), "host_cpu": _host_cpu(), "torch_threads": torch.get_num_threads(),
+           "dtype": cfg["dtype"], "layers": cfg["layers"], "hidden": cfg["hidden"],
            "heads": [cfg["heads"], cfg["kv_heads"]], "prompt": cfg["prompt"], "decode_steps": cfg["steps"],
            "graph_tokens": gt, "overlap": not args.no_overlap, "prestage": not args.no_prestage, "kvd_slots": args.kvd_slots,
            "fused": not args.no_fused and dev.type == "cuda",
