@@ -730,8 +730,8 @@ def _io_policy_allowed() -> bool:
     """Whether this process may give a thread ``IO_THREAD_POLICY`` (tried once, on a throwaway
     thread): libzmq aborts the process when its I/O thread's policy cannot be set."""
     global _io_policy_ok
-    if _io_policy_ok is None and IO_THREAD_POLICY is None:
-        _io_policy_ok = False
+    if IO_THREAD_POLICY is None:
+        return False
     if _io_policy_ok is None:
         ok = []
 

@@ -93,7 +93,7 @@ def _decode_run(eng, prompts, steps, dev):
     eng.takes_s.clear()
     phases = []
     gc0 = gcheap.status()["collections"]
-    cap0 = eng.graphs.captures if eng.graphs else 0
+    cap0 = _captures(eng)
     t0 = time.perf_counter()
     for _ in range(steps):
         eng.step()
@@ -101,7 +101,7 @@ def _decode_run(eng, prompts, steps, dev):
     _sync(dev)
     wall = time.perf_counter() - t0
     gc_timed = [b - a for a, b in zip(gc0, gcheap.status()["collections"])]
-    captured = (eng.graphs.captures if eng.graphs else 0) - cap0
+    captured = _captures(eng) - cap0
     # kvd's figures of the timed steps only: read before run() frees the finished batch (those
     # round trips come after the wall clock stopped)
     kvd_s, meta_s, wall_rt = eng.kvd_s - k0, eng.meta_s - m0, eng.kvd_wall_s - w0
@@ -125,6 +125,10 @@ def _decode_run(eng, prompts, steps, dev):
             "graph_captures_in_timed_steps": captured,
             "phases_p50_ms": {k: round(float(np.median([p.get(k, 0.0) for p in phases])) * 1e3, 3)
                               for k in sorted({k for p in phases for k in p})}}
+
+
+def _captures(eng) -> int:
+    return eng.graphs.captures if eng.graphs else 0
 
 
 def _host_cpu() -> str:
