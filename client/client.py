@@ -446,6 +446,8 @@ class _Core:
             fields["kv_shared"] = True
         if not self._want_slots:
             fields["slots"] = False
+        if self._want_gpu is False:  # the daemon then neither allocates nor writes device buffers
+            fields["gpu"] = False
         return P.HELLO, fields, []
 
     @property
@@ -863,7 +865,8 @@ class Client(_Core):
         the README, "Sharing"). ``name``: shown by ``kvd status``. ``timeout_s`` per attempt, ``retries`` more
         attempts (a retried request is applied once). ``heartbeat``: renew the lease from a
         background thread. ``gpu``: map the daemon's CUDA-IPC buffers (None: when it has a GPU
-        pool and torch can; True: required; False: never). ``busy_poll_us``: wait for each reply
+        pool and torch can; True: required; False: never, and the daemon then keeps none for this
+        session: no device memory, no GPU writes after its replies). ``busy_poll_us``: wait for each reply
         this long by polling (yielding the CPU) before sleeping in recv, which costs a wake-up
         (None: ``DEFAULT_BUSY_POLL_US`` with at least ``BUSY_POLL_MIN_CPUS`` CPUs to run on, else 0:
         on fewer, a polling engine takes the CPU the daemon and the other engines need).

@@ -57,7 +57,10 @@ hello      hdr: tenant (str, <= 256 chars; "" = the peer's own, see kvd.tenancy)
            memory is shared with the tenant's other sessions, so their prefix caches may be one),
            slots (bool, default true: every reply's slot mapping is written into the session's
            buffers; false: none is, the engine computes its slots from the block tables itself, the
-           daemon skips that work and its GPU launch, and replies say nt = 0 for every group).
+           daemon skips that work and its GPU launch, and replies say nt = 0 for every group),
+           gpu (bool, default true: with a GPU pool the daemon mirrors the session's tables, counts
+           and slot mappings into device buffers after every reply; false: the engine reads its
+           tables from shared memory only, and the daemon neither allocates nor writes them).
            frames: none. reply hdr: sid, epoch, shm (segment name), layout (dict, see kvd.shm),
            block_sizes, max_reqs, max_blocks, max_tokens, lease_s, hb_s (heartbeat interval),
            tenant (the tenant granted), shared (bool: the session's prefix cache is its tenant's
@@ -67,7 +70,8 @@ hello      hdr: tenant (str, <= 256 chars; "" = the peer's own, see kvd.tenancy)
            replies write slot mappings).
            A retried hello (same nonce, same peer uid) returns the same session. A tenant the
            peer's credentials do not open -> Unauthorized.
-           With a GPU pool (daemon ``--device cuda:N``, kvd.gpu_session) the reply also carries
+           With a GPU pool (daemon ``--device cuda:N``, kvd.gpu_session) and hello ``gpu`` not
+           false, the reply also carries
            ``gpu``: the CUDA IPC export of the session's device arena, made once per session with
            torch's ``UntypedStorage._share_cuda_()`` (bytes as lowercase hex strings):
              dev   int    the daemon's CUDA device index      uuid  str  that device's UUID (the

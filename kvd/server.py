@@ -571,12 +571,15 @@ class Daemon:
         pid = P.get_int(h, "pid", 0)
         kv_shared = h.get("kv_shared", False)
         slots = h.get("slots", True)
+        gpu = h.get("gpu", True)
         if frames:
             raise ProtocolError("hello carries no frames")
         if type(kv_shared) is not bool:
             raise ProtocolError("hello: kv_shared must be a boolean")
         if type(slots) is not bool:
             raise ProtocolError("hello: slots must be a boolean")
+        if type(gpu) is not bool:
+            raise ProtocolError("hello: gpu must be a boolean")
         tenant = tenant_for(claimed, peer, self.tenant_rules)
         uid = peer.uid if peer is not None else None
         if nonce and nonce in self.by_nonce and self.by_nonce[nonce] in self.sessions:
@@ -586,13 +589,15 @@ class Daemon:
         else:
             if len(self.sessions) >= self.max_sessions:
                 raise ServerBusy(f"{len(self.sessions)} sessions: max_sessions reached")
-            sess = self._new_session(tenant, kv_shared or self.kv is not None, uid, name, pid, nonce, ident)
+            sess = self._new_session(tenant, kv_shared or self.kv is not None, uid, name, pid, nonce, ident, gpu)
             sess.slot_mapping = slots
         sess.last_seq = seq
         sess.last_reply = None
         return [self._session_reply(sess, seq)]
 
-    def _new_session(self, tenant: str, shared: bool, uid, name: str, pid: int, nonce: str, ident: bytes) -> Session:
+    def _new_session(self, tenant: str, shared: bool, uid, name: str, pid: int, nonce: str, ident: bytes,
+                     gpu: bool = True) -> Session:
+        """A new session; ``gpu`` false: no device buffers even with a GPU pool (hello ``gpu``)."""
         # session ids are unguessable: they are the only credential of a session on the socket
         sid = secrets.randbits(62) | 1
         while sid in self.sessions:
@@ -612,7 +617,7 @@ class Daemon:
             block_sizes=self.block_sizes, epoch=self.epoch, mode=SEGMENT_MODE, gid=self.gid,
         )
         sess = Session(sid, tenant, ns, writer, uid, name, pid, nonce, shm, self.max_reqs, self.G, ident)
-        if self.gpu_pool is not None:
+        if self.gpu_pool is not None and gpu:
             try:
                 sess.gpu = self.gpu_pool.new_session()
             except Exception as e:

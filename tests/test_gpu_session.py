@@ -146,7 +146,8 @@ def _inproc_client(d, **opts):
 
         _do = Client._do
 
-    c = InProc("inproc://x", heartbeat=False, gpu=False, **opts)
+    # gpu None: the emulated pool exports nothing to map, and the daemon mirrors the session
+    c = InProc("inproc://x", heartbeat=False, **{"gpu": None, **opts})
     op, fields, frames = c._hello_msg()
     h, _ = c._call(op, fields, frames, sid=0)
     c._on_session(h)
@@ -274,6 +275,59 @@ def test_a_session_without_slot_mappings_launches_nothing_for_a_step_that_change
     finally:
         for s in list(d.sessions.values()):
             d.end_session(s, "test")
+
+
+def test_a_session_that_says_gpu_false_gets_no_device_buffers_and_costs_no_flush():
+    """hello ``gpu`` false (``Client(gpu=False)``): the daemon keeps no device buffers for the
+    session and flushes nothing after its replies, while a session beside it is mirrored as
+    before; its shared memory is the same as the mirrored session's for the same steps."""
+    from kvd.api import AdmitRequest, StepBatch
+
+    d = _emulated_daemon(((4, 0),))
+    try:
+        host = _inproc_client(d, gpu=False)
+        mirrored = _inproc_client(d)
+        assert d.sessions[host.sid].gpu is None and d.sessions[mirrored.sid].gpu is not None
+        flushes = d.gpu_pool.stats()["flushes"]
+        for c in (host, mirrored):
+            c._do(c._req_step(StepBatch(admit=[AdmitRequest("a", 6), AdmitRequest("b", 3)])))
+            for _ in range(3):
+                c._do(c._req_step(StepBatch(append_rows=c.rows_of(["a", "b"]), append_num_tokens=1)))
+            if c is host:
+                assert d.gpu_pool.stats()["flushes"] == flushes
+        assert d.gpu_pool.stats()["flushes"] == flushes + 4  # each of its 4 steps wrote a slot mapping
+        hs, ms = d.sessions[host.sid].shm, d.sessions[mirrored.sid].shm
+        assert hs.counts[0].tolist()[:2] == ms.counts[0].tolist()[:2] == [3, 2]
+        ra, rb = host.rows_of(["a", "b"])  # the last step's slots: a at position 8, b at 5
+        assert hs.slot_array[0, :3].tolist() == [hs.tables[0][ra, 2] * 4, hs.tables[0][rb, 1] * 4 + 1, -1]
+        g = d.sessions[mirrored.sid].gpu
+        assert np.array_equal(g.tables[0].numpy(), ms.tables[0]) and np.array_equal(g.slots.numpy(), ms.slot_array)
+    finally:
+        for s in list(d.sessions.values()):
+            d.end_session(s, "test")
+
+
+def test_hello_gpu_must_be_a_boolean():
+    from kvd import protocol as P
+    from kvd.server import Daemon
+
+    d = Daemon(_HelloCfg)
+    try:
+        rep = d.handle([b"id", P.request(P.HELLO, 0, 1, tenant="", name="x", pid=0, gpu="no")])
+        h = P.parse_reply(rep[0])
+        assert h.get("ok") != 1 and "gpu must be a boolean" in h["msg"] and not d.sessions
+    finally:
+        for s in list(d.sessions.values()):
+            d.end_session(s, "test")
+
+
+class _HelloCfg:
+    block_size = 4
+    num_gpu_blocks = 16
+    max_model_len = 32
+    max_num_reqs = 4
+    max_reqs_per_session = 4
+    max_num_batched_tokens = 32
 
 
 def test_staging_waits_for_the_last_flushs_event():
