@@ -79,6 +79,25 @@ def test_graphs_through_a_gpu_daemon_match_hf(daemon_factory, overlap, slot_mapp
                 assert rd.lookup(c.hash_prompt(seq)) == len(seq) // BLOCK, rid
 
 
+def test_graphs_with_the_daemons_host_tables_match_hf(daemon_factory):
+    """A session opened with gpu=False on a GPU daemon: the daemon keeps no device buffers for it
+    (no flush at all), the engine's graphs read its shared-memory tables, staged per step."""
+    _cuda()
+    d = daemon_factory(wait=False, device="cuda:0", tenants=f"t=uid:{os.getuid()}", **DAEMON)
+    d.wait_ready(300)
+    model = model_of(LLAMA).to("cuda")
+    prompts = _prompts(14)
+    with Client(d.endpoint, tenant="t", name="host-tables", steps_in_flight=1, timeout_s=300.0, gpu=False,
+                slot_mapping=False) as c:
+        assert c.gpu is None and c.kv_cache is not None  # the daemon's KV cache, the tables from shm
+        flushes = c.stats()["gpu_flush"]["flushes"]  # the daemon's warm-up made one
+        eng = Engine(c, model, device="cuda", max_tokens=48, graph_tokens=16, overlap=True, prestage=True)
+        _drive(eng, prompts, 12)
+        assert eng.graphs.table_width > 0 and 0 < eng.graphs.replays < eng.forwards
+        assert_matches_hf(model, eng, prompts, 12)
+        assert c.stats()["gpu_flush"]["flushes"] == flushes
+
+
 def test_graphs_with_host_tables_match_hf():
     _cuda()
     model = model_of(LLAMA).to("cuda")

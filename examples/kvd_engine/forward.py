@@ -10,6 +10,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from .graphs import TableRows
 from .inputs import varlen_layout
 from .model import StepMeta, use_paged
 from .state import PREFILL, RUNNING
@@ -108,11 +109,14 @@ class ForwardMixin:
             rep = np.repeat(np.arange(n, dtype=np.int64), spans[1])
         tables = self._tables()
         host_tables = tables[0].device.type != dev.type
-        if host_tables:  # host tables, device model: only the scheduled rows' used columns move
+        graphs = self.graphs if self.graphs is not None and self.graphs.fits(total) else None
+        if host_tables and graphs is not None:  # the bucket gathers the rows into its pinned buffers
+            tables = TableRows([t.numpy() for t in tables], rows, -(-int(seq_lens.max()) // self.bs))
+            rows = np.arange(n, dtype=np.int32)
+        elif host_tables:  # host tables, device model: only the scheduled rows' used columns move
             width = -(-int(seq_lens.max()) // self.bs)
             tables = [t[torch.from_numpy(rows).long(), :width] for t in tables]
             rows = np.arange(n, dtype=np.int32)
-        graphs = self.graphs if self.graphs is not None and self.graphs.fits(total) else None
         # kvd's slot mapping: the eager forward's when it is this step's (a graph computes its own)
         wanted = spans is not None and not host_tables and not self.overlap and (graphs is None or self.check_slots)
         kvd = self._kvd_slots(res, rows, *spans) if wanted else None

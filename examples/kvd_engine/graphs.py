@@ -13,8 +13,9 @@ sampled tokens), so the copy of the last one is done::
 
     ids [Tp], positions [Tp], keep [Bp], rep [Tp], then int32 rows [Bp], seq_lens [Bp], qsl [Bp + 1]
 
-plus ``slots`` int64 [G, Tp] and, when the block tables live on the host (the in-process manager),
-``tables[g]`` int32 [Bp, max_blocks]. The graph computes the slots itself, first: slot =
+plus ``slots`` int64 [G, Tp] and, when the block tables live on the host (the in-process manager, a
+session opened with ``gpu=False``), ``tables[g]`` int32 [Bp, max_blocks]: the scheduled rows' used
+columns gathered into a pinned copy of them and copied with the inputs, asynchronously. The graph computes the slots itself, first: slot =
 table[rows[rep[t]], position // block_size] * block_size + position % block_size for t < qsl[Bp] (the
 step's token count), PAD_SLOT_ID after; no host launch per step but the one copy. A bucket of one
 token per request (Tp = Bp: decode) also advances its inputs after the forward, in the graph
@@ -37,6 +38,8 @@ captures use a new memory pool (a pool whose graphs are all gone cannot take new
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -48,6 +51,15 @@ PAD_SLOT_ID = -1
 
 def pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+class TableRows(NamedTuple):
+    """Host block tables for ``GraphRunner.prepare``: the scheduled ``rows`` of ``tables`` (numpy,
+    one per group), their first ``width`` columns (what the step's sequences use)."""
+
+    tables: list
+    rows: np.ndarray
+    width: int
 
 
 class Bucket:
@@ -73,6 +85,9 @@ class Bucket:
         self.next_ids = torch.zeros(bp, dtype=torch.int64, device=device) if self.advances else None
         self.tables = [torch.zeros(bp, table_width, dtype=torch.int32, device=device)
                        for _ in range(num_groups)] if table_width else None
+        # their pinned staging (reused like ``host``; without CUDA the tables themselves)
+        self.tables_host = ([torch.zeros(bp, table_width, dtype=torch.int32, pin_memory=True)
+                             for _ in range(num_groups)] if cuda else self.tables) if table_width else None
         self.tables_now: list[torch.Tensor] | None = None  # the tables the staged step reads
         self.graph = None
         self.out = None
@@ -103,6 +118,15 @@ class Bucket:
         small[2 * bp + b + 1:3 * bp + 1] = qsl[-1]
         if self.dev is not self.host:
             self.dev.copy_(self.host, non_blocking=True)
+
+    def stage_tables(self, host: TableRows) -> None:
+        """Gather the step's table rows into the pinned buffers and copy them to the device tables
+        (the columns up to ``host.width``: the graph and the attention read no further)."""
+        b, w = host.rows.shape[0], host.width
+        for dst, pinned, src in zip(self.tables, self.tables_host, host.tables):
+            pinned.numpy()[:b, :w] = src[host.rows, :w]
+            if dst is not pinned:
+                dst[:b, :w].copy_(pinned[:b, :w], non_blocking=True)
 
     def stage_moving(self, ids, positions: np.ndarray, seq_lens: np.ndarray) -> None:
         """Rewrite only what moves between two steps of one steady decode batch (ids, positions,
@@ -146,8 +170,8 @@ class GraphRunner:
 
     def prepare(self, ids, positions, keep, rep, rows, seq_lens, qsl, tables, layout: int = 0) -> Bucket:
         """Stage a step into its bucket: inputs and, with host tables, the scheduled rows.
-        ``tables``: device tables (fixed addresses) or, with ``table_width``, host rows [B, width]
-        in step order (then ``rows`` must be 0..B-1). ``layout``: a steady decode batch's stamp
+        ``tables``: device tables (fixed addresses) or, with ``table_width``, a ``TableRows`` of the
+        host tables in step order (then ``rows`` must be 0..B-1). ``layout``: a steady decode batch's stamp
         (``SteadyBatch.stamp``; 0: none): when the bucket's last full staging had it, only the
         moving arrays are written."""
         t, b = positions.shape[0], rows.shape[0]
@@ -163,8 +187,7 @@ class GraphRunner:
             bk.stage(ids, positions, keep, rep, rows, seq_lens, qsl)
             bk.layout = layout
         if self.table_width:
-            for dst, src in zip(bk.tables, tables):
-                dst[:b, :src.shape[1]].copy_(src, non_blocking=False)
+            bk.stage_tables(tables)
             tables = bk.tables
         bk.tables_now = tables
         return bk
