@@ -86,6 +86,7 @@ _EMPTY_I32 = np.empty(0, np.int32)
 _EMPTY_U64 = np.empty(0, np.uint64)
 _NO_ADMITS = np.empty((0, P.ADMIT_COLS), np.int64)
 _U64_MASK = (1 << 64) - 1
+_LONE_ADMISSION_OP = True  # op_step's lean path for one admission and nothing else (tests turn it off)
 
 
 _PROF = [] if os.environ.get("KVDSRV_PROF") else None
@@ -920,6 +921,44 @@ class Daemon:
             return [P.decode_reply(seq, self.epoch_b, tick, len(copies), len(changed), ns, nt), body]
         return [P.ok_reply(seq, self.epoch, t=tick, nt=nt, nc=len(copies), nch=len(changed), nfr=0, ns=ns), body]
 
+    def _lone_admission(self, sess: Session, h: dict, frames: list[bytes], seq: int, la: int) -> list[bytes]:
+        """``op_step`` of one admission and nothing else (an idle engine's new request: its time to
+        first token): the general path's checks in its order, its manager call, state and reply
+        bytes, without parsing the empty sections or building the reply's nine empty parts
+        (``tests/test_lone_admission_op.py`` compares the two)."""
+        G = self.G
+        ntok = P.get_int(h, "an", 1, 0, P.MAX_COUNT)
+        k = 5 + 2 * G
+        adm = P.frame_array(frames[k], P.I64, P.ADMIT_COLS, "admissions")
+        hs = [self._admit_hashes(frames[k + 1 + 2 * g], frames[k + 2 + 2 * g], 1, g)[0] for g in range(G)]
+        adm_tokens, app_token_ids = self._step_token_ids(frames[P.step_frame_count(G):], 1, 0)
+        row, nt, lookahead, pri, net, mnt, tag = adm.tolist()
+        lim = self._admit_max_list
+        if not all(0 <= v <= hi for v, hi in zip((row, nt, lookahead, pri, net, mnt), lim)):
+            raise InvalidArgument("admission field out of range" if 0 <= row <= lim[0] else "admission row out of range")
+        tok = adm_tokens[0] if adm_tokens and len(adm_tokens[0]) else None
+        req = AdmitRequest(sess.base | row, nt, hs[0] if G == 1 else hs, lookahead, pri, net, mnt, tok)
+        batch = StepBatch(free=(), forks=[], append_num_tokens=ntok, append_hashes=[], append_hash_counts=[],
+                          num_lookahead_tokens=la, admit=[req], append_token_ids=app_token_ids, append_rows=_EMPTY_I32)
+        self._confirm(sess, h)
+        res = self.manager.step(batch, namespace=sess.namespace, writer=sess.writer)
+        assert not res.freed_rows.size and not res.copies.size  # an admission frees and copies nothing
+        if int(res.admit_status[0]) == STATUS_OK:
+            mr = int(res.admit_rows[0])
+            sess.mrow[row] = mr
+            self.owner_sid[mr] = sess.sid
+            self.owner_srow[mr] = row
+            sess.shm.row_tags[row] = tag & _U64_MASK  # the tag travels as int64
+        changed = self._sync_rows(sess, res.changed_rows, full=False)
+        nt_written = self._write_slots(sess, res.sched_rows, res.sched_start, res.sched_len)
+        self.was_step = True
+        self._count_step_no_space(sess, res)
+        ns = res.sched_rows.size
+        sched_s = self.owner_srow[res.sched_rows] if ns else _EMPTY_I32
+        return [P.ok_reply(seq, self.epoch, t=res.tick, nt=nt_written, nc=0, nch=len(changed), nfr=0, ns=ns),
+                b"".join((P.arr(res.admit_status, P.I16), P.arr(res.admit_cached_tokens, P.I32), P.arr(changed, P.I32),
+                          P.arr(sched_s, P.I32), P.arr(res.sched_start, P.I32), P.arr(res.sched_len, P.I32)))]
+
     def _admit_hashes(self, hashes_b: bytes, counts_b: bytes, nd: int, g: int) -> list[np.ndarray]:
         """Group ``g``'s admission hashes of a step, one array per admission."""
         R, mml = self.max_reqs, self.max_model_len
@@ -973,6 +1012,8 @@ class Daemon:
             c = P.NO_CONFIRM if h.get("c") is None else P.get_int(h, "c", None, 0, P.MAX_INT)
             return self._decode_step(sess, seq, frames[3], na, P.get_int(h, "an", 1, 0, P.MAX_COUNT), la, c,
                                      frames[5], frames[6], frames[nfr + 2], binary=False)
+        if _LONE_ADMISSION_OP and nd == 1 and not (nf or nk or na) and not any(frames[: 5 + 2 * G]):
+            return self._lone_admission(sess, h, frames, seq, la)
         # Each section is parsed only when present (or when its frame is not empty, to report it): a
         # step that only admits or only frees parses one section, not eleven.
         free_rows = self._rows(frames[0], "free rows", nf)

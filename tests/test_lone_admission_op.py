@@ -1,0 +1,131 @@
+"""The daemon's lean path for a step that is one admission and nothing else
+(``Daemon._lone_admission``) against its general ``op_step``: two identical daemons get the same
+messages, one made to take the general path; every reply (header and body bytes), error, client
+row, shared-memory table and manager table is the same after every call.
+
+Seeded random runs (prefix hits, misses, a full session, never-fits, lookahead, append counts in and
+out of range, confirmations, between decode steps and frees) and hand-made malformed admissions
+(row, fields, frame sizes, hash counts) that only a raw message can carry."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvd import protocol as P
+from kvd import server as server_mod
+from kvd.api import AdmitRequest, StepBatch
+from kvd.hashing import hash_prompt
+from kvd.server import Daemon
+from tests.test_decode_op import BS, InProc
+from tests.test_lone_admission_wire import Cfg, _admission
+
+
+class General(InProc):
+    """An in-process client whose daemon always takes ``op_step``'s general path."""
+
+    def __init__(self, d: Daemon):
+        handle = d.handle
+
+        def general(msg, identity_frame=None):
+            server_mod._LONE_ADMISSION_OP = False
+            try:
+                return handle(msg, identity_frame)
+            finally:
+                server_mod._LONE_ADMISSION_OP = True
+
+        d.handle = general
+        super().__init__(d, json=False)
+
+
+@pytest.fixture
+def pair(monkeypatch):
+    lean_runs = []
+    lean = Daemon._lone_admission
+    monkeypatch.setattr(Daemon, "_lone_admission", lambda self, *a: (lean_runs.append(1), lean(self, *a))[1])
+    daemons = [Daemon(Cfg), Daemon(Cfg)]
+    try:
+        yield InProc(daemons[0], json=False), General(daemons[1]), lean_runs
+    finally:
+        for d in daemons:
+            for s in list(d.sessions.values()):
+                d.end_session(s, "test")
+
+
+def _reply(rep: list[bytes]):
+    """A reply without what differs between two daemons (the epoch), its body frames as bytes."""
+    h = P.parse_reply(rep[0])
+    h.pop("e", None)
+    return h, [bytes(f) for f in rep[1:]]
+
+
+def _outcome(c: InProc, batch: StepBatch):
+    n = len(c.raw)
+    try:
+        res = c.step(batch)
+        out = ("ok", {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in vars(res).items()})
+    except Exception as e:  # noqa: BLE001 - the two paths must fail alike
+        out = ("error", type(e).__name__, str(e))
+    return out, [_reply(r) for r in c.raw[n:]]
+
+
+def _state(c: InProc):
+    m, shm = c.d.manager, c.shm
+    return (dict(c._row_of), sorted(c._free_rows), shm.tables[0].tolist(), shm.counts[0].tolist(),
+            shm.row_tags.tolist(), m.tables[0].tolist(), m.num_blocks[0].tolist(), m.pool.ref_cnt.tolist())
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_lean_and_general_daemon_paths_reply_and_change_the_same(pair, seed):
+    lean, general, lean_runs = pair
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(1, 500, int(rng.integers(0, 20))) for _ in range(3)]
+    live: list[str] = []
+    for k in range(60):
+        op = rng.integers(10)
+        if op < 6:
+            batch = _admission(rng, prefixes, k)
+        elif op < 8 and live:
+            batch = StepBatch(append_rows=lean.rows_of(live), append_num_tokens=1)
+        elif live:
+            batch = StepBatch(free=[live.pop(int(rng.integers(len(live))))])
+        else:
+            continue
+        outs = [_outcome(c, batch) for c in (lean, general)]
+        assert outs[0] == outs[1], (k, batch)
+        assert _state(lean) == _state(general), k
+        if outs[0][0][0] == "ok" and batch.admit and outs[0][0][1]["admit_status"] == [0]:
+            live.append(batch.admit[0].req_id)
+        live = [r for r in live if r in lean._row_of]
+    assert len(lean_runs) >= 10, len(lean_runs)  # the lean path did run (and only on one daemon)
+
+
+def _raw_admission(c: InProc, row=0, cols=None, hashes=None, counts=None, fields=None, tokens=None):
+    """A packed one-admission step sent as raw frames (what no client library call would send)."""
+    prompt = np.arange(1, 11, dtype=np.int32)
+    hs = hash_prompt(prompt, BS) if hashes is None else hashes
+    adm = np.array([cols or [row, 10, 0, 0, 0, 0, 5]], np.int64)
+    frames = [P.EMPTY] * 7 + [adm.tobytes(), hs.tobytes(),
+                              np.array([len(hs)] if counts is None else counts, np.int32).tobytes()]
+    if tokens is not None:
+        frames += [tokens.tobytes(), np.array([tokens.size], np.int32).tobytes()]
+    f = {"nf": 0, "nk": 0, "na": 0, "nd": 1, "la": 0, **(fields or {})}
+    f["fl"], body = P.pack_frames(frames)
+    seq = c._next_seq()
+    return _reply(c.d.handle([b"id", P.request(P.STEP, c.sid, seq, **f), body]))
+
+
+@pytest.mark.parametrize("case", [
+    dict(row=Cfg.max_reqs_per_session), dict(row=-1), dict(cols=[0, -1, 0, 0, 0, 0, 1]),
+    dict(cols=[0, 10, 0, 101, 0, 0, 1]), dict(cols=[0, 10, 0, 0, 0]), dict(hashes=np.zeros(3, "S7")),
+    dict(counts=[5]), dict(fields={"an": -1}), dict(fields={"la": 10 ** 9}), dict(fields={"la": -1}), dict(fields={"c": "x"}),
+    dict(tokens=np.arange(1, 11, dtype=np.int32)), dict(tokens=np.arange(1, 5, dtype=np.int32)),
+    dict(cols=[1, 10, 2, 3, 0, 0, -7]), dict(),
+], ids=lambda c: ",".join(c) or "valid")
+def test_a_malformed_lone_admission_gets_the_general_paths_error(pair, case):
+    lean, general, lean_runs = pair
+    outs = [_raw_admission(c, **case) for c in (lean, general)]
+    assert outs[0] == outs[1]
+    assert _state(lean) == _state(general)
+    # the lean path took every one but the negative lookahead (a header field, checked before)
+    assert bool(lean_runs) == (case.get("fields", {}).get("la", 0) >= 0)
