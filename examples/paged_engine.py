@@ -32,6 +32,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -270,6 +271,42 @@ DAEMON_OPTS = dict(num_gpu_blocks=64, block_size=8, max_model_len=128, max_num_r
                    max_reqs_per_session=16, max_num_batched_tokens=256, max_sessions=4)
 
 
+class ReadyListener:
+    """A datagram socket at ``path`` for a child's sd_notify messages (``NOTIFY_SOCKET``): ``wait``
+    returns once one says READY=1; the socket file goes with the context."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        self.sock.bind(self.path)
+
+    def wait(self, proc: subprocess.Popen, timeout: float) -> bool:
+        """True once READY=1 arrived; raises when ``proc`` exits first; False after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if proc.poll() is not None:
+                err = proc.stderr.read()[-2000:] if proc.stderr else ""
+                raise RuntimeError(f"kvd exited with {proc.returncode}: {err}")
+            self.sock.settimeout(min(left, 0.1))
+            try:
+                msg = self.sock.recv(4096)
+            except TimeoutError:
+                continue
+            if b"READY=1" in msg.split(b"\n"):
+                return True
+        return False
+
+    def __enter__(self) -> "ReadyListener":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()  # the daemon's later notifications then go nowhere (it never blocks on them)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
 class KvdDaemon:
     """``python -m kvd serve`` in a temp runtime dir; ``stop()`` (idempotent) ends it and removes its
     shared-memory segments and the dir, whatever state it is in."""
@@ -286,6 +323,9 @@ class KvdDaemon:
         return self.proc.pid if self.proc else None
 
     def start(self, timeout: float = 20.0) -> "KvdDaemon":
+        """Start the daemon and return once it serves: it sends READY=1 (sd_notify, kvd.systemd) to
+        a socket of ours after its socket is bound and a GPU daemon's kernels are compiled, which
+        can take longer than a client's hello waits."""
         argv = [sys.executable, "-m", "kvd", "serve", "--runtime-dir", str(self.runtime_dir),
                 "--log-level", "warning", "--exit-with-parent"]  # a killed caller leaves no daemon
         for k, v in self.opts.items():
@@ -293,20 +333,13 @@ class KvdDaemon:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith("KVD_") and k not in ("NOTIFY_SOCKET", "RUNTIME_DIRECTORY")}
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-        self.proc = subprocess.Popen(argv, cwd=str(REPO), env=env, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
-        lock, sock = self.runtime_dir / "kvd.lock", self.runtime_dir / "kvd.sock"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvd exited with {self.proc.returncode}: {self.proc.stderr.read()[-2000:]}")
-            try:
-                if sock.exists() and int(lock.read_text().strip() or 0) == self.proc.pid:
-                    return self
-            except (FileNotFoundError, ValueError):
-                pass
-            time.sleep(0.02)
-        raise RuntimeError("kvd did not become ready")
+        with ReadyListener(self.runtime_dir / "notify.sock") as ready:
+            env["NOTIFY_SOCKET"] = ready.path
+            self.proc = subprocess.Popen(argv, cwd=str(REPO), env=env, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.PIPE, text=True)
+            if not ready.wait(self.proc, timeout):
+                raise RuntimeError("kvd did not become ready")
+        return self
 
     def stop(self) -> None:
         p = self.proc

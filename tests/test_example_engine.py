@@ -101,3 +101,44 @@ def test_main_exits_zero(capsys):
     # the example's own daemon has exited, so any of its segments left behind is a leak
     left = [n for n in set(shm_segments()) - before if not os.path.exists(f"/proc/{n.split('_')[1]}")]
     assert left == []
+
+
+_NOTIFIER = """
+import sys, time
+from kvd.systemd import notify
+time.sleep(float(sys.argv[1]))
+if sys.argv[2] == "ready":
+    notify("STATUS=warming")
+    notify("READY=1", "STATUS=serving")
+if sys.argv[2] != "exits":
+    time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize("kind", ["ready", "exits", "silent"])
+def test_kvd_daemon_start_waits_for_the_ready_notification(tmp_path, kind):
+    """``KvdDaemon.start`` returns on the child's READY=1 (not on its socket file: a GPU daemon binds
+    it before compiling its kernels), raises when the child exits first, gives up after the timeout;
+    the notify socket is gone afterwards."""
+    import subprocess
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with pe.ReadyListener(tmp_path / "n.sock") as ready:
+        env["NOTIFY_SOCKET"] = ready.path
+        argv = [sys.executable, "-c", _NOTIFIER, "0.5" if kind == "ready" else "0.2", kind]
+        proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+        try:
+            t0 = time.monotonic()
+            if kind == "exits":
+                with pytest.raises(RuntimeError, match="kvd exited with 0"):
+                    ready.wait(proc, 20)
+            else:
+                got = ready.wait(proc, 20 if kind == "ready" else 1.0)
+                took = time.monotonic() - t0
+                assert got == (kind == "ready")
+                assert took >= (0.5 if kind == "ready" else 1.0)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert not (tmp_path / "n.sock").exists()
