@@ -14,11 +14,11 @@ import pytest
 
 from kvd import protocol as P
 from kvd import server as server_mod
-from kvd.api import AdmitRequest, StepBatch
+from kvd.api import StepBatch
 from kvd.hashing import hash_prompt
 from kvd.server import Daemon
 from tests.test_decode_op import BS, InProc
-from tests.test_lone_admission_wire import Cfg, _admission
+from tests.test_lone_admission_wire import Cfg, random_run
 
 
 class General(InProc):
@@ -60,6 +60,7 @@ def _reply(rep: list[bytes]):
 
 
 def _outcome(c: InProc, batch: StepBatch):
+    """(("ok", result fields) or ("error", type, message), the daemon's replies without epochs)."""
     n = len(c.raw)
     try:
         res = c.step(batch)
@@ -78,25 +79,7 @@ def _state(c: InProc):
 @pytest.mark.parametrize("seed", range(10))
 def test_the_lean_and_general_daemon_paths_reply_and_change_the_same(pair, seed):
     lean, general, lean_runs = pair
-    rng = np.random.default_rng(seed)
-    prefixes = [rng.integers(1, 500, int(rng.integers(0, 20))) for _ in range(3)]
-    live: list[str] = []
-    for k in range(60):
-        op = rng.integers(10)
-        if op < 6:
-            batch = _admission(rng, prefixes, k)
-        elif op < 8 and live:
-            batch = StepBatch(append_rows=lean.rows_of(live), append_num_tokens=1)
-        elif live:
-            batch = StepBatch(free=[live.pop(int(rng.integers(len(live))))])
-        else:
-            continue
-        outs = [_outcome(c, batch) for c in (lean, general)]
-        assert outs[0] == outs[1], (k, batch)
-        assert _state(lean) == _state(general), k
-        if outs[0][0][0] == "ok" and batch.admit and outs[0][0][1]["admit_status"] == [0]:
-            live.append(batch.admit[0].req_id)
-        live = [r for r in live if r in lean._row_of]
+    random_run(seed, lean, general, _outcome, _state)
     assert len(lean_runs) >= 10, len(lean_runs)  # the lean path did run (and only on one daemon)
 
 

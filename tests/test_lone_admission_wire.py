@@ -106,41 +106,61 @@ def _admission(rng, prefixes, k):
     return StepBatch(admit=[AdmitRequest(rid, n, hashes, num_lookahead_tokens=la)], **extra)
 
 
+def _next_batch(rng, prefixes, k: int, live: list, client) -> StepBatch | None:
+    """A random run's next call: a lone admission (sometimes of a live request's id), a decode step
+    of the live requests or a free of one (taken out of ``live``); None: nothing to do."""
+    op = rng.integers(10)
+    if op < 6:
+        batch = _admission(rng, prefixes, k)
+        if rng.integers(4) == 0 and live:  # a repeated id
+            a = batch.admit[0]
+            batch = StepBatch(admit=[dataclasses.replace(a, req_id=live[int(rng.integers(len(live)))])])
+        return batch
+    if op < 8 and live:
+        return StepBatch(append_rows=client.rows_of(live), append_num_tokens=1)
+    if live:
+        return StepBatch(free=[live.pop(int(rng.integers(len(live))))])
+    return None
+
+
+def random_run(seed: int, lean, general, outcome, state) -> None:
+    """60 seeded calls (lone admissions, decode steps, frees) made on both clients: ``outcome(client,
+    batch)`` and then ``state(client)`` must be equal for the two after every call. The first item
+    of an outcome is ``("ok", result fields)`` or ``("error", ...)``; the lean client's admitted
+    requests are the live ones."""
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(1, 500, int(rng.integers(0, 20))) for _ in range(3)]
+    live: list[str] = []
+    for k in range(60):
+        batch = _next_batch(rng, prefixes, k, live, lean)
+        if batch is None:
+            continue
+        outs = [outcome(c, batch) for c in (lean, general)]
+        assert outs[0] == outs[1], (k, batch)
+        assert state(lean) == state(general), k
+        res = outs[0][0]
+        if res[0] == "ok" and batch.admit and res[1]["admit_status"] == [0]:
+            live.append(batch.admit[0].req_id)
+        live = [r for r in live if r in lean._row_of]
+
+
+def _sent_with_outcome(c: Recorded, batch: StepBatch):
+    """(outcome, the bodies sent byte for byte, their headers without the session id)."""
+    n = len(c.sent)
+    out = _outcome(c, batch)
+    sent = c.sent[n:]
+    return out, [m[2:] for m in sent], [_header(m[1], c.sid) for m in sent]
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_the_lean_and_general_lone_admission_are_the_same_message_and_result(seed, monkeypatch):
     lean_built = []
     built = LoneAdmission._lone_spec
     monkeypatch.setattr(LoneAdmission, "_lone_spec", lambda self, one: (lean_built.append(1), built(self, one))[1])
-    rng = np.random.default_rng(seed)
     daemons = [Daemon(Cfg), Daemon(Cfg)]
     try:
         lean, general = Recorded(daemons[0], False), Recorded(daemons[1], True)
-        prefixes = [rng.integers(1, 500, int(rng.integers(0, 20))) for _ in range(3)]
-        live: list[str] = []
-        for k in range(60):
-            op = rng.integers(10)
-            if op < 6:
-                batch = _admission(rng, prefixes, k)
-                if rng.integers(4) == 0 and live:  # a repeated id
-                    a = batch.admit[0]
-                    batch = StepBatch(admit=[dataclasses.replace(a, req_id=live[int(rng.integers(len(live)))])])
-            elif op < 8 and live:
-                batch = StepBatch(append_rows=lean.rows_of(live), append_num_tokens=1)
-            elif live:
-                batch = StepBatch(free=[live.pop(int(rng.integers(len(live))))])
-            else:
-                continue
-            n_sent = (len(lean.sent), len(general.sent))
-            outs = [_outcome(c, batch) for c in (lean, general)]
-            assert outs[0] == outs[1], (k, batch)
-            sent = [c.sent[n:] for c, n in zip((lean, general), n_sent)]
-            assert [m[2:] for m in sent[0]] == [m[2:] for m in sent[1]], k  # the bodies, byte for byte
-            heads = [[_header(m[1], c.sid) for m in s] for c, s in zip((lean, general), sent)]
-            assert heads[0] == heads[1], k
-            assert _state(lean) == _state(general), k
-            if outs[0][0] == "ok" and batch.admit and outs[0][1]["admit_status"] == [0]:
-                live.append(batch.admit[0].req_id)
-            live = [r for r in live if r in lean._row_of]
+        random_run(seed, lean, general, _sent_with_outcome, _state)
         assert len(lean_built) >= 10, len(lean_built)  # the lean path did run
     finally:
         for d in daemons:
