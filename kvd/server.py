@@ -935,7 +935,8 @@ class Daemon:
         row, nt, lookahead, pri, net, mnt, tag = adm.tolist()
         lim = self._admit_max_list
         if not all(0 <= v <= hi for v, hi in zip((row, nt, lookahead, pri, net, mnt), lim)):
-            raise InvalidArgument("admission field out of range" if 0 <= row <= lim[0] else "admission row out of range")
+            rows_ok = 0 <= row <= lim[0]
+            raise InvalidArgument("admission field out of range" if rows_ok else "admission row out of range")
         tok = adm_tokens[0] if adm_tokens and len(adm_tokens[0]) else None
         req = AdmitRequest(sess.base | row, nt, hs[0] if G == 1 else hs, lookahead, pri, net, mnt, tok)
         batch = StepBatch(free=(), forks=[], append_num_tokens=ntok, append_hashes=[], append_hash_counts=[],

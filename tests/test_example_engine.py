@@ -116,10 +116,10 @@ if sys.argv[2] != "exits":
 
 
 @pytest.mark.parametrize("kind", ["ready", "exits", "silent"])
-def test_kvd_daemon_start_waits_for_the_ready_notification(tmp_path, kind):
-    """``KvdDaemon.start`` returns on the child's READY=1 (not on its socket file: a GPU daemon binds
-    it before compiling its kernels), raises when the child exits first, gives up after the timeout;
-    the notify socket is gone afterwards."""
+def test_the_ready_listener_waits_for_ready_and_sees_an_early_exit(tmp_path, kind):
+    """What ``KvdDaemon.start`` waits with: ``ReadyListener.wait`` returns on the child's READY=1
+    (not on its socket file: a GPU daemon binds it before compiling its kernels), raises when the
+    child exits first, gives up after the timeout; the notify socket is gone afterwards."""
     import subprocess
     import time
 

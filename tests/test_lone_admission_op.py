@@ -101,7 +101,8 @@ def _raw_admission(c: InProc, row=0, cols=None, hashes=None, counts=None, fields
 @pytest.mark.parametrize("case", [
     dict(row=Cfg.max_reqs_per_session), dict(row=-1), dict(cols=[0, -1, 0, 0, 0, 0, 1]),
     dict(cols=[0, 10, 0, 101, 0, 0, 1]), dict(cols=[0, 10, 0, 0, 0]), dict(hashes=np.zeros(3, "S7")),
-    dict(counts=[5]), dict(fields={"an": -1}), dict(fields={"la": 10 ** 9}), dict(fields={"la": -1}), dict(fields={"c": "x"}),
+    dict(counts=[5]), dict(fields={"an": -1}), dict(fields={"la": 10 ** 9}), dict(fields={"la": -1}),
+    dict(fields={"c": "x"}),
     dict(tokens=np.arange(1, 11, dtype=np.int32)), dict(tokens=np.arange(1, 5, dtype=np.int32)),
     dict(cols=[1, 10, 2, 3, 0, 0, -7]), dict(),
 ], ids=lambda c: ",".join(c) or "valid")

@@ -15,7 +15,8 @@ sampled tokens), so the copy of the last one is done::
 
 plus ``slots`` int64 [G, Tp] and, when the block tables live on the host (the in-process manager, a
 session opened with ``gpu=False``), ``tables[g]`` int32 [Bp, max_blocks]: the scheduled rows' used
-columns gathered into a pinned copy of them and copied with the inputs, asynchronously. The graph computes the slots itself, first: slot =
+columns gathered into a pinned copy of them and copied with the inputs, asynchronously. The graph
+computes the slots itself, first: slot =
 table[rows[rep[t]], position // block_size] * block_size + position % block_size for t < qsl[Bp] (the
 step's token count), PAD_SLOT_ID after; no host launch per step but the one copy. A bucket of one
 token per request (Tp = Bp: decode) also advances its inputs after the forward, in the graph
