@@ -113,3 +113,19 @@ def test_steady_layout_stages_moving_arrays_then_advances_on_the_device():
     # another layout (the batch compacted) stages everything again
     g.prepare([1, 2, 3], np.array([7, 12, 23]), ar, ar, rows, np.array([8, 13, 24], np.int32), qsl, [], 43)
     assert bk.layout == 43 and bk.rows.tolist() == [7, 2, 5, 0] and bk.ids.tolist() == [1, 2, 3, 0]
+
+
+def test_a_bucket_stages_the_scheduled_rows_used_columns_of_host_tables():
+    """``Bucket.stage_tables`` (host block tables, one per group): the step's rows in step order, their
+    first ``width`` columns; every other entry of the bucket's tables keeps what it held."""
+    from kvd_engine.graphs import Bucket, TableRows
+
+    bk = Bucket(8, 4, 2, torch.device("cpu"), table_width=6)
+    assert bk.tables_host is bk.tables  # without CUDA the bucket's tables are their own staging
+    for t in bk.tables:
+        t.fill_(-5)
+    host = [np.arange(60, dtype=np.int32).reshape(10, 6) + 100 * g for g in range(2)]
+    bk.stage_tables(TableRows(host, np.array([7, 2, 9], np.int32), 4))
+    for g, t in enumerate(bk.tables):
+        assert t[:3, :4].tolist() == host[g][[7, 2, 9], :4].tolist()
+        assert (t[:3, 4:] == -5).all() and (t[3:] == -5).all()
