@@ -932,11 +932,8 @@ class Daemon:
         adm = P.frame_array(frames[k], P.I64, P.ADMIT_COLS, "admissions")
         hs = [self._admit_hashes(frames[k + 1 + 2 * g], frames[k + 2 + 2 * g], 1, g)[0] for g in range(G)]
         adm_tokens, app_token_ids = self._step_token_ids(frames[P.step_frame_count(G):], 1, 0)
+        self._check_admission_fields(adm[None, :6])
         row, nt, lookahead, pri, net, mnt, tag = adm.tolist()
-        lim = self._admit_max_list
-        if not all(0 <= v <= hi for v, hi in zip((row, nt, lookahead, pri, net, mnt), lim)):
-            rows_ok = 0 <= row <= lim[0]
-            raise InvalidArgument("admission field out of range" if rows_ok else "admission row out of range")
         tok = adm_tokens[0] if adm_tokens and len(adm_tokens[0]) else None
         req = AdmitRequest(sess.base | row, nt, hs[0] if G == 1 else hs, lookahead, pri, net, mnt, tok)
         batch = StepBatch(free=(), forks=[], append_num_tokens=ntok, append_hashes=[], append_hash_counts=[],
@@ -945,11 +942,7 @@ class Daemon:
         res = self.manager.step(batch, namespace=sess.namespace, writer=sess.writer)
         assert not res.freed_rows.size and not res.copies.size  # an admission frees and copies nothing
         if int(res.admit_status[0]) == STATUS_OK:
-            mr = int(res.admit_rows[0])
-            sess.mrow[row] = mr
-            self.owner_sid[mr] = sess.sid
-            self.owner_srow[mr] = row
-            sess.shm.row_tags[row] = tag & _U64_MASK  # the tag travels as int64
+            self._map_admitted(sess, row, int(res.admit_rows[0]), tag)
         changed = self._sync_rows(sess, res.changed_rows, full=False)
         nt_written = self._write_slots(sess, res.sched_rows, res.sched_start, res.sched_len)
         self.was_step = True
@@ -959,6 +952,19 @@ class Daemon:
         return [P.ok_reply(seq, self.epoch, t=res.tick, nt=nt_written, nc=0, nch=len(changed), nfr=0, ns=ns),
                 b"".join((P.arr(res.admit_status, P.I16), P.arr(res.admit_cached_tokens, P.I32), P.arr(changed, P.I32),
                           P.arr(sched_s, P.I32), P.arr(res.sched_start, P.I32), P.arr(res.sched_len, P.I32)))]
+
+    def _check_admission_fields(self, cols: np.ndarray) -> None:
+        """A step's admissions' first six columns (row, tokens, lookahead, priority, ...) in range."""
+        if not P.within(cols, 0, self._admit_max_list):
+            rows_ok = P.within(cols[:, 0], 0, self._admit_max_list[0])
+            raise InvalidArgument("admission field out of range" if rows_ok else "admission row out of range")
+
+    def _map_admitted(self, sess: Session, srow: int, mrow: int, tag: int) -> None:
+        """An admitted request's session row <-> manager row, and its tag in the segment."""
+        sess.mrow[srow] = mrow
+        self.owner_sid[mrow] = sess.sid
+        self.owner_srow[mrow] = srow
+        sess.shm.row_tags[srow] = tag & _U64_MASK  # the tag travels as int64
 
     def _admit_hashes(self, hashes_b: bytes, counts_b: bytes, nd: int, g: int) -> list[np.ndarray]:
         """Group ``g``'s admission hashes of a step, one array per admission."""
@@ -1071,9 +1077,7 @@ class Daemon:
         admits = []
         if nd:
             cols = adm[:, :6]
-            if not P.within(cols, 0, self._admit_max_list):
-                rows_ok = P.within(cols[:, 0], 0, self._admit_max_list[0])
-                raise InvalidArgument("admission field out of range" if rows_ok else "admission row out of range")
+            self._check_admission_fields(cols)
             if nd > 1 and np.unique(cols[:, 0]).size != nd:
                 raise InvalidArgument("two admissions in one row")
             for i, (row, nt, l, pri, net, mnt) in enumerate(cols.tolist()):
@@ -1111,11 +1115,7 @@ class Daemon:
                     self._map(sess, c, int(m.row_of(base | c)), tags[i])
         if nd == 1:  # one admission (an idle engine's new request): scalars, no masks
             if int(res.admit_status[0]) == STATUS_OK:
-                srow, mr = int(adm[0, 0]), int(res.admit_rows[0])
-                sess.mrow[srow] = mr
-                self.owner_sid[mr] = sess.sid
-                self.owner_srow[mr] = srow
-                sess.shm.row_tags[srow] = int(adm[0, 6]) & _U64_MASK  # the tag travels as int64
+                self._map_admitted(sess, int(adm[0, 0]), int(res.admit_rows[0]), int(adm[0, 6]))
         elif nd:
             ast_ = np.asarray(res.admit_status)
             okm = ast_ == STATUS_OK
