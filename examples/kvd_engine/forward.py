@@ -107,13 +107,16 @@ class ForwardMixin:
         n, total = rows.shape[0], positions.shape[0]
         if rep is None:
             rep = np.repeat(np.arange(n, dtype=np.int64), spans[1])
-        tables = self._tables()
-        host_tables = tables[0].device.type != dev.type
         graphs = self.graphs if self.graphs is not None and self.graphs.fits(total) else None
-        if host_tables and graphs is not None:  # the bucket gathers the rows into its pinned buffers
-            tables = TableRows([t.numpy() for t in tables], rows, -(-int(seq_lens.max()) // self.bs))
+        if graphs is not None and graphs.table_width:  # host tables: the bucket gathers the rows
+            # into its pinned buffers straight from the session's numpy views (no torch views)
+            tables = TableRows(self.c.tables, rows, -(-int(seq_lens.max()) // self.bs))
             rows = np.arange(n, dtype=np.int32)
-        elif host_tables:  # host tables, device model: only the scheduled rows' used columns move
+            host_tables = True
+        else:
+            tables = self._tables()
+            host_tables = tables[0].device.type != dev.type
+        if host_tables and graphs is None:  # host tables, device model: only the scheduled rows' used columns move
             width = -(-int(seq_lens.max()) // self.bs)
             tables = [t[torch.from_numpy(rows).long(), :width] for t in tables]
             rows = np.arange(n, dtype=np.int32)
