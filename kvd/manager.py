@@ -1537,6 +1537,8 @@ class BlockManager:
         LATER when it may later, NEVER when they need more blocks than the pool can ever give."""
         self.flush_deferred()
         rows = self._check_swap_in(req_ids)
+        if not rows.size:  # nothing to bring back (as swap_out of nothing)
+            return AllocStatus.OK
         return self._swap_in_status(self._swap_in_plan(rows)[3])
 
     def _swap_in_status(self, need: int) -> AllocStatus:
@@ -1549,6 +1551,8 @@ class BlockManager:
         copy. Returns ``(cpu_block, gpu_block)`` pairs to copy."""
         self.flush_deferred()
         rows = self._check_swap_in(req_ids)
+        if not rows.size:  # nothing to bring back: a no-op, as swap_out of nothing
+            return SwapResult(STATUS_OK)
         self.tick += 1
         cpu, counts, found, need = self._swap_in_plan(rows)
         status = self._swap_in_status(need)

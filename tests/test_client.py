@@ -167,6 +167,11 @@ def test_swap_out_and_in(daemon_factory):
     try:
         c.allocate("s", 40)
         before = c.block_table("s").copy()
+        # swapping no requests is a no-op either way (swap_in of none was an internal error)
+        assert c.can_swap_out([]) is AllocStatus.OK and c.can_swap_in([]) is AllocStatus.OK
+        for r in (c.swap_out([]), c.swap_in([])):
+            assert r.ok and r.mapping.shape == (0, 2)
+        assert (c.block_table("s") == before).all() and c.stats()["num_free_cpu_blocks"] == 63
         assert c.can_swap_out("s") is AllocStatus.OK
         r = c.swap_out(["s"])
         assert r.ok and r.mapping.shape == (3, 2)

@@ -172,6 +172,18 @@ def test_swap_round_trip_keeps_tables_and_prefix_cache():
     assert m.append_slots("a", 1).ok
 
 
+def test_swapping_no_requests_is_a_no_op():
+    m = make(num_cpu_blocks=8)
+    m.allocate("a", 40)
+    m.swap_out("a")
+    tick, free, cpu_free = m.tick, m.num_free_blocks, m.cpu_pool.num_free
+    assert m.can_swap_out([]) == AllocStatus.OK and m.can_swap_in([]) == AllocStatus.OK
+    for r in (m.swap_out([]), m.swap_in([])):
+        assert r.ok and r.mapping.shape == (0, 2)
+    assert (m.tick, m.num_free_blocks, m.cpu_pool.num_free) == (tick, free, cpu_free)
+    assert m.swap_in("a").mapping.tolist() == [[1, 1], [2, 2], [3, 3]]
+
+
 def test_swapped_content_evicted_meanwhile_is_copied_back_and_re_registered():
     m = make(num_blocks=5, num_cpu_blocks=8)
     hashes = hash_prompt(prompt(32), 16)
