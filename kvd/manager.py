@@ -759,11 +759,15 @@ class BlockManager:
         self.flush_deferred()
         space = self._space(namespace, writer)
         self.tick += 1
-        result = self._admit(
-            AdmitRequest(req_id, num_tokens, block_hashes, num_lookahead_tokens, priority, num_encoder_tokens,
-                         max_new_tokens, token_ids),
-            space,
-        )
+        try:
+            result = self._admit(
+                AdmitRequest(req_id, num_tokens, block_hashes, num_lookahead_tokens, priority, num_encoder_tokens,
+                             max_new_tokens, token_ids),
+                space,
+            )
+        except errors.KvdError:
+            self.tick -= 1  # misuse changes nothing, the tick included
+            raise
         self._debug_check()
         return result
 
@@ -852,7 +856,6 @@ class BlockManager:
         ``new_block_hashes`` of blocks that became full; ``new_block_token_ids``: those blocks'
         token ids for KV events (see ``StepBatch.append_token_ids``)."""
         self.flush_deferred()
-        self.tick += 1
         row = self.row_of(req_id)
         self._check_sizes(num_new_tokens, num_lookahead_tokens, "num_new_tokens")
         if self.swapped[row]:
@@ -869,6 +872,7 @@ class BlockManager:
         if new_block_token_ids is not None:
             tokens = self._block_tokens(new_block_token_ids, hash_lists, "new_block_token_ids")
         counts = [np.array([h.size], np.int32) for h in hash_lists]
+        self.tick += 1  # after the checks: misuse changes nothing, the tick included
         before = [int(g.num_blocks[row]) for g in self.groups]
         copies_before = len(self._copies)
         rows, n_new = np.array([row], np.int32), np.array([num_new_tokens], np.int64)
@@ -1645,32 +1649,48 @@ class BlockManager:
         and does not stop the others."""
         decode = (self._simple and batch.append_rows is not None
                   and not (batch.free or batch.forks or batch.admit or len(batch.append_ids)))
-        # A decode step that registers nothing neither reads the prefix cache nor changes what
-        # deferred work will do (it only grows tables at their ends): it may run before that work,
-        # unless it must evict (_append_fast runs the work first then).
-        if (self._deferred or self._waiting) and not (decode and not len(batch.append_hashes)):
-            self.flush_deferred()
         la = batch.num_lookahead_tokens
         if type(la) is not int and (not isinstance(la, np.integer) or isinstance(la, bool)) or not 0 <= la <= self.max_lookahead:
             raise errors.InvalidArgument(f"num_lookahead_tokens must be an integer in [0, {self.max_lookahead}]")
+        lone = not decode and _LONE_ADMISSION_PATH and batch.is_lone_admission()
+        # misuse of the step as a whole is refused before its confirmation counts: nothing changes
+        appends = None if lone else self._step_append_inputs(batch)
         space = self._space(namespace, writer) if batch.admit else 0
         if batch.computed_through is not None:
             self.mark_computed(writer, batch.computed_through)
-            if batch.admit and (self._deferred or self._waiting):  # admissions see the free queue as confirmed
-                self.flush_deferred()
+        # Then the deferred work, the confirmation last (frees, forks and admissions see the free
+        # queue as confirmed). A decode step that registers nothing neither reads the prefix cache
+        # nor changes what deferred work will do (it only grows tables at their ends): it may run
+        # before that work, unless it must evict (_append_fast runs the work first then).
+        if (self._deferred or self._waiting) and not (decode and not len(batch.append_hashes)):
+            self.flush_deferred()
         self.tick += 1
-        if decode:
-            result = self._decode_step(batch)
-            if result is not None:
-                return result
-            self.flush_deferred()  # the general path reads the cache
-        if _LONE_ADMISSION_PATH and batch.is_lone_admission():
-            return self._lone_admission_step(batch.admit[0], space)
+        try:
+            if lone:
+                return self._lone_admission_step(batch.admit[0], space)
+            return self._appends_step(batch, decode, space, la, appends)
+        except errors.KvdError:  # (a bug: the checks above leave none for the paths below)
+            self.tick -= 1
+            raise
+
+    def _step_append_inputs(self, batch: StepBatch) -> tuple:
+        """The step's append inputs, checked: (token counts, rows or None, hash lists, hash counts or
+        None, the filled blocks' token ids or None); raises on misuse of the step as a whole."""
         n_new, given_rows, n = self._step_append_sizes(batch)
         hash_lists, hash_counts = self._step_hashes(batch, n) if len(batch.append_hashes) else (self._no_hashes, None)
         tokens = None
         if len(batch.append_token_ids):
             tokens = self._block_tokens(batch.append_token_ids, hash_lists, "append_token_ids")
+        return n_new, given_rows, hash_lists, hash_counts, tokens
+
+    def _appends_step(self, batch: StepBatch, decode: bool, space: int, la: int, appends: tuple) -> StepResult:
+        """``step`` after its checks, confirmation and tick: the decode path, else the general one."""
+        n_new, given_rows, hash_lists, hash_counts, tokens = appends
+        if decode:
+            result = self._decode_step(batch, n_new, hash_lists, hash_counts, tokens)
+            if result is not None:
+                return result
+            self.flush_deferred()  # the general path reads the cache
         free_status, freed_rows = self._step_frees(batch.free) if len(batch.free) else (_EMPTY_I16, _EMPTY_I32)
         fork_status, child_rows = self._step_forks(batch.forks) if len(batch.forks) else (_EMPTY_I16, _EMPTY_I32)
         rows = self._step_append_rows(batch, given_rows)  # after frees and forks: ids may name new children
@@ -1833,24 +1853,15 @@ class BlockManager:
                 status[i] = errors.InvalidArgument.code
         return status, np.array(child_rows, np.int32)
 
-    def _decode_step(self, batch: StepBatch) -> StepResult | None:
-        """A step of appends only, by row: the daemon's decode step."""
+    def _decode_step(self, batch: StepBatch, n_new, hash_lists, hash_counts, tokens) -> StepResult | None:
+        """A step of appends only, by row (its inputs checked by ``_step_append_inputs``): the
+        daemon's decode step."""
         rows = batch.append_rows
         if not isinstance(rows, np.ndarray) or rows.ndim != 1:
             return None
         n = rows.size
-        n_new = batch.append_num_tokens
-        if not (isinstance(n_new, (int, np.integer)) and not isinstance(n_new, bool)):
-            n_new = np.asarray(n_new, np.int64)
-            if n_new.shape != (n,):
-                return None
-        hashes, counts, tokens = self._empty_hashes, None, None
-        if len(batch.append_hashes):
-            hash_lists, hash_counts = self._step_hashes(batch, n)
-            hashes, counts = hash_lists[0], hash_counts[0]
-        if len(batch.append_token_ids):
-            tokens = self._block_tokens(batch.append_token_ids, [hashes], "append_token_ids")
-            tokens = None if tokens is None else tokens[0]
+        hashes, counts = (self._empty_hashes, None) if hash_counts is None else (hash_lists[0], hash_counts[0])
+        tokens = None if tokens is None else tokens[0]
         defer = self.config.defer_cache_registration
         copies_before = len(self._copies)
         fast = self._append_fast(rows, n_new, hashes, counts, batch.num_lookahead_tokens, defer, tokens) if n else None
@@ -1918,9 +1929,9 @@ class BlockManager:
         the step's forks, how many appends)."""
         if batch.append_rows is not None and len(batch.append_ids):
             raise errors.InvalidArgument("give append_ids or append_rows, not both")
-        rows = None
-        if batch.append_rows is not None:
-            rows = int_array(batch.append_rows, np.int32, "append_rows").reshape(-1)
+        rows = batch.append_rows
+        if rows is not None and not (type(rows) is np.ndarray and rows.dtype == np.int32 and rows.ndim == 1):
+            rows = int_array(rows, np.int32, "append_rows").reshape(-1)
         n = len(batch.append_ids) if rows is None else rows.size
         n_new = batch.append_num_tokens
         if isinstance(n_new, (int, np.integer)) and not isinstance(n_new, bool):

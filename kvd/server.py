@@ -670,9 +670,16 @@ class Daemon:
 
     def _confirm(self, sess: Session, h: dict) -> None:
         """The session's confirmation ``c`` (see kvd.manager): a no-op in a private namespace."""
+        c = self._confirmation(sess, h)
+        if c is not None:
+            self.manager.mark_computed(sess.writer, c)
+
+    @staticmethod
+    def _confirmation(sess: Session, h: dict) -> int | None:
+        """A step's confirmation ``c`` for its ``StepBatch.computed_through`` (None in a private
+        namespace): the manager counts it only once it has found the step well formed."""
         c = h.get("c")
-        if c is not None and sess.writer:
-            self.manager.mark_computed(sess.writer, P.get_int(h, "c", None, 0, (1 << 62)))
+        return P.get_int(h, "c", None, 0, (1 << 62)) if c is not None and sess.writer else None
 
     def op_heartbeat(self, sess, h, frames, ident, seq):
         return [P.ok_reply(seq, self.epoch)]
@@ -891,16 +898,24 @@ class Daemon:
                 tokens = self._token_frame(tokens_b, "append token ids", na * self.max_model_len)
         elif tokens_b:
             raise ProtocolError("append token ids without hashes")
-        if c != P.NO_CONFIRM and sess.writer:
-            self.manager.mark_computed(sess.writer, c)
         m = self.manager
-        fast = m.decode_rows(mrows, an, la, hs, cnt) if tokens is None else None
+        confirm = c if c != P.NO_CONFIRM and sess.writer else None
+        fast = None
+        # The fast path confirms first; whatever it declines then is well formed (the frames are
+        # checked above, the lookahead here), so the general path refuses none of it as a whole.
+        # Token ids, or a lookahead out of range: the general path, which counts the confirmation
+        # only once the step is found well formed.
+        if tokens is None and 0 <= la <= m.max_lookahead:
+            if confirm is not None:
+                m.mark_computed(sess.writer, confirm)
+                confirm = None
+            fast = m.decode_rows(mrows, an, la, hs, cnt)
         if fast is not None:  # the usual step: every request appended
             old, grown, copies = fast
             tick, status_b, sched_rows, lens = m.tick, bytes(2 * na), mrows, np.full(na, an, np.int32)
             sched_start = old.astype(np.int32)
         else:  # declined (or token ids for KV events): the manager decides request by request
-            batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la)
+            batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la, computed_through=confirm)
             if hs is not None:
                 batch.append_hashes, batch.append_hash_counts = (hs,), (cnt,)
             if tokens is not None:
@@ -937,8 +952,8 @@ class Daemon:
         tok = adm_tokens[0] if adm_tokens and len(adm_tokens[0]) else None
         req = AdmitRequest(sess.base | row, nt, hs[0] if G == 1 else hs, lookahead, pri, net, mnt, tok)
         batch = StepBatch(free=(), forks=[], append_num_tokens=ntok, append_hashes=[], append_hash_counts=[],
-                          num_lookahead_tokens=la, admit=[req], append_token_ids=app_token_ids, append_rows=_EMPTY_I32)
-        self._confirm(sess, h)
+                          num_lookahead_tokens=la, admit=[req], append_token_ids=app_token_ids, append_rows=_EMPTY_I32,
+                          computed_through=self._confirmation(sess, h))
         res = self.manager.step(batch, namespace=sess.namespace, writer=sess.writer)
         assert not res.freed_rows.size and not res.copies.size  # an admission frees and copies nothing
         if int(res.admit_status[0]) == STATUS_OK:
@@ -1095,10 +1110,9 @@ class Daemon:
         batch = StepBatch(
             free=frees, forks=forks, append_num_tokens=ntok,
             append_hashes=app_hashes, append_hash_counts=app_counts, num_lookahead_tokens=la,
-            admit=admits, append_token_ids=app_token_ids, **app,
+            admit=admits, append_token_ids=app_token_ids, computed_through=self._confirmation(sess, h), **app,
         )
         m = self.manager
-        self._confirm(sess, h)
         res = m.step(batch, namespace=sess.namespace, writer=sess.writer)
 
         # -- publish: unmap freed rows, map forks and admissions, copy changed rows, slot mapping

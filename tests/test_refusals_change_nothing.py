@@ -1,0 +1,320 @@
+"""A refused message changes nothing: every error reply leaves the daemon exactly as it was.
+
+Seeded random runs through ``Daemon.handle`` (no sockets): valid traffic of every kind (steps with
+admissions, appends and frees, decode steps, forks, swaps, allocations, appends, confirmations)
+mixed with mutations of those messages (bytes flipped, frames cut, dropped or added, header fields
+replaced, other ops). Before each mutated message the daemon's deferred work is run, and its state
+taken: every numpy array and plain value reachable from the manager (pools, groups, prefix index,
+queues, ticks) and from each session (row maps, shared-memory tables and counts). An error reply
+must leave all of it as it was; no message may raise out of ``handle`` or get an internal error;
+the heavy invariants hold after every message. Plus the cases the runs found, one by one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvd import errors
+from kvd import protocol as P
+from kvd.api import AdmitRequest, ManagerConfig, StepBatch
+from kvd.manager import BlockManager
+from kvd.server import Daemon
+from kvd_client.client import Client, _Core
+from test_server import _mutate
+
+_SCRATCH = {"_copies_buf", "_changed_buf", "_srows_buf", "_mark", "_per_prio", "buf"}  # contents meaningless
+
+
+class Cfg:
+    block_size = 4
+    num_gpu_blocks = 80
+    num_cpu_blocks = 48
+    max_model_len = 64
+    max_num_reqs = 16
+    max_reqs_per_session = 8
+    max_num_batched_tokens = 128
+
+
+class InProc(_Core):
+    """A client core calling ``Daemon.handle`` directly (a writer of the shared prefix cache)."""
+
+    def __init__(self, d: Daemon, confirm: str = "auto"):
+        super().__init__("inproc://x", heartbeat=False, gpu=False, kv_shared=True, confirm=confirm)
+        self.d = d
+        op, fields, frames = self._hello_msg()
+        h, _ = self._call(op, fields, frames, sid=0)
+        self._on_session(h)
+
+    def _call(self, op, fields, frames, sid=None):
+        seq = self._next_seq()
+        rep = self.d.handle([b"id", self._header(op, self.sid if sid is None else sid, seq, fields), *frames])
+        h = P.parse_reply(rep[0])
+        assert self._check(h, seq), h
+        return h, rep[1:]
+
+    _do = Client._do
+    step = Client.step
+
+
+def _walk(obj, prefix: str, out: dict, seen: set, depth: int = 0) -> None:
+    if id(obj) in seen or depth > 3 or not hasattr(obj, "__dict__"):
+        return
+    seen.add(id(obj))
+    for k, v in vars(obj).items():
+        if k.startswith("_plan") or k in _SCRATCH:
+            continue
+        if isinstance(v, np.ndarray):
+            out[prefix + k] = v.copy()
+        elif isinstance(v, (list, tuple)) and v and all(isinstance(x, np.ndarray) for x in v):
+            out.update({f"{prefix}{k}[{i}]": x.copy() for i, x in enumerate(v)})
+        elif isinstance(v, (list, tuple)) and v and all(hasattr(x, "__dict__") for x in v):
+            for i, x in enumerate(v):
+                _walk(x, f"{prefix}{k}[{i}].", out, seen, depth + 1)
+        elif isinstance(v, (dict, list, set, tuple, int, str, float)):
+            r = repr(v)
+            if " at 0x" not in r:  # (a repr naming objects by address says nothing about their state)
+                out[prefix + k] = r
+        elif type(v).__module__.startswith("kvd"):
+            _walk(v, prefix + k + ".", out, seen, depth + 1)
+
+
+def state_of(d: Daemon) -> dict:
+    """Every array and plain value of the manager and the sessions (their segments' views included)."""
+    out: dict = {}
+    seen: set = set()
+    _walk(d.manager, "m.", out, seen)
+    for sid, s in d.sessions.items():
+        _walk(s, f"s{sid}.", out, seen)
+        for name in ("tables", "counts"):
+            out.update({f"s{sid}.shm.{name}[{i}]": np.array(a) for i, a in enumerate(getattr(s.shm, name))})
+        out[f"s{sid}.shm.row_tags"] = np.array(s.shm.row_tags)
+    return out
+
+
+def changed(a: dict, b: dict) -> list[str]:
+    def same(x, y):
+        if isinstance(x, np.ndarray) and isinstance(y, np.ndarray):
+            return x.shape == y.shape and np.array_equal(x, y)
+        return type(x) is type(y) and x == y
+    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not same(a[k], b[k]))
+
+
+class _Run:
+    """One seeded run: ``valid()`` sends a well-formed message of a random kind through the
+    client, ``mutated()`` a mutation of one and returns what the check found."""
+
+    KINDS = ("step", "step", "decode", "fork", "swap_out", "swap_in", "common", "computed", "allocate", "append")
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+        self.d = Daemon(Cfg)
+        self.c = InProc(self.d)
+        self.ids = iter(range(10**6, 10**7))
+        self.prefix = self.rng.integers(1, 300, 8)
+        self.swapped: set = set()
+        self.refused = 0
+
+    def running(self):
+        return [r for r in self.c.request_ids if r not in self.swapped]
+
+    def _prompt(self):
+        n = int(self.rng.integers(1, 40))
+        toks = self.rng.integers(1, 300, n)
+        return np.concatenate([self.prefix, toks]) if self.rng.random() < 0.5 else toks
+
+    def spec(self, kind: str):
+        c, rng, run = self.c, self.rng, self.running()
+        if kind == "step" or not run:
+            admits = []
+            for _ in range(int(rng.integers(0, 3))):
+                t = self._prompt()
+                admits.append(AdmitRequest(next(self.ids), t.size, c.hash_prompt(t) if rng.random() < 0.6 else ()))
+            app = [r for r in run if rng.random() < 0.5]
+            free = [r for r in c.request_ids if r not in app and rng.random() < 0.2]
+            return c._req_step(StepBatch(admit=admits, append_ids=app, free=free))
+        if kind == "decode":
+            rows = np.asarray(c.rows_of(run), np.int32)
+            k = int(rng.integers(0, len(run) + 1))
+            if k and rng.random() < 0.5:
+                cnt = np.zeros(len(run), np.int32)
+                cnt[:k] = 1
+                return c._req_decode(rows, 1, 0, None, (np.frombuffer(rng.bytes(16 * k), "S16"),), (cnt,))
+            return c._req_decode(rows, int(rng.integers(0, 3)), 0)
+        if kind == "fork":
+            return c._req_fork(run[int(rng.integers(0, len(run)))], next(self.ids))
+        if kind == "swap_out":
+            return c._req_swap_out([r for r in run if rng.random() < 0.5])
+        if kind == "swap_in":
+            return c._req_swap_in(list(self.swapped) if self.swapped and rng.random() < 0.8 else run[:1])
+        if kind == "common":
+            return c._req_num_common_prefix_blocks(run[0], int(rng.integers(0, 4)))
+        if kind == "allocate":
+            t = self._prompt()
+            return c._req_allocate(next(self.ids), t.size, c.hash_prompt(t) if rng.random() < 0.5 else ())
+        if kind == "append":
+            return c._req_append_slots(run[int(rng.integers(0, len(run)))], int(rng.integers(0, 5)))
+        return c._req_mark_computed()
+
+    def valid(self) -> None:
+        c, rng, kind = self.c, self.rng, self.KINDS[int(self.rng.integers(0, len(self.KINDS)))]
+        run = self.running()
+        try:
+            if kind == "swap_out" and run:
+                sel = [r for r in run if rng.random() < 0.5]
+                if sel and c._do(c._req_swap_out(sel)).ok:
+                    self.swapped.update(sel)
+            elif kind == "swap_in" and self.swapped:
+                if c._do(c._req_swap_in(list(self.swapped))).ok:
+                    self.swapped.clear()
+            elif kind == "decode" and run:
+                c.step(StepBatch(append_rows=np.asarray(c.rows_of(run), np.int32), append_num_tokens=1))
+            elif kind == "fork" and run:
+                c._do(c._req_fork(run[0], next(self.ids)))
+            elif kind == "allocate":
+                c._do(c._req_allocate(next(self.ids), int(rng.integers(1, 40))))
+            else:
+                t = self._prompt()
+                c.step(StepBatch(admit=[AdmitRequest(next(self.ids), t.size, c.hash_prompt(t))],
+                                 append_ids=run[: int(rng.integers(0, len(run) + 1))]))
+        except errors.KvdError:
+            pass  # a pool too small now, a request too long: the run goes on
+        self.d.manager.check_invariants(heavy=True)
+
+    def mutated(self) -> tuple | None:
+        """Send a mutation of a random message; None, or (what went wrong, the reply)."""
+        c, rng = self.c, self.rng
+        kind = self.KINDS[int(rng.integers(0, len(self.KINDS)))]
+        try:
+            spec = self.spec(kind)
+        except errors.KvdError:  # refused by the client already (no free row in the session)
+            return None
+        if spec is None:
+            return None
+        op, fields, frames = spec[0], spec[1], list(spec[2])
+        if len(spec) > 4:
+            spec[4]()  # the client tracks nothing this message may create
+        seq = c._next_seq()
+        if op is P.DECODE:
+            f = list(fields)
+            for _ in range(int(rng.integers(0, 3))):
+                f[int(rng.integers(0, 4))] = [0, 1, 7, 2**31, 2**32 - 1, c.tick, c.tick + 5][int(rng.integers(0, 7))]
+            for _ in range(int(rng.integers(0, 3))):
+                k = int(rng.integers(0, 3))
+                if k == 0 and frames:
+                    frames[int(rng.integers(0, len(frames)))] = rng.bytes(int(rng.integers(0, 40)))
+                elif k == 1:
+                    frames.append(rng.bytes(int(rng.integers(0, 40))))
+                elif frames:
+                    frames.pop()
+            try:
+                hdr = c._header(op, c.sid, seq, tuple(f))
+            except Exception:  # a field the binary header cannot hold
+                return None
+        else:
+            fields = dict(fields)
+            if "fl" in fields and rng.random() < 0.5:  # the step's frames one by one
+                frames = P.unpack_frames(fields.pop("fl"), frames, P.step_frame_count(1, token_ids=True))
+            fields, frames = _mutate(rng, fields, frames)
+            try:
+                hdr = P.request(fields.pop("op", op), c.sid, seq, **fields)
+            except TypeError:
+                return None
+        m = self.d.manager
+        while m.num_deferred:  # work that is due anyway, done before the picture
+            m.flush_deferred()
+        before = state_of(self.d)
+        rep = self.d.handle([b"id", hdr, *frames])
+        h = P.parse_reply(rep[0])
+        m.check_invariants(heavy=True)
+        if "err" not in h:  # a mutation the daemon accepted: the client's view is stale, start over
+            for s in list(self.d.sessions.values()):
+                self.d.end_session(s, "test")
+            self.c, self.swapped = InProc(self.d), set()
+            return None
+        self.refused += 1
+        if h["err"] == errors.KvdError.code:
+            return ("internal error", kind, h)
+        diff = changed(before, state_of(self.d))
+        return (diff, kind, h) if diff else None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_refused_message_leaves_the_daemon_as_it_was(seed):
+    run = _Run(seed)
+    found = []
+    for _ in range(300):
+        if run.rng.random() < 0.4:
+            run.valid()
+        else:
+            bad = run.mutated()
+            if bad is not None:
+                found.append(bad)
+    assert not found, found[:3]
+    assert run.refused > 80  # the run did refuse many messages
+
+
+def test_the_state_picture_sees_a_tick_a_table_entry_and_a_segment_byte():
+    d = Daemon(Cfg)
+    c = InProc(d)
+    c.step(StepBatch(admit=[AdmitRequest("a", 10)]))
+    before = state_of(d)
+    d.manager.tick += 1
+    d.manager.groups[0].table[0, 5] = 7  # (the manager's ``tables`` are the groups' tables)
+    d.sessions[c.sid].shm.counts[0][3] = 9
+    assert changed(before, state_of(d)) == ["m.groups[0].table", "m.tables[0]", "m.tick", f"s{c.sid}.shm.counts[0]"]
+
+
+# ---------------------------------------------------------------- the cases the runs found
+def test_misuse_of_a_whole_call_leaves_the_tick():
+    m = BlockManager(ManagerConfig(num_gpu_blocks=32, max_model_len=64, max_num_reqs=4))
+    m.allocate("a", 8)
+    tick = m.tick
+    with pytest.raises(errors.BadHashes):
+        m.allocate("b", 6, np.frombuffer(b"x" * 16 * 7, "S16"))  # 7 hashes for 6 tokens
+    with pytest.raises(errors.BadHashes):
+        m.append_slots("a", 1, np.frombuffer(b"y" * 16 * 3, "S16"))
+    with pytest.raises(errors.InvalidArgument):
+        m.append_slots("a", 1, num_lookahead_tokens=10**6)
+    with pytest.raises(errors.InvalidArgument):
+        m.step(StepBatch(append_ids=["a"], append_num_tokens=[1, 2]))
+    with pytest.raises(errors.InvalidArgument):
+        m.step(StepBatch(append_rows=np.array([m.row_of("a")], np.int32), append_num_tokens=16,
+                         append_hashes=(np.frombuffer(b"z" * 16, "S16"),), append_hash_counts=(np.ones(1, np.int32),),
+                         append_token_ids=(np.full(16, -1, np.int32),)))
+    assert m.tick == tick
+    assert m.append_slots("a", 1).ok and m.tick == tick + 1
+
+
+def _shared_pair():
+    d = Daemon(Cfg)
+    return d, InProc(d, confirm="explicit"), InProc(d, confirm="explicit")
+
+
+@pytest.mark.parametrize("how", ["decode lookahead", "decode token ids", "step lookahead"])
+def test_a_refused_step_does_not_count_its_confirmation(how):
+    """A writer's registered blocks become hits for its tenant's other sessions once it confirms
+    them; a confirmation riding on a step that is refused as a whole does not count."""
+    d, a, b = _shared_pair()
+    prompt = np.arange(1, 13, dtype=np.int32)  # 3 full blocks of 4
+    a.step(StepBatch(admit=[AdmitRequest("p", 12, a.hash_prompt(prompt))]))
+    tick = a.tick
+    row = np.asarray(a.rows_of(["p"]), np.int32)
+    seq = a._next_seq()
+    if how.startswith("decode"):
+        la = Cfg.max_model_len + 1 if how == "decode lookahead" else 0
+        frames = [row.tobytes()]
+        if how == "decode token ids":  # a hash with token ids out of range
+            frames += [b"h" * 16, np.ones(1, np.int32).tobytes(), np.full(4, -5, np.int32).tobytes()]
+        msg = [a._header(P.DECODE, a.sid, seq, (tick, 1, 4 if frames[1:] else 1, la)), *frames]
+    else:
+        spec = a._req_step(StepBatch(append_ids=["p"], computed_through=tick))  # a JSON step, by id
+        fields = dict(spec[1])
+        fields["la"] = Cfg.max_model_len + 1
+        msg = [P.request(P.STEP, a.sid, seq, **fields), *spec[2]]
+    h = P.parse_reply(d.handle([b"id", *msg])[0])
+    assert h["err"] == errors.InvalidArgument.code, h
+    while d.manager.num_deferred:
+        d.manager.flush_deferred()
+    assert b._do(b._req_lookup(b.hash_prompt(prompt))) == 0  # not hits: A's confirmation did not count
+    a._do(a._req_mark_computed(tick))
+    assert b._do(b._req_lookup(b.hash_prompt(prompt))) == 3
