@@ -11,6 +11,8 @@ the heavy invariants hold after every message. Plus the cases the runs found, on
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -19,6 +21,7 @@ from kvd import protocol as P
 from kvd.api import AdmitRequest, ManagerConfig, StepBatch
 from kvd.manager import BlockManager
 from kvd.server import Daemon
+from kvd.shm import segment_name
 from kvd_client.client import Client, _Core
 from test_server import _mutate
 
@@ -99,15 +102,33 @@ def changed(a: dict, b: dict) -> list[str]:
     return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not same(a[k], b[k]))
 
 
+@pytest.fixture
+def new_daemon():
+    """Daemons in process; every session they still hold ends afterwards (its segment unlinked)."""
+    made: list[Daemon] = []
+
+    def make() -> Daemon:
+        made.append(Daemon(Cfg))
+        return made[-1]
+
+    yield make
+    for d in made:
+        for s in list(d.sessions.values()):
+            d.end_session(s, "test")
+        prefix = segment_name(d.pid, d.epoch, "")
+        left = [p for p in os.listdir("/dev/shm") if p.startswith(prefix)] if os.path.isdir("/dev/shm") else []
+        assert not left, f"segments outlived their sessions: {left}"
+
+
 class _Run:
     """One seeded run: ``valid()`` sends a well-formed message of a random kind through the
     client, ``mutated()`` a mutation of one and returns what the check found."""
 
     KINDS = ("step", "step", "decode", "fork", "swap_out", "swap_in", "common", "computed", "allocate", "append")
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, d: Daemon):
         self.rng = np.random.default_rng(seed)
-        self.d = Daemon(Cfg)
+        self.d = d
         self.c = InProc(self.d)
         self.ids = iter(range(10**6, 10**7))
         self.prefix = self.rng.integers(1, 300, 8)
@@ -239,8 +260,8 @@ class _Run:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_every_refused_message_leaves_the_daemon_as_it_was(seed):
-    run = _Run(seed)
+def test_every_refused_message_leaves_the_daemon_as_it_was(seed, new_daemon):
+    run = _Run(seed, new_daemon())
     found = []
     for _ in range(300):
         if run.rng.random() < 0.4:
@@ -253,8 +274,8 @@ def test_every_refused_message_leaves_the_daemon_as_it_was(seed):
     assert run.refused > 80  # the run did refuse many messages
 
 
-def test_the_state_picture_sees_a_tick_a_table_entry_and_a_segment_byte():
-    d = Daemon(Cfg)
+def test_the_state_picture_sees_a_tick_a_table_entry_and_a_segment_byte(new_daemon):
+    d = new_daemon()
     c = InProc(d)
     c.step(StepBatch(admit=[AdmitRequest("a", 10)]))
     before = state_of(d)
@@ -285,16 +306,14 @@ def test_misuse_of_a_whole_call_leaves_the_tick():
     assert m.append_slots("a", 1).ok and m.tick == tick + 1
 
 
-def _shared_pair():
-    d = Daemon(Cfg)
-    return d, InProc(d, confirm="explicit"), InProc(d, confirm="explicit")
 
 
 @pytest.mark.parametrize("how", ["decode lookahead", "decode token ids", "step lookahead"])
-def test_a_refused_step_does_not_count_its_confirmation(how):
+def test_a_refused_step_does_not_count_its_confirmation(how, new_daemon):
     """A writer's registered blocks become hits for its tenant's other sessions once it confirms
     them; a confirmation riding on a step that is refused as a whole does not count."""
-    d, a, b = _shared_pair()
+    d = new_daemon()
+    a, b = InProc(d, confirm="explicit"), InProc(d, confirm="explicit")
     prompt = np.arange(1, 13, dtype=np.int32)  # 3 full blocks of 4
     a.step(StepBatch(admit=[AdmitRequest("p", 12, a.hash_prompt(prompt))]))
     tick = a.tick
