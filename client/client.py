@@ -273,6 +273,41 @@ class _Heartbeat(threading.Thread):
             sock.close(0)
 
 
+#: What Python or numpy raise for an argument of the wrong kind (a dict for an id, a string for a
+#: count, a float array for rows): the client's misuse, ``InvalidArgument``, as the daemon's checks.
+_MISUSE = (TypeError, ValueError, AttributeError, IndexError, KeyError, OverflowError)
+
+
+def _misuse(exc: Exception, what: str) -> InvalidArgument:
+    return InvalidArgument(f"{what}: {type(exc).__name__}: {exc}")
+
+
+def _tick(value: Any) -> int:
+    """A confirmed tick (``computed_through``, ``mark_computed``): an int in [0, P.MAX_INT]."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 0 <= value <= P.MAX_INT:
+        raise InvalidArgument(f"computed tick must be an int in [0, {P.MAX_INT}], got {value!r}")
+    return int(value)
+
+
+def _is_index(value: Any, n: int) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and 0 <= value < n
+
+
+def _builds(fn):
+    """A request builder (``_req_*``) whose arguments' misuse is ``InvalidArgument``; building
+    changes nothing on a failure (what it took, it gives back before raising)."""
+    what = fn.__name__.removeprefix("_req_")
+
+    @functools.wraps(fn)
+    def build(self, *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except _MISUSE as e:
+            raise _misuse(e, what) from e
+
+    return build
+
+
 class _Core:
     """State and message building shared by Client and AsyncClient (no I/O here)."""
 
@@ -313,7 +348,8 @@ class _Core:
     # ---- rows ---------------------------------------------------------------------------------------
     def _reset_rows(self, max_reqs: int) -> None:
         self._row_of: dict[Hashable, int] = {}
-        self._id_of: list[Hashable | None] = [None] * max_reqs
+        # a free row holds _NO_ID, not None: None is a request id like any other hashable
+        self._id_of: list[Hashable] = [_NO_ID] * max_reqs
         self._free_rows: list[int] = list(range(max_reqs - 1, -1, -1))
 
     def _new_row(self, req_id: Hashable) -> int:
@@ -330,8 +366,8 @@ class _Core:
 
     def _drop_row(self, row: int) -> None:
         rid = self._id_of[row]
-        if rid is not None:
-            self._id_of[row] = None
+        if rid is not _NO_ID:
+            self._id_of[row] = _NO_ID
             if self._row_of.get(rid) == row:  # (a step that freed rid may have given its id a new row)
                 del self._row_of[rid]
             self._free_rows.append(row)
@@ -341,15 +377,21 @@ class _Core:
             return self._row_of[req_id]
         except KeyError:
             raise UnknownRequest(f"unknown request {req_id!r}") from None
+        except TypeError as e:  # unhashable
+            raise _misuse(e, "request id") from e
 
     def rows_of(self, req_ids: Sequence[Hashable]) -> np.ndarray:
         try:
             return np.array(list(map(self._row_of.__getitem__, req_ids)), np.int32)
         except KeyError as e:
             raise UnknownRequest(f"unknown request {e.args[0]!r}") from None
+        except TypeError as e:  # not a sequence, or an unhashable id
+            raise _misuse(e, "request ids") from e
 
     def id_of(self, row: int) -> Hashable | None:
-        return self._id_of[row]
+        """The request in session row ``row``, or None (a free row)."""
+        rid = self._id_of[row]
+        return None if rid is _NO_ID else rid
 
     @property
     def request_ids(self) -> list:
@@ -410,6 +452,8 @@ class _Core:
     def block_table(self, req_id: Hashable, group: int = 0) -> np.ndarray:
         """The request's block ids (read-only view into shared memory, valid until it changes)."""
         r = self.row_of(req_id)
+        if not _is_index(group, len(self.shm.tables)):
+            raise InvalidArgument(f"group must be an int in [0, {len(self.shm.tables)}), got {group!r}")
         return self.shm.tables[group][r, : int(self.shm.counts[group][r])]
 
     @property
@@ -426,14 +470,22 @@ class _Core:
         kw.setdefault("algo", self.info.get("hash_algo", "sha256"))
         if "hash_seed" in self.info:
             kw.setdefault("seed", self.info["hash_seed"])
-        return hash_prompt(token_ids, self.block_sizes[group], **kw)
+        if not _is_index(group, len(self.block_sizes)):
+            raise InvalidArgument(f"group must be an int in [0, {len(self.block_sizes)}), got {group!r}")
+        try:
+            return hash_prompt(token_ids, self.block_sizes[group], **kw)
+        except _MISUSE as e:
+            raise _misuse(e, "token ids") from e
 
     def hash_next_blocks(self, token_blocks, parents) -> np.ndarray:
         """kvd.hashing.hash_next_blocks with this pool's hash scheme: the blocks that many requests
         just filled, one each, chained to their parents, in one call (a decode step's hashing)."""
         from kvd.hashing import hash_next_blocks
 
-        return hash_next_blocks(token_blocks, parents, algo=self.info.get("hash_algo", "sha256"))
+        try:
+            return hash_next_blocks(token_blocks, parents, algo=self.info.get("hash_algo", "sha256"))
+        except _MISUSE as e:
+            raise _misuse(e, "token blocks or parents") from e
 
     # ---- session ----------------------------------------------------------------------------------
     def _next_seq(self) -> int:
@@ -465,7 +517,7 @@ class _Core:
         """The ``c`` of a step: the caller's, or in auto mode the tick of the step ``steps_in_flight``
         steps before the last (whose forward pass has finished when this step is scheduled)."""
         if explicit is not None:
-            return int(explicit)
+            return _tick(explicit)
         ticks = self._step_ticks
         if self._auto_confirm and len(ticks) == ticks.maxlen and self.info.get("shared"):
             return ticks[0]
@@ -544,9 +596,11 @@ class _Core:
         return [P.hashes_frame(x, self.hash_width) for x in block_hashes]
 
     # ---- requests: (op, header fields, frames, post-processing) -----------------------------------
+    @_builds
     def _req_lookup(self, block_hashes):
         return P.LOOKUP, {}, [P.hashes_frame(block_hashes, self.hash_width)], lambda h, f: int(h["n"])
 
+    @_builds
     def _req_can_allocate(self, num_tokens, block_hashes=(), num_lookahead_tokens=0, *,
                           max_new_tokens=0, num_encoder_tokens=0):
         fields = {"nt": _count("num_tokens", num_tokens), "la": _count("num_lookahead_tokens", num_lookahead_tokens),
@@ -554,6 +608,7 @@ class _Core:
                   "net": _count("num_encoder_tokens", num_encoder_tokens)}
         return P.CAN_ALLOCATE, fields, self._hashes(block_hashes), _alloc_status
 
+    @_builds
     def _req_allocate(self, req_id, num_tokens, block_hashes=(), num_lookahead_tokens=0, *,
                       priority=DEFAULT_PRIORITY, num_encoder_tokens=0, max_new_tokens=0, token_ids=None):
         fields = {"nt": _count("num_tokens", num_tokens), "la": _count("num_lookahead_tokens", num_lookahead_tokens),
@@ -578,6 +633,7 @@ class _Core:
         shm = self.shm
         return tuple(shm.tables[g][row, : int(shm.counts[g][row])] for g in range(len(shm.tables)))
 
+    @_builds
     def _req_append_slots(self, req_id, num_new_tokens, new_block_hashes=(), num_lookahead_tokens=0, *,
                           new_block_token_ids=None):
         fields = {"n": _count("num_new_tokens", num_new_tokens),
@@ -597,6 +653,7 @@ class _Core:
 
         return P.APPEND, fields, frames, post
 
+    @_builds
     def _req_free(self, req_id):
         row = self.row_of(req_id)
 
@@ -605,6 +662,7 @@ class _Core:
 
         return P.FREE, {}, [np.array([row], np.int32).tobytes()], post
 
+    @_builds
     def _req_fork(self, parent_id, child_id):
         prow = self.row_of(parent_id)
         crow = self._new_row(child_id)
@@ -616,54 +674,68 @@ class _Core:
             return self.rows_of(list(req_ids)).tobytes()
         return np.array([self.row_of(req_ids)], np.int32).tobytes()
 
+    @_builds
     def _req_can_swap_out(self, req_ids):
         return P.CAN_SWAP_OUT, {}, [self._swap_rows(req_ids)], _alloc_status
 
+    @_builds
     def _req_can_swap_in(self, req_ids):
         return P.CAN_SWAP_IN, {}, [self._swap_rows(req_ids)], _alloc_status
 
+    @_builds
     def _req_swap_out(self, req_ids):
         return P.SWAP_OUT, {}, [self._swap_rows(req_ids)], _swap_result
 
+    @_builds
     def _req_swap_in(self, req_ids):
         return P.SWAP_IN, {}, [self._swap_rows(req_ids)], _swap_result
 
+    @_builds
     def _req_reset_prefix_cache(self):
         return P.RESET_PREFIX_CACHE, {}, [], lambda h, f: bool(h["done"])
 
+    @_builds
     def _req_num_common_prefix_blocks(self, req_id, num_running):
         fields = {"row": self.row_of(req_id), "nr": _count("num_running", num_running)}
         return P.COMMON_PREFIX, fields, [], lambda h, f: int(h["n"])
 
+    @_builds
     def _req_cross_block_table(self, req_id):
         return (P.CROSS_TABLE, {"row": self.row_of(req_id)}, [],
                 lambda h, f: np.frombuffer(f[0], np.int32) if f else _EMPTY_I32)
 
+    @_builds
     def _req_stats(self):
         return P.STATS, {}, [], lambda h, f: h["stats"]
 
+    @_builds
     def _req_daemon_status(self):
         return P.STATUS, {}, [], lambda h, f: h["status"]
 
+    @_builds
     def _req_heartbeat(self):
         return P.HEARTBEAT, {}, [], lambda h, f: None
 
+    @_builds
     def _req_mark_computed(self, tick: int | None = None):
-        return P.COMPUTED, {"c": int(self.tick if tick is None else tick)}, [], lambda h, f: None
+        return P.COMPUTED, {"c": self.tick if tick is None else _tick(tick)}, [], lambda h, f: None
 
     def _req_step(self, batch: StepBatch):
-        G = self._num_groups
-        rows = batch.append_rows
-        if (rows is not None and not batch.admit and not batch.free and not batch.forks
-                and type(batch.append_num_tokens) is int):
-            spec = self._req_decode(rows, batch.append_num_tokens, batch.num_lookahead_tokens,
-                                    batch.computed_through, batch.append_hashes, batch.append_hash_counts, G,
-                                    batch.append_token_ids)
-            if spec is not None:
-                return spec
-        if _LONE_ADMISSION and batch.is_lone_admission():
-            return LoneAdmission(self, batch, G).spec()
-        return StepMessage(self, batch, G).spec()
+        try:  # (as _builds does, inline: the decode step's path pays nothing for it)
+            G = self._num_groups
+            rows = batch.append_rows
+            if (rows is not None and not batch.admit and not batch.free and not batch.forks
+                    and type(batch.append_num_tokens) is int):
+                spec = self._req_decode(rows, batch.append_num_tokens, batch.num_lookahead_tokens,
+                                        batch.computed_through, batch.append_hashes, batch.append_hash_counts, G,
+                                        batch.append_token_ids)
+                if spec is not None:
+                    return spec
+            if _LONE_ADMISSION and batch.is_lone_admission():
+                return LoneAdmission(self, batch, G).spec()
+            return StepMessage(self, batch, G).spec()
+        except _MISUSE as e:
+            raise _misuse(e, "step") from e
 
     def _req_decode(self, rows, num_tokens: int, lookahead: int, computed_through: int | None = None,
                     hashes=(), counts=(), num_groups: int = 1, token_ids=()):
@@ -802,6 +874,9 @@ def _decode_post(rows_b: bytes, an: int, h, f: list) -> StepResult:
     res.num_scheduled_tokens = nt  # type: ignore[attr-defined]
     return res
 
+
+_NO_ID = object()
+"""What a free session row's request id is (``_Core._id_of``)."""
 
 _LENS: dict[tuple[int, int], np.ndarray] = {}
 

@@ -57,6 +57,20 @@ def group_token_ids(token_ids, num_groups: int) -> list:
     return list(token_ids)
 
 
+def count_without_appends(count: int) -> int:
+    """The header's ``an`` (the append token count) of a step without appends: in process any int
+    goes there, so one that the header cannot carry is sent as 1."""
+    return int(count) if 0 <= count <= P.MAX_COUNT else 1
+
+
+def lookahead_field(value) -> int:
+    """A step's ``num_lookahead_tokens`` for its header: an int in [0, P.MAX_COUNT] (the manager
+    judges the rest), else InvalidArgument (a float is not truncated)."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 0 <= value <= P.MAX_COUNT:
+        raise InvalidArgument(f"num_lookahead_tokens must be an int in [0, {P.MAX_COUNT}], got {value!r}")
+    return int(value)
+
+
 def int32_array(values, what: str) -> np.ndarray:
     """``values`` as a C-contiguous int32 array, or InvalidArgument (``kvd.api.int_array``'s rule:
     an int64 row 2**32 is not row 0)."""
@@ -158,7 +172,7 @@ class StepMessage:
         repeat for the first)."""
         scalar = isinstance(ant, (int, np.integer)) and not isinstance(ant, bool)
         if not num_appends and (scalar or not np.size(ant)):  # (an admission's step: nothing to judge)
-            return app_rows, P.EMPTY, int(ant) if scalar else 1
+            return app_rows, P.EMPTY, count_without_appends(ant) if scalar else 1
         if scalar:
             if 0 <= ant <= P.MAX_COUNT:
                 return app_rows, P.EMPTY, int(ant)
@@ -256,7 +270,7 @@ class StepMessage:
         keys = app_rows if b.append_rows is not None else b.append_ids
         app_rows, ant_b, an = self._append_counts(b.append_num_tokens, app_rows, num_appends, keys)
         self.an = an
-        fields = {"la": int(b.num_lookahead_tokens), "nf": len(free_rows), "nk": len(forks), "na": app_rows.shape[0]}
+        fields = {"la": lookahead_field(b.num_lookahead_tokens), "nf": len(free_rows), "nk": len(forks), "na": app_rows.shape[0]}
         c = core._confirmation(b.computed_through)
         if c is not None:
             fields["c"] = c
@@ -373,11 +387,11 @@ class LoneAdmission(StepMessage):
     def _lone_spec(self, one) -> tuple:
         core, b = self.core, self.batch
         cols, per_g, tokens = one
-        fields = {"la": int(b.num_lookahead_tokens), "nf": 0, "nk": 0, "na": 0}
+        fields = {"la": lookahead_field(b.num_lookahead_tokens), "nf": 0, "nk": 0, "na": 0}
         c = core._confirmation(b.computed_through)
         if c is not None:
             fields["c"] = c
-        fields["an"] = b.append_num_tokens
+        fields["an"] = count_without_appends(b.append_num_tokens)
         fields["nd"] = 1
         adm = np.array([(*cols[:6], _signed64(cols[7]))], np.int64)
         frames = [P.EMPTY] * (5 + 2 * self.G)

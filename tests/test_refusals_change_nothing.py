@@ -337,3 +337,118 @@ def test_a_refused_step_does_not_count_its_confirmation(how, new_daemon):
     assert b._do(b._req_lookup(b.hash_prompt(prompt))) == 0  # not hits: A's confirmation did not count
     a._do(a._req_mark_computed(tick))
     assert b._do(b._req_lookup(b.hash_prompt(prompt))) == 3
+
+
+# ---------------------------------------------------------------- the client's own refusals
+class _ApiClient(InProc):
+    """``InProc`` with the whole ``Client`` API."""
+
+
+for _name in ("allocate", "append_slots", "free", "fork", "swap_out", "swap_in", "lookup", "can_allocate",
+              "num_common_prefix_blocks", "cross_block_table", "mark_computed"):
+    setattr(_ApiClient, _name, getattr(Client, _name))
+
+
+def _client_state(c) -> dict:
+    out: dict = {}
+    _walk(c, "c.", out, set())
+    out.pop("c._seq")  # a refused message still took its sequence number
+    out["c._row_of"] = repr(sorted((hash(k), v) for k, v in c._row_of.items()))  # (True is the id 1)
+    return out
+
+
+_GARBAGE = (None, -1, 2**70, 1.5, "x", b"x", [1, "a"], np.array([1.5]), np.array([[1, 2]]), True, object(), {1: 2},
+            (), [], np.int64(3), np.array([-1], np.int32), float("nan"), [None], np.array(["a"]),
+            np.zeros(3, np.uint64) + 2**63, [2**40], -(2**63))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_misuse_of_the_client_api_is_typed_and_changes_nothing(seed, new_daemon):
+    """Every Client method with arguments of every wrong kind mixed in: what it raises is a
+    KvdError (InvalidArgument for a Python or numpy type error), and the client and the daemon
+    are as they were."""
+    rng = np.random.default_rng(seed)
+    d = new_daemon()
+    c = _ApiClient(d)
+    ids = iter(range(10**6, 10**7))
+
+    def g(valid):
+        return _GARBAGE[int(rng.integers(0, len(_GARBAGE)))] if rng.random() < 0.35 else valid
+
+    def live():
+        return c.request_ids[int(rng.integers(0, len(c.request_ids)))] if c.request_ids else "nobody"
+
+    def hashes(n):
+        return c.hash_prompt(rng.integers(1, 300, n))
+
+    calls = [
+        lambda n: c.allocate(g(next(ids)), g(n), g(hashes(n)), g(0)),
+        lambda n: c.append_slots(g(live()), g(1), g(()), g(0)),
+        lambda n: c.free(g(live())),
+        lambda n: c.fork(g(live()), g(next(ids))),
+        lambda n: c.swap_out(g([live()])),
+        lambda n: c.swap_in(g([live()])),
+        lambda n: c.lookup(g(hashes(n))),
+        lambda n: c.can_allocate(g(n), g(()), g(0)),
+        lambda n: c.num_common_prefix_blocks(g(live()), g(1)),
+        lambda n: c.cross_block_table(g(live())),
+        lambda n: c.block_table(g(live()), g(0)),
+        lambda n: c.mark_computed(g(c.tick)),
+        lambda n: c.step(StepBatch(admit=g([AdmitRequest(g(next(ids)), g(n), g(hashes(n)), g(0), g(0))]),
+                                   append_ids=g([live()]), free=g([]), append_num_tokens=g(1),
+                                   num_lookahead_tokens=g(0))),
+        lambda n: c.step(StepBatch(append_rows=g(np.asarray(c.rows_of(c.request_ids), np.int32)),
+                                   append_num_tokens=g(1), append_hashes=g(()), append_hash_counts=g(()))),
+        lambda n: c.step(StepBatch(forks=g([(live(), next(ids))]), computed_through=g(None))),
+        lambda n: c.hash_prompt(g(rng.integers(1, 300, n))),
+    ]
+    refused, wrong = 0, []
+    for i in range(400):
+        k = int(rng.integers(0, len(calls)))
+        while d.manager.num_deferred:
+            d.manager.flush_deferred()
+        before = state_of(d), _client_state(c)
+        try:
+            calls[k](int(rng.integers(1, 40)))
+        except Exception as e:  # noqa: BLE001 (what it is, is the point)
+            refused += 1
+            while d.manager.num_deferred:
+                d.manager.flush_deferred()
+            diff = changed(before[0], state_of(d)) + changed(before[1], _client_state(c))
+            if not isinstance(e, errors.KvdError) or diff:
+                wrong.append((i, k, type(e).__name__, str(e)[:80], diff[:4]))
+        d.manager.check_invariants(heavy=True)
+    assert not wrong, wrong[:5]
+    assert refused > 100
+
+
+def test_a_request_named_none_is_freed_and_its_refused_fork_undone(new_daemon):
+    """None is a request id like any other hashable (the client's free rows used to hold None)."""
+    d = new_daemon()
+    c = _ApiClient(d)
+    assert c.allocate(None, 10).ok and c.request_ids == [None] and c.id_of(c.row_of(None)) is None
+    c.free(None)
+    assert c.request_ids == [] and sorted(c._free_rows) == list(range(Cfg.max_reqs_per_session))
+    c.allocate("p", 10)
+    assert c.swap_out(["p"]).ok
+    with pytest.raises(errors.RequestSwapped):
+        c.fork("p", None)  # the daemon refuses it: the child's row goes back
+    assert c.request_ids == ["p"] and len(c._free_rows) == Cfg.max_reqs_per_session - 1
+
+
+def test_wrong_kinds_of_arguments_are_invalid_argument(new_daemon):
+    d = new_daemon()
+    c = _ApiClient(d)
+    c.allocate("p", 10)
+    row = c.row_of("p")
+    for call in (lambda: c.step(StepBatch(admit=[AdmitRequest("q", 5)], num_lookahead_tokens=1.5)),  # not 1
+                 lambda: c.step(StepBatch(append_ids=["p"], computed_through=2**70)),
+                 lambda: c.mark_computed("x"),
+                 lambda: c.block_table("p", group=3),
+                 lambda: c.rows_of(5),
+                 lambda: c.row_of({}),
+                 lambda: c.hash_prompt([[1, "a"]]),
+                 lambda: c.allocate("q", 5, block_hashes=7)):
+        with pytest.raises(errors.InvalidArgument):
+            call()
+    assert c.request_ids == ["p"] and c.row_of("p") == row and c.tick == 1
