@@ -52,6 +52,7 @@ from kvd.api import (
     SwapResult,
 )
 from kvd.errors import (
+    ARGUMENT_ERRORS,
     ERROR_BY_CODE,
     DaemonUnavailable,
     PermissionDenied,
@@ -63,6 +64,7 @@ from kvd.errors import (
     SessionError,
     Timeout,
     UnknownRequest,
+    invalid_argument,
 )
 from kvd.shm import SHM_DIR, SessionBuffers
 
@@ -273,15 +275,6 @@ class _Heartbeat(threading.Thread):
             sock.close(0)
 
 
-#: What Python or numpy raise for an argument of the wrong kind (a dict for an id, a string for a
-#: count, a float array for rows): the client's misuse, ``InvalidArgument``, as the daemon's checks.
-_MISUSE = (TypeError, ValueError, AttributeError, IndexError, KeyError, OverflowError)
-
-
-def _misuse(exc: Exception, what: str) -> InvalidArgument:
-    return InvalidArgument(f"{what}: {type(exc).__name__}: {exc}")
-
-
 def _tick(value: Any) -> int:
     """A confirmed tick (``computed_through``, ``mark_computed``): an int in [0, P.MAX_INT]."""
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 0 <= value <= P.MAX_INT:
@@ -302,8 +295,8 @@ def _builds(fn):
     def build(self, *args, **kwargs):
         try:
             return fn(self, *args, **kwargs)
-        except _MISUSE as e:
-            raise _misuse(e, what) from e
+        except ARGUMENT_ERRORS as e:
+            raise invalid_argument(e, what) from e
 
     return build
 
@@ -378,7 +371,7 @@ class _Core:
         except KeyError:
             raise UnknownRequest(f"unknown request {req_id!r}") from None
         except TypeError as e:  # unhashable
-            raise _misuse(e, "request id") from e
+            raise invalid_argument(e, "request id") from e
 
     def rows_of(self, req_ids: Sequence[Hashable]) -> np.ndarray:
         try:
@@ -386,7 +379,7 @@ class _Core:
         except KeyError as e:
             raise UnknownRequest(f"unknown request {e.args[0]!r}") from None
         except TypeError as e:  # not a sequence, or an unhashable id
-            raise _misuse(e, "request ids") from e
+            raise invalid_argument(e, "request ids") from e
 
     def id_of(self, row: int) -> Hashable | None:
         """The request in session row ``row``, or None (a free row)."""
@@ -474,8 +467,8 @@ class _Core:
             raise InvalidArgument(f"group must be an int in [0, {len(self.block_sizes)}), got {group!r}")
         try:
             return hash_prompt(token_ids, self.block_sizes[group], **kw)
-        except _MISUSE as e:
-            raise _misuse(e, "token ids") from e
+        except ARGUMENT_ERRORS as e:
+            raise invalid_argument(e, "token ids") from e
 
     def hash_next_blocks(self, token_blocks, parents) -> np.ndarray:
         """kvd.hashing.hash_next_blocks with this pool's hash scheme: the blocks that many requests
@@ -484,8 +477,8 @@ class _Core:
 
         try:
             return hash_next_blocks(token_blocks, parents, algo=self.info.get("hash_algo", "sha256"))
-        except _MISUSE as e:
-            raise _misuse(e, "token blocks or parents") from e
+        except ARGUMENT_ERRORS as e:
+            raise invalid_argument(e, "token blocks or parents") from e
 
     # ---- session ----------------------------------------------------------------------------------
     def _next_seq(self) -> int:
@@ -734,8 +727,8 @@ class _Core:
             if _LONE_ADMISSION and batch.is_lone_admission():
                 return LoneAdmission(self, batch, G).spec()
             return StepMessage(self, batch, G).spec()
-        except _MISUSE as e:
-            raise _misuse(e, "step") from e
+        except ARGUMENT_ERRORS as e:
+            raise invalid_argument(e, "step") from e
 
     def _req_decode(self, rows, num_tokens: int, lookahead: int, computed_through: int | None = None,
                     hashes=(), counts=(), num_groups: int = 1, token_ids=()):

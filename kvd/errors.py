@@ -26,6 +26,16 @@ class InvalidArgument(KvdError):
     code = 17
 
 
+ARGUMENT_ERRORS = (TypeError, ValueError, AttributeError, IndexError, KeyError, OverflowError)
+"""What Python or numpy raise for an argument of the wrong kind (a dict for an id, a string for a
+count, a float array for rows): misuse, which the manager and the client report as InvalidArgument."""
+
+
+def invalid_argument(exc: BaseException, what: str) -> InvalidArgument:
+    """``exc`` (one of ``ARGUMENT_ERRORS``) as the InvalidArgument of ``what`` (a call or argument)."""
+    return InvalidArgument(f"{what}: {type(exc).__name__}: {exc}")
+
+
 class UnknownRequest(KvdError):
     """The request id is not known to this manager (or to this session)."""
 

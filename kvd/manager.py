@@ -38,6 +38,7 @@ that ends (``drop_writer``) forgets what it never confirmed.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -97,6 +98,38 @@ class _Swapped:
     cpu_blocks: list[np.ndarray]
     num_skipped: list[int]
     cross: np.ndarray
+
+
+def _refuses_misuse(method):
+    """A public method whose misuse changes nothing: its checks come before its changes, a typed
+    error puts back the tick it may have taken, and an argument of the wrong kind
+    (``errors.ARGUMENT_ERRORS``) is InvalidArgument."""
+    what = method.__name__
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        tick = self.tick
+        try:
+            return method(self, *args, **kwargs)
+        except errors.KvdError:
+            self.tick = tick
+            raise
+        except errors.ARGUMENT_ERRORS as e:
+            self.tick = tick
+            raise errors.invalid_argument(e, what) from e
+
+    return call
+
+
+def _check_batch(batch: StepBatch) -> None:
+    """A step's lists are lists (tuples, lists or arrays; forks: pairs), else the step is refused
+    before it changes anything; a bad item of a list is that item's status."""
+    for name in ("free", "append_ids", "forks", "admit"):
+        items = getattr(batch, name)
+        if type(items) is tuple or type(items) is list:
+            continue
+        if type(items) is not np.ndarray or items.ndim != (2 if name == "forks" else 1):
+            raise errors.InvalidArgument(f"{name} must be a tuple, list or array, got {type(items).__name__}")
 
 
 class _Group:
@@ -375,6 +408,7 @@ class BlockManager:
         fifo.append((tick, self._num_regs, key, blocks, runs))
         self._block_reg[blocks] = self._num_regs
 
+    @_refuses_misuse
     def mark_computed(self, writer: int, through_tick: int) -> None:
         """Writer ``writer`` has finished the forward passes of every call up to ``through_tick``:
         the blocks it registered in them become visible to every lookup of their namespace."""
@@ -675,6 +709,7 @@ class BlockManager:
             end -= 1
         return 0
 
+    @_refuses_misuse
     def lookup(self, block_hashes, namespace: int = 0, writer: int = 0) -> int:
         """Leading blocks (of group 0) already cached for ``writer`` in ``namespace``; changes nothing."""
         self.flush_deferred()
@@ -717,6 +752,7 @@ class BlockManager:
         blocks += _cdiv(num_encoder_tokens, self.config.encoder_block_size)
         return blocks > self.pool.num_blocks - 1 - self._watermark_blocks
 
+    @_refuses_misuse
     def can_allocate(
         self,
         num_tokens: int,
@@ -739,6 +775,7 @@ class BlockManager:
         )
         return status
 
+    @_refuses_misuse
     def allocate(
         self,
         req_id: ReqId,
@@ -759,15 +796,11 @@ class BlockManager:
         self.flush_deferred()
         space = self._space(namespace, writer)
         self.tick += 1
-        try:
-            result = self._admit(
-                AdmitRequest(req_id, num_tokens, block_hashes, num_lookahead_tokens, priority, num_encoder_tokens,
-                             max_new_tokens, token_ids),
-                space,
-            )
-        except errors.KvdError:
-            self.tick -= 1  # misuse changes nothing, the tick included
-            raise
+        result = self._admit(
+            AdmitRequest(req_id, num_tokens, block_hashes, num_lookahead_tokens, priority, num_encoder_tokens,
+                         max_new_tokens, token_ids),
+            space,
+        )
         self._debug_check()
         return result
 
@@ -848,6 +881,7 @@ class BlockManager:
         g.num_registered[row] = stop
 
     # ================================================================== appends
+    @_refuses_misuse
     def append_slots(
         self, req_id: ReqId, num_new_tokens: int, new_block_hashes=(), num_lookahead_tokens: int = 0, *,
         new_block_token_ids=None,
@@ -1241,6 +1275,7 @@ class BlockManager:
         assert np.all(skip < g.num_blocks[rows])
 
     # ================================================================== free
+    @_refuses_misuse
     def free(self, req_id: ReqId) -> None:
         self.flush_deferred()
         row = self.row_of(req_id)
@@ -1302,6 +1337,7 @@ class BlockManager:
         self._free_rows.extend(row_list)
 
     # ================================================================== fork
+    @_refuses_misuse
     def fork(self, parent_id: ReqId, child_id: ReqId) -> None:
         self.flush_deferred()
         self._fork(parent_id, child_id)
@@ -1466,6 +1502,7 @@ class BlockManager:
             status = AllocStatus.OK if gpu.size <= self.cpu_pool.num_free else AllocStatus.LATER
         return entries, gpu, counts, status
 
+    @_refuses_misuse
     def can_swap_out(self, req_ids) -> AllocStatus:
         """OK when the CPU pool has room for the requests' blocks now, LATER when it may after
         other requests are swapped in or freed, NEVER when it is too small (or absent)."""
@@ -1478,6 +1515,7 @@ class BlockManager:
             raise errors.RequestSwapped("request already swapped out")
         return rows
 
+    @_refuses_misuse
     def swap_out(self, req_ids) -> SwapResult:
         """Move requests' blocks to the CPU pool; a block shared among them moves once and stays
         shared. Returns ``(gpu_block, cpu_block)`` pairs to copy."""
@@ -1536,6 +1574,7 @@ class BlockManager:
         need = int(np.count_nonzero(found < 0)) + revived
         return cpu, counts, found, need
 
+    @_refuses_misuse
     def can_swap_in(self, req_ids) -> AllocStatus:
         """OK when the GPU pool has room for the requests' blocks now (admission's headroom),
         LATER when it may later, NEVER when they need more blocks than the pool can ever give."""
@@ -1550,6 +1589,7 @@ class BlockManager:
             return AllocStatus.NEVER
         return AllocStatus.OK if need <= self._admission_headroom() else AllocStatus.LATER
 
+    @_refuses_misuse
     def swap_in(self, req_ids) -> SwapResult:
         """Bring swapped requests back. Content still in the GPU prefix cache is reused without a
         copy. Returns ``(cpu_block, gpu_block)`` pairs to copy."""
@@ -1647,8 +1687,22 @@ class BlockManager:
         frees, forks, appends, admissions (in that order). ``namespace`` and ``writer`` apply to
         the step's admissions (see ``allocate``). Misuse of one request is reported in its status
         and does not stop the others."""
+        tick = self.tick
+        try:
+            if not (type(batch.free) is tuple and type(batch.forks) is tuple
+                    and type(batch.append_ids) is tuple and type(batch.admit) is tuple):
+                _check_batch(batch)  # (a decode step's lists are the default empty tuples)
+            return self._step(batch, namespace, writer)
+        except errors.KvdError:
+            self.tick = tick  # misuse changes nothing, the tick included
+            raise
+        except errors.ARGUMENT_ERRORS as e:
+            self.tick = tick
+            raise errors.invalid_argument(e, "step") from e
+
+    def _step(self, batch: StepBatch, namespace: int, writer: int) -> StepResult:
         decode = (self._simple and batch.append_rows is not None
-                  and not (batch.free or batch.forks or batch.admit or len(batch.append_ids)))
+                  and not (len(batch.free) or len(batch.forks) or len(batch.admit) or len(batch.append_ids)))
         la = batch.num_lookahead_tokens
         if type(la) is not int and (not isinstance(la, np.integer) or isinstance(la, bool)) or not 0 <= la <= self.max_lookahead:
             raise errors.InvalidArgument(f"num_lookahead_tokens must be an integer in [0, {self.max_lookahead}]")
@@ -1665,13 +1719,9 @@ class BlockManager:
         if (self._deferred or self._waiting) and not (decode and not len(batch.append_hashes)):
             self.flush_deferred()
         self.tick += 1
-        try:
-            if lone:
-                return self._lone_admission_step(batch.admit[0], space)
-            return self._appends_step(batch, decode, space, la, appends)
-        except errors.KvdError:  # (a bug: the checks above leave none for the paths below)
-            self.tick -= 1
-            raise
+        if lone:
+            return self._lone_admission_step(batch.admit[0], space)
+        return self._appends_step(batch, decode, space, la, appends)
 
     def _step_append_inputs(self, batch: StepBatch) -> tuple:
         """The step's append inputs, checked: (token counts, rows or None, hash lists, hash counts or
@@ -1849,7 +1899,7 @@ class BlockManager:
                 child_rows.append(self._fork(parent_id, child_id))
             except errors.KvdError as exc:
                 status[i] = exc.code
-            except (TypeError, ValueError):
+            except errors.ARGUMENT_ERRORS:
                 status[i] = errors.InvalidArgument.code
         return status, np.array(child_rows, np.int32)
 
@@ -1935,6 +1985,8 @@ class BlockManager:
         n = len(batch.append_ids) if rows is None else rows.size
         n_new = batch.append_num_tokens
         if isinstance(n_new, (int, np.integer)) and not isinstance(n_new, bool):
+            if not -(1 << 63) <= n_new < (1 << 63):  # (a count out of range is its requests' status)
+                raise errors.InvalidArgument("append_num_tokens must fit 64 bits")
             return int(n_new), rows, n
         n_new = int_array(n_new, np.int64, "append_num_tokens")
         if n_new.shape != (n,):
@@ -2013,11 +2065,12 @@ class BlockManager:
             result = self._admit(req, space, defer)
         except errors.KvdError as exc:
             return exc.code, -1, 0
-        except (TypeError, ValueError, AttributeError):
+        except errors.ARGUMENT_ERRORS:
             return errors.InvalidArgument.code, -1, 0
         return result.status, result.row, result.num_cached_tokens
 
     # ================================================================== queries
+    @_refuses_misuse
     def block_table(self, req_id: ReqId, group: int = 0) -> np.ndarray:
         row = self.row_of(req_id)
         if not 0 <= group < len(self.groups):
@@ -2027,10 +2080,12 @@ class BlockManager:
         g = self.groups[group]
         return g.table[row, : g.num_blocks[row]].copy()
 
+    @_refuses_misuse
     def cross_block_table(self, req_id: ReqId) -> np.ndarray:
         row = self.row_of(req_id)
         return self.cross_table[row, : self.cross_num_blocks[row]].copy()
 
+    @_refuses_misuse
     def num_common_prefix_blocks(self, req_id: ReqId, num_running: int) -> int:
         """Leading blocks held by exactly ``num_running`` requests (for cascade attention)."""
         row = self.row_of(req_id)
@@ -2039,6 +2094,7 @@ class BlockManager:
         shared = self.pool.ref_cnt[blocks] == num_running
         return int(blocks.size if shared.all() else np.argmin(shared))
 
+    @_refuses_misuse
     def reset_prefix_cache(self, namespace: int | None = None) -> bool:
         self.flush_deferred()
         keys = None if namespace is None else {k for k, _ in self.cache_keys_of(namespace)}

@@ -18,7 +18,8 @@ import pytest
 
 from kvd import errors
 from kvd import protocol as P
-from kvd.api import AdmitRequest, ManagerConfig, StepBatch
+from kvd.api import AdmitRequest, GroupSpec, ManagerConfig, StepBatch
+from kvd.hashing import hash_prompt
 from kvd.manager import BlockManager
 from kvd.server import Daemon
 from kvd.shm import segment_name
@@ -452,3 +453,91 @@ def test_wrong_kinds_of_arguments_are_invalid_argument(new_daemon):
         with pytest.raises(errors.InvalidArgument):
             call()
     assert c.request_ids == ["p"] and c.row_of("p") == row and c.tick == 1
+
+
+# ---------------------------------------------------------------- the manager's, in process
+def _manager_state(m: BlockManager) -> dict:
+    out: dict = {}
+    _walk(m, "m.", out, set())
+    out["m._row_of"] = repr(sorted((hash(k), v) for k, v in m._row_of.items()))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_misuse_of_the_manager_api_is_typed_and_changes_nothing(seed):
+    """Every BlockManager method with arguments of every wrong kind mixed in (one KV-cache group,
+    or a full and a sliding-window one): what it raises is a KvdError, and it changes nothing."""
+    rng = np.random.default_rng(seed)
+    kw = dict(num_gpu_blocks=64, num_cpu_blocks=32, max_model_len=64, max_num_reqs=8,
+              defer_cache_registration=bool(seed % 2))
+    if seed >= 2:
+        kw["groups"] = (GroupSpec(16), GroupSpec(16, sliding_window=32))
+    m = BlockManager(ManagerConfig(**kw))
+    ids = iter(range(10**6, 10**7))
+
+    def g(valid):
+        return _GARBAGE[int(rng.integers(0, len(_GARBAGE)))] if rng.random() < 0.3 else valid
+
+    def live():
+        return list(m._row_of)[int(rng.integers(0, len(m._row_of)))] if m._row_of else "nobody"
+
+    def hashes(n):
+        h = hash_prompt(rng.integers(1, 300, n), 16)
+        return h if len(m.groups) == 1 else [h, h]
+
+    calls = [
+        lambda n: m.allocate(g(next(ids)), g(n), g(hashes(n)), g(0)),
+        lambda n: m.append_slots(g(live()), g(1), g(()), g(0)),
+        lambda n: m.free(g(live())),
+        lambda n: m.fork(g(live()), g(next(ids))),
+        lambda n: m.swap_out(g([live()])),
+        lambda n: m.swap_in(g([live()])),
+        lambda n: m.lookup(g(hashes(n))),
+        lambda n: m.can_allocate(g(n), g(()), g(0)),
+        lambda n: m.can_swap_out(g([live()])),
+        lambda n: m.can_swap_in(g([live()])),
+        lambda n: m.num_common_prefix_blocks(g(live()), g(1)),
+        lambda n: m.block_table(g(live()), g(0)),
+        lambda n: m.mark_computed(g(0), g(m.tick)),
+        lambda n: m.step(StepBatch(admit=g([AdmitRequest(g(next(ids)), g(n), g(hashes(n)), g(0), g(0))]),
+                                   append_ids=g([live()]), free=g([]), append_num_tokens=g(1),
+                                   num_lookahead_tokens=g(0)), g(0), g(0)),
+        lambda n: m.step(StepBatch(append_rows=g(np.array(list(m._row_of.values()), np.int32)),
+                                   append_num_tokens=g(1), append_hashes=g(()), append_hash_counts=g(()))),
+        lambda n: m.step(StepBatch(forks=g([(live(), next(ids))]), computed_through=g(None))),
+    ]
+    refused, wrong = 0, []
+    for i in range(300):
+        k = int(rng.integers(0, len(calls)))
+        while m.num_deferred:
+            m.flush_deferred()
+        before = _manager_state(m)
+        try:
+            calls[k](int(rng.integers(1, 40)))
+        except Exception as e:  # noqa: BLE001 (what it is, is the point)
+            refused += 1
+            while m.num_deferred:
+                m.flush_deferred()
+            diff = changed(before, _manager_state(m))
+            if not isinstance(e, errors.KvdError) or diff:
+                wrong.append((i, k, type(e).__name__, str(e)[:80], diff[:4]))
+        m.check_invariants(heavy=True)
+    assert not wrong, wrong[:5]
+    assert refused > 60
+
+
+def test_a_step_of_wrong_kinds_is_refused_before_it_changes_anything():
+    m = BlockManager(ManagerConfig(num_gpu_blocks=64, max_model_len=64, max_num_reqs=8))
+    m.allocate("a", 10)
+    m.allocate("b", 10)
+    before = _manager_state(m)
+    for batch in (StepBatch(append_ids=["a"], admit={1: 2}),  # appended "a", then failed on the dict
+                  StepBatch(append_ids=["a"], free=np.array([["b"]])),
+                  StepBatch(append_ids=["a"], forks=1.5),
+                  StepBatch(append_ids=["a"], append_num_tokens=2**70),
+                  StepBatch(append_ids=["a"], computed_through=1.5)):
+        with pytest.raises(errors.InvalidArgument):
+            m.step(batch)
+        assert changed(before, _manager_state(m)) == [], batch
+    res = m.step(StepBatch(free=np.array(["a", "b"])))  # an array of ids is a list (its truth value is not)
+    assert res.free_status.tolist() == [0, 0] and m.num_requests == 0
