@@ -345,8 +345,8 @@ class _ApiClient(InProc):
     """``InProc`` with the whole ``Client`` API."""
 
 
-for _name in ("allocate", "append_slots", "free", "fork", "swap_out", "swap_in", "lookup", "can_allocate",
-              "num_common_prefix_blocks", "cross_block_table", "mark_computed"):
+for _name in ("allocate", "append_slots", "free", "fork", "swap_out", "swap_in", "can_swap_out", "can_swap_in",
+              "lookup", "can_allocate", "num_common_prefix_blocks", "cross_block_table", "mark_computed"):
     setattr(_ApiClient, _name, getattr(Client, _name))
 
 
@@ -363,62 +363,85 @@ _GARBAGE = (None, -1, 2**70, 1.5, "x", b"x", [1, "a"], np.array([1.5]), np.array
             np.zeros(3, np.uint64) + 2**63, [2**40], -(2**63))
 
 
+class _Misuse:
+    """Seeded calls of the API the client and the manager share (BlockManager semantics) with
+    arguments of every wrong kind mixed in: ``run`` makes them and returns how many were refused
+    and what was wrong (a refusal that is not a KvdError, or that changed ``state()``)."""
+
+    def __init__(self, seed: int, api, request_ids, rows, hashes, settle):
+        self.rng = np.random.default_rng(seed)
+        self.api, self.request_ids, self.rows, self.hashes, self.settle = api, request_ids, rows, hashes, settle
+        self.ids = iter(range(10**6, 10**7))
+
+    def g(self, valid):
+        return _GARBAGE[int(self.rng.integers(0, len(_GARBAGE)))] if self.rng.random() < 0.3 else valid
+
+    def live(self):
+        ids = self.request_ids()
+        return ids[int(self.rng.integers(0, len(ids)))] if ids else "nobody"
+
+    def calls(self) -> list:
+        api, g, live, ids, hashes = self.api, self.g, self.live, self.ids, self.hashes
+        return [
+            lambda n: api.allocate(g(next(ids)), g(n), g(hashes(n)), g(0)),
+            lambda n: api.append_slots(g(live()), g(1), g(()), g(0)),
+            lambda n: api.free(g(live())),
+            lambda n: api.fork(g(live()), g(next(ids))),
+            lambda n: api.swap_out(g([live()])),
+            lambda n: api.swap_in(g([live()])),
+            lambda n: api.can_swap_out(g([live()])),
+            lambda n: api.can_swap_in(g([live()])),
+            lambda n: api.lookup(g(hashes(n))),
+            lambda n: api.can_allocate(g(n), g(()), g(0)),
+            lambda n: api.num_common_prefix_blocks(g(live()), g(1)),
+            lambda n: api.block_table(g(live()), g(0)),
+            lambda n: api.step(StepBatch(admit=g([AdmitRequest(g(next(ids)), g(n), g(hashes(n)), g(0), g(0))]),
+                                         append_ids=g([live()]), free=g([]), append_num_tokens=g(1),
+                                         num_lookahead_tokens=g(0))),
+            lambda n: api.step(StepBatch(append_rows=g(self.rows()), append_num_tokens=g(1), append_hashes=g(()),
+                                         append_hash_counts=g(()))),
+            lambda n: api.step(StepBatch(forks=g([(live(), next(ids))]), computed_through=g(None))),
+        ]
+
+    def run(self, calls: list, n: int, state, check) -> tuple[int, list]:
+        refused, wrong = 0, []
+        for i in range(n):
+            k = int(self.rng.integers(0, len(calls)))
+            self.settle()
+            before = state()
+            try:
+                calls[k](int(self.rng.integers(1, 40)))
+            except Exception as e:  # noqa: BLE001 (what it is, is the point)
+                refused += 1
+                self.settle()
+                diff = changed(before, state())
+                if not isinstance(e, errors.KvdError) or diff:
+                    wrong.append((i, k, type(e).__name__, str(e)[:80], diff[:4]))
+            check()
+        return refused, wrong
+
+
+def _settled(m: BlockManager):
+    def settle():
+        while m.num_deferred:  # work that is due anyway, done before each picture
+            m.flush_deferred()
+    return settle
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_misuse_of_the_client_api_is_typed_and_changes_nothing(seed, new_daemon):
     """Every Client method with arguments of every wrong kind mixed in: what it raises is a
     KvdError (InvalidArgument for a Python or numpy type error), and the client and the daemon
     are as they were."""
-    rng = np.random.default_rng(seed)
     d = new_daemon()
     c = _ApiClient(d)
-    ids = iter(range(10**6, 10**7))
-
-    def g(valid):
-        return _GARBAGE[int(rng.integers(0, len(_GARBAGE)))] if rng.random() < 0.35 else valid
-
-    def live():
-        return c.request_ids[int(rng.integers(0, len(c.request_ids)))] if c.request_ids else "nobody"
-
-    def hashes(n):
-        return c.hash_prompt(rng.integers(1, 300, n))
-
-    calls = [
-        lambda n: c.allocate(g(next(ids)), g(n), g(hashes(n)), g(0)),
-        lambda n: c.append_slots(g(live()), g(1), g(()), g(0)),
-        lambda n: c.free(g(live())),
-        lambda n: c.fork(g(live()), g(next(ids))),
-        lambda n: c.swap_out(g([live()])),
-        lambda n: c.swap_in(g([live()])),
-        lambda n: c.lookup(g(hashes(n))),
-        lambda n: c.can_allocate(g(n), g(()), g(0)),
-        lambda n: c.num_common_prefix_blocks(g(live()), g(1)),
-        lambda n: c.cross_block_table(g(live())),
-        lambda n: c.block_table(g(live()), g(0)),
-        lambda n: c.mark_computed(g(c.tick)),
-        lambda n: c.step(StepBatch(admit=g([AdmitRequest(g(next(ids)), g(n), g(hashes(n)), g(0), g(0))]),
-                                   append_ids=g([live()]), free=g([]), append_num_tokens=g(1),
-                                   num_lookahead_tokens=g(0))),
-        lambda n: c.step(StepBatch(append_rows=g(np.asarray(c.rows_of(c.request_ids), np.int32)),
-                                   append_num_tokens=g(1), append_hashes=g(()), append_hash_counts=g(()))),
-        lambda n: c.step(StepBatch(forks=g([(live(), next(ids))]), computed_through=g(None))),
-        lambda n: c.hash_prompt(g(rng.integers(1, 300, n))),
-    ]
-    refused, wrong = 0, []
-    for i in range(400):
-        k = int(rng.integers(0, len(calls)))
-        while d.manager.num_deferred:
-            d.manager.flush_deferred()
-        before = state_of(d), _client_state(c)
-        try:
-            calls[k](int(rng.integers(1, 40)))
-        except Exception as e:  # noqa: BLE001 (what it is, is the point)
-            refused += 1
-            while d.manager.num_deferred:
-                d.manager.flush_deferred()
-            diff = changed(before[0], state_of(d)) + changed(before[1], _client_state(c))
-            if not isinstance(e, errors.KvdError) or diff:
-                wrong.append((i, k, type(e).__name__, str(e)[:80], diff[:4]))
-        d.manager.check_invariants(heavy=True)
+    run = _Misuse(seed, c, lambda: c.request_ids, lambda: np.asarray(c.rows_of(c.request_ids), np.int32),
+                  lambda n: c.hash_prompt(run.rng.integers(1, 300, n)), _settled(d.manager))
+    calls = run.calls() + [lambda n: c.cross_block_table(run.g(run.live())),
+                           lambda n: c.mark_computed(run.g(c.tick)),
+                           lambda n: c.hash_prompt(run.g(run.rng.integers(1, 300, n)))]
+    refused, wrong = run.run(calls, 400, lambda: {**state_of(d), **_client_state(c)},
+                             lambda: d.manager.check_invariants(heavy=True))
     assert not wrong, wrong[:5]
     assert refused > 100
 
@@ -467,61 +490,24 @@ def _manager_state(m: BlockManager) -> dict:
 def test_misuse_of_the_manager_api_is_typed_and_changes_nothing(seed):
     """Every BlockManager method with arguments of every wrong kind mixed in (one KV-cache group,
     or a full and a sliding-window one): what it raises is a KvdError, and it changes nothing."""
-    rng = np.random.default_rng(seed)
     kw = dict(num_gpu_blocks=64, num_cpu_blocks=32, max_model_len=64, max_num_reqs=8,
               defer_cache_registration=bool(seed % 2))
     if seed >= 2:
         kw["groups"] = (GroupSpec(16), GroupSpec(16, sliding_window=32))
     m = BlockManager(ManagerConfig(**kw))
-    ids = iter(range(10**6, 10**7))
-
-    def g(valid):
-        return _GARBAGE[int(rng.integers(0, len(_GARBAGE)))] if rng.random() < 0.3 else valid
-
-    def live():
-        return list(m._row_of)[int(rng.integers(0, len(m._row_of)))] if m._row_of else "nobody"
 
     def hashes(n):
-        h = hash_prompt(rng.integers(1, 300, n), 16)
+        h = hash_prompt(run.rng.integers(1, 300, n), 16)
         return h if len(m.groups) == 1 else [h, h]
 
-    calls = [
-        lambda n: m.allocate(g(next(ids)), g(n), g(hashes(n)), g(0)),
-        lambda n: m.append_slots(g(live()), g(1), g(()), g(0)),
-        lambda n: m.free(g(live())),
-        lambda n: m.fork(g(live()), g(next(ids))),
-        lambda n: m.swap_out(g([live()])),
-        lambda n: m.swap_in(g([live()])),
-        lambda n: m.lookup(g(hashes(n))),
-        lambda n: m.can_allocate(g(n), g(()), g(0)),
-        lambda n: m.can_swap_out(g([live()])),
-        lambda n: m.can_swap_in(g([live()])),
-        lambda n: m.num_common_prefix_blocks(g(live()), g(1)),
-        lambda n: m.block_table(g(live()), g(0)),
+    run = _Misuse(seed, m, lambda: list(m._row_of), lambda: np.array(list(m._row_of.values()), np.int32), hashes,
+                  _settled(m))
+    g = run.g
+    calls = run.calls() + [
         lambda n: m.mark_computed(g(0), g(m.tick)),
-        lambda n: m.step(StepBatch(admit=g([AdmitRequest(g(next(ids)), g(n), g(hashes(n)), g(0), g(0))]),
-                                   append_ids=g([live()]), free=g([]), append_num_tokens=g(1),
-                                   num_lookahead_tokens=g(0)), g(0), g(0)),
-        lambda n: m.step(StepBatch(append_rows=g(np.array(list(m._row_of.values()), np.int32)),
-                                   append_num_tokens=g(1), append_hashes=g(()), append_hash_counts=g(()))),
-        lambda n: m.step(StepBatch(forks=g([(live(), next(ids))]), computed_through=g(None))),
+        lambda n: m.step(StepBatch(admit=[AdmitRequest(next(run.ids), n)], free=g([])), g(0), g(0)),
     ]
-    refused, wrong = 0, []
-    for i in range(300):
-        k = int(rng.integers(0, len(calls)))
-        while m.num_deferred:
-            m.flush_deferred()
-        before = _manager_state(m)
-        try:
-            calls[k](int(rng.integers(1, 40)))
-        except Exception as e:  # noqa: BLE001 (what it is, is the point)
-            refused += 1
-            while m.num_deferred:
-                m.flush_deferred()
-            diff = changed(before, _manager_state(m))
-            if not isinstance(e, errors.KvdError) or diff:
-                wrong.append((i, k, type(e).__name__, str(e)[:80], diff[:4]))
-        m.check_invariants(heavy=True)
+    refused, wrong = run.run(calls, 300, lambda: _manager_state(m), lambda: m.check_invariants(heavy=True))
     assert not wrong, wrong[:5]
     assert refused > 60
 
