@@ -1692,7 +1692,28 @@ class BlockManager:
             if not (type(batch.free) is tuple and type(batch.forks) is tuple
                     and type(batch.append_ids) is tuple and type(batch.admit) is tuple):
                 _check_batch(batch)  # (a decode step's lists are the default empty tuples)
-            return self._step(batch, namespace, writer)
+            decode = (self._simple and batch.append_rows is not None
+                      and not (len(batch.free) or len(batch.forks) or len(batch.admit) or len(batch.append_ids)))
+            la = batch.num_lookahead_tokens
+            if type(la) is not int and (not isinstance(la, np.integer) or isinstance(la, bool)) or not 0 <= la <= self.max_lookahead:
+                raise errors.InvalidArgument(f"num_lookahead_tokens must be an integer in [0, {self.max_lookahead}]")
+            if not decode and _LONE_ADMISSION_PATH and batch.is_lone_admission():
+                return self._lone_step(batch, namespace, writer)
+            # misuse of the step as a whole is refused before its confirmation counts: nothing changes
+            n_new, given_rows, n = self._step_append_sizes(batch)
+            hash_lists, hash_counts = self._step_hashes(batch, n) if len(batch.append_hashes) else (self._no_hashes, None)
+            tokens = None
+            if len(batch.append_token_ids):
+                tokens = self._block_tokens(batch.append_token_ids, hash_lists, "append_token_ids")
+            space = self._space(namespace, writer) if batch.admit else 0
+            self._confirm_then_flush(batch, writer, decode)
+            self.tick += 1
+            if decode:
+                result = self._decode_step(batch, n_new, hash_lists, hash_counts, tokens)
+                if result is not None:
+                    return result
+                self.flush_deferred()  # the general path reads the cache
+            return self._general_step(batch, space, la, n_new, given_rows, hash_lists, hash_counts, tokens)
         except errors.KvdError:
             self.tick = tick  # misuse changes nothing, the tick included
             raise
@@ -1700,47 +1721,26 @@ class BlockManager:
             self.tick = tick
             raise errors.invalid_argument(e, "step") from e
 
-    def _step(self, batch: StepBatch, namespace: int, writer: int) -> StepResult:
-        decode = (self._simple and batch.append_rows is not None
-                  and not (len(batch.free) or len(batch.forks) or len(batch.admit) or len(batch.append_ids)))
-        la = batch.num_lookahead_tokens
-        if type(la) is not int and (not isinstance(la, np.integer) or isinstance(la, bool)) or not 0 <= la <= self.max_lookahead:
-            raise errors.InvalidArgument(f"num_lookahead_tokens must be an integer in [0, {self.max_lookahead}]")
-        lone = not decode and _LONE_ADMISSION_PATH and batch.is_lone_admission()
-        # misuse of the step as a whole is refused before its confirmation counts: nothing changes
-        appends = None if lone else self._step_append_inputs(batch)
-        space = self._space(namespace, writer) if batch.admit else 0
+    def _confirm_then_flush(self, batch: StepBatch, writer: int, decode: bool) -> None:
+        """The step's confirmation, then the deferred work, the confirmation last (frees, forks and
+        admissions see the free queue as confirmed). A decode step that registers nothing neither
+        reads the prefix cache nor changes what deferred work will do (it only grows tables at their
+        ends): it may run before that work, unless it must evict (_append_fast runs it first then)."""
         if batch.computed_through is not None:
             self.mark_computed(writer, batch.computed_through)
-        # Then the deferred work, the confirmation last (frees, forks and admissions see the free
-        # queue as confirmed). A decode step that registers nothing neither reads the prefix cache
-        # nor changes what deferred work will do (it only grows tables at their ends): it may run
-        # before that work, unless it must evict (_append_fast runs the work first then).
         if (self._deferred or self._waiting) and not (decode and not len(batch.append_hashes)):
             self.flush_deferred()
+
+    def _lone_step(self, batch: StepBatch, namespace: int, writer: int) -> StepResult:
+        """``step`` of a lone admission, after the checks: confirmation, deferred work, tick."""
+        space = self._space(namespace, writer)
+        self._confirm_then_flush(batch, writer, False)
         self.tick += 1
-        if lone:
-            return self._lone_admission_step(batch.admit[0], space)
-        return self._appends_step(batch, decode, space, la, appends)
+        return self._lone_admission_step(batch.admit[0], space)
 
-    def _step_append_inputs(self, batch: StepBatch) -> tuple:
-        """The step's append inputs, checked: (token counts, rows or None, hash lists, hash counts or
-        None, the filled blocks' token ids or None); raises on misuse of the step as a whole."""
-        n_new, given_rows, n = self._step_append_sizes(batch)
-        hash_lists, hash_counts = self._step_hashes(batch, n) if len(batch.append_hashes) else (self._no_hashes, None)
-        tokens = None
-        if len(batch.append_token_ids):
-            tokens = self._block_tokens(batch.append_token_ids, hash_lists, "append_token_ids")
-        return n_new, given_rows, hash_lists, hash_counts, tokens
-
-    def _appends_step(self, batch: StepBatch, decode: bool, space: int, la: int, appends: tuple) -> StepResult:
-        """``step`` after its checks, confirmation and tick: the decode path, else the general one."""
-        n_new, given_rows, hash_lists, hash_counts, tokens = appends
-        if decode:
-            result = self._decode_step(batch, n_new, hash_lists, hash_counts, tokens)
-            if result is not None:
-                return result
-            self.flush_deferred()  # the general path reads the cache
+    def _general_step(self, batch: StepBatch, space: int, la: int, n_new, given_rows, hash_lists, hash_counts,
+                      tokens) -> StepResult:
+        """``step`` after its checks, confirmation and tick, request by request."""
         free_status, freed_rows = self._step_frees(batch.free) if len(batch.free) else (_EMPTY_I16, _EMPTY_I32)
         fork_status, child_rows = self._step_forks(batch.forks) if len(batch.forks) else (_EMPTY_I16, _EMPTY_I32)
         rows = self._step_append_rows(batch, given_rows)  # after frees and forks: ids may name new children
@@ -1904,8 +1904,7 @@ class BlockManager:
         return status, np.array(child_rows, np.int32)
 
     def _decode_step(self, batch: StepBatch, n_new, hash_lists, hash_counts, tokens) -> StepResult | None:
-        """A step of appends only, by row (its inputs checked by ``_step_append_inputs``): the
-        daemon's decode step."""
+        """A step of appends only, by row (its inputs checked by ``step``): the daemon's decode step."""
         rows = batch.append_rows
         if not isinstance(rows, np.ndarray) or rows.ndim != 1:
             return None
