@@ -42,6 +42,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvd.api import int_array
 from kvd.errors import BadHashes, InvalidArgument
 
 HASH_BYTES = 16
@@ -173,6 +174,15 @@ def _block_extras(
     return extras
 
 
+def _token_array(token_ids, what: str) -> np.ndarray:
+    """Token ids as a C-contiguous little-endian int32 array; InvalidArgument for anything but
+    integers in int32's range (a float is not truncated, an id past 2**31 is not wrapped: either
+    would hash as another token)."""
+    if type(token_ids) is np.ndarray and token_ids.dtype == np.int32:  # (the engines' arrays, as they are)
+        return np.ascontiguousarray(token_ids, dtype="<i4")
+    return np.ascontiguousarray(int_array(token_ids, np.int32, what), dtype="<i4")
+
+
 def hash_prompt(
     token_ids,
     block_size: int,
@@ -195,9 +205,9 @@ def hash_prompt(
     value continues a chain from ``parent``: no salt, and multimodal offsets stay absolute).
     ``mm_items`` are ``(identifier, offset, length)`` in absolute token positions.
     """
-    if block_size <= 0:
-        raise InvalidArgument(f"block_size must be positive, got {block_size}")
-    tokens = np.ascontiguousarray(token_ids, dtype="<i4")
+    if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool) or block_size <= 0:
+        raise InvalidArgument(f"block_size must be a positive int, got {block_size!r}")
+    tokens = _token_array(token_ids, "token_ids")
     if tokens.ndim != 1:
         raise InvalidArgument("token_ids must be one-dimensional")
     num_blocks = tokens.size // block_size
@@ -234,7 +244,7 @@ def hash_next_blocks(token_blocks, parents, *, algo: str = "sha256") -> np.ndarr
     every i, for blocks past the first with no extra keys (LoRA, multimodal; use ``hash_prompt`` for
     those): one loop over bytes objects cut in C, ~2 µs a block on the 2-core dev box where
     ``hash_prompt`` per request costs ~10 µs a call."""
-    tokens = np.ascontiguousarray(token_blocks, dtype="<i4")
+    tokens = _token_array(token_blocks, "token_blocks")
     if tokens.ndim != 2 or not tokens.shape[1]:
         raise InvalidArgument(f"token_blocks must be (n, block_size), got shape {tokens.shape}")
     n, block_size = tokens.shape

@@ -112,3 +112,18 @@ def test_count_total_is_the_sum_or_no_real_total_when_a_count_is_negative():
     assert count_total(np.array([1, 0, 2], np.int64)) == 3
     assert count_total(np.array([2, -1], np.int64)) == -1
     assert count_total(np.array([2, -1], np.int16)) == -1
+
+
+def test_token_ids_of_the_wrong_kind_are_refused_never_truncated_or_wrapped():
+    # 1.5 would have hashed as token 1, and 2**32 + 7 (int64) as token 7
+    ids = np.arange(32, dtype=np.int64)
+    assert (hash_prompt(ids, 16) == hash_prompt(ids.astype(np.int32), 16)).all()  # int64 ids that fit are fine
+    for bad in (ids + 0.5, ids + (1 << 32), [[1, 2]], "abc", [True] * 16, None):
+        with pytest.raises(InvalidArgument):
+            hash_prompt(bad, 16)
+    with pytest.raises(InvalidArgument):
+        hash_next_blocks(np.full((2, 16), 1.5), hash_prompt(ids, 16))
+    for bs in (0, 1.5, "16", True):
+        with pytest.raises(InvalidArgument):
+            hash_prompt(ids, bs)
+    assert (hash_prompt(ids, np.int64(16)) == hash_prompt(ids, 16)).all()
