@@ -717,8 +717,8 @@ class _Core:
         try:  # (as _builds does, inline: the decode step's path pays nothing for it)
             G = self._num_groups
             rows = batch.append_rows
-            if (rows is not None and not batch.admit and not batch.free and not batch.forks
-                    and type(batch.append_num_tokens) is int):
+            if (rows is not None and not len(batch.admit) and not len(batch.free) and not len(batch.forks)
+                    and type(batch.append_num_tokens) is int):  # (len: an array of ids has no truth value)
                 spec = self._req_decode(rows, batch.append_num_tokens, batch.num_lookahead_tokens,
                                         batch.computed_through, batch.append_hashes, batch.append_hash_counts, G,
                                         batch.append_token_ids)

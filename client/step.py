@@ -270,7 +270,8 @@ class StepMessage:
         keys = app_rows if b.append_rows is not None else b.append_ids
         app_rows, ant_b, an = self._append_counts(b.append_num_tokens, app_rows, num_appends, keys)
         self.an = an
-        fields = {"la": lookahead_field(b.num_lookahead_tokens), "nf": len(free_rows), "nk": len(forks), "na": app_rows.shape[0]}
+        fields = {"la": lookahead_field(b.num_lookahead_tokens), "nf": len(free_rows), "nk": len(forks),
+                  "na": app_rows.shape[0]}
         c = core._confirmation(b.computed_through)
         if c is not None:
             fields["c"] = c

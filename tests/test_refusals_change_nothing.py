@@ -476,6 +476,9 @@ def test_wrong_kinds_of_arguments_are_invalid_argument(new_daemon):
         with pytest.raises(errors.InvalidArgument):
             call()
     assert c.request_ids == ["p"] and c.row_of("p") == row and c.tick == 1
+    c.allocate("q", 10)
+    res = c.step(StepBatch(free=np.array(["p", "q"])))  # an array of ids is a list here too
+    assert res.free_status.tolist() == [0, 0] and c.request_ids == []
 
 
 # ---------------------------------------------------------------- the manager's, in process
