@@ -1705,7 +1705,7 @@ class BlockManager:
             tokens = None
             if len(batch.append_token_ids):
                 tokens = self._block_tokens(batch.append_token_ids, hash_lists, "append_token_ids")
-            space = self._space(namespace, writer) if batch.admit else 0
+            space = self._space(namespace, writer) if len(batch.admit) else 0
             self._confirm_then_flush(batch, writer, decode)
             self.tick += 1
             if decode:
