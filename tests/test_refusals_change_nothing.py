@@ -39,6 +39,14 @@ class Cfg:
     max_num_batched_tokens = 128
 
 
+class HybridCfg(Cfg):
+    """Two KV-cache groups: full attention and a sliding window of 16 tokens."""
+
+    @staticmethod
+    def group_specs():
+        return ((4, 0), (4, 16))
+
+
 class InProc(_Core):
     """A client core calling ``Daemon.handle`` directly (a writer of the shared prefix cache)."""
 
@@ -108,8 +116,8 @@ def new_daemon():
     """Daemons in process; every session they still hold ends afterwards (its segment unlinked)."""
     made: list[Daemon] = []
 
-    def make() -> Daemon:
-        made.append(Daemon(Cfg))
+    def make(cfg=Cfg) -> Daemon:
+        made.append(Daemon(cfg))
         return made[-1]
 
     yield make
@@ -139,6 +147,11 @@ class _Run:
     def running(self):
         return [r for r in self.c.request_ids if r not in self.swapped]
 
+    def _hashes(self, tokens):
+        """The prompt's block hashes, one array per KV-cache group when there are several."""
+        c, groups = self.c, range(len(self.c.block_sizes))
+        return c.hash_prompt(tokens) if len(groups) == 1 else [c.hash_prompt(tokens, g) for g in groups]
+
     def _prompt(self):
         n = int(self.rng.integers(1, 40))
         toks = self.rng.integers(1, 300, n)
@@ -150,7 +163,7 @@ class _Run:
             admits = []
             for _ in range(int(rng.integers(0, 3))):
                 t = self._prompt()
-                admits.append(AdmitRequest(next(self.ids), t.size, c.hash_prompt(t) if rng.random() < 0.6 else ()))
+                admits.append(AdmitRequest(next(self.ids), t.size, self._hashes(t) if rng.random() < 0.6 else ()))
             app = [r for r in run if rng.random() < 0.5]
             free = [r for r in c.request_ids if r not in app and rng.random() < 0.2]
             return c._req_step(StepBatch(admit=admits, append_ids=app, free=free))
@@ -172,7 +185,7 @@ class _Run:
             return c._req_num_common_prefix_blocks(run[0], int(rng.integers(0, 4)))
         if kind == "allocate":
             t = self._prompt()
-            return c._req_allocate(next(self.ids), t.size, c.hash_prompt(t) if rng.random() < 0.5 else ())
+            return c._req_allocate(next(self.ids), t.size, self._hashes(t) if rng.random() < 0.5 else ())
         if kind == "append":
             return c._req_append_slots(run[int(rng.integers(0, len(run)))], int(rng.integers(0, 5)))
         return c._req_mark_computed()
@@ -196,7 +209,7 @@ class _Run:
                 c._do(c._req_allocate(next(self.ids), int(rng.integers(1, 40))))
             else:
                 t = self._prompt()
-                c.step(StepBatch(admit=[AdmitRequest(next(self.ids), t.size, c.hash_prompt(t))],
+                c.step(StepBatch(admit=[AdmitRequest(next(self.ids), t.size, self._hashes(t))],
                                  append_ids=run[: int(rng.integers(0, len(run) + 1))]))
         except errors.KvdError:
             pass  # a pool too small now, a request too long: the run goes on
@@ -235,7 +248,8 @@ class _Run:
         else:
             fields = dict(fields)
             if "fl" in fields and rng.random() < 0.5:  # the step's frames one by one
-                frames = P.unpack_frames(fields.pop("fl"), frames, P.step_frame_count(1, token_ids=True))
+                count = P.step_frame_count(len(c.block_sizes), token_ids=True)
+                frames = P.unpack_frames(fields.pop("fl"), frames, count)
             fields, frames = _mutate(rng, fields, frames)
             try:
                 hdr = P.request(fields.pop("op", op), c.sid, seq, **fields)
@@ -260,10 +274,11 @@ class _Run:
         return (diff, kind, h) if diff else None
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_every_refused_message_leaves_the_daemon_as_it_was(seed, new_daemon):
-    run = _Run(seed, new_daemon())
-    found = []
+    """Seeds 6 and 7: a daemon of two KV-cache groups (full attention and a sliding window)."""
+    run = _Run(seed, new_daemon(HybridCfg if seed >= 6 else Cfg))
+    found, most = [], 0
     for _ in range(300):
         if run.rng.random() < 0.4:
             run.valid()
@@ -271,8 +286,9 @@ def test_every_refused_message_leaves_the_daemon_as_it_was(seed, new_daemon):
             bad = run.mutated()
             if bad is not None:
                 found.append(bad)
+        most = max(most, run.d.manager.num_requests)
     assert not found, found[:3]
-    assert run.refused > 80  # the run did refuse many messages
+    assert run.refused > 80 and most >= 4  # the run refused many messages, among live requests
 
 
 def test_the_state_picture_sees_a_tick_a_table_entry_and_a_segment_byte(new_daemon):
