@@ -794,23 +794,26 @@ class BlockManager:
         computes its KV (0: visible to every lookup at once; see the module doc). ``token_ids``:
         the prompt's token ids, for KV events (see ``AdmitRequest.token_ids``)."""
         self.flush_deferred()
-        space = self._space(namespace, writer)
         self.tick += 1
         result = self._admit(
             AdmitRequest(req_id, num_tokens, block_hashes, num_lookahead_tokens, priority, num_encoder_tokens,
                          max_new_tokens, token_ids),
-            space,
+            (namespace, writer),
         )
         self._debug_check()
         return result
 
-    def _admit(self, req: AdmitRequest, space: int, defer: bool = False) -> AllocResult:
-        """``defer``: the prompt's cache registration waits for ``flush_deferred`` (a step's lone
-        admission, ``defer_cache_registration``): nothing in the result depends on it."""
+    def _admit(self, req: AdmitRequest, space: int | tuple[int, int], defer: bool = False) -> AllocResult:
+        """``space``: the registration space, or (namespace, writer) to find (or make) it once the
+        request is found well formed. ``defer``: the prompt's cache registration waits for
+        ``flush_deferred`` (a step's lone admission, ``defer_cache_registration``): nothing in the
+        result depends on it."""
         num_tokens, lookahead = req.num_tokens, req.num_lookahead_tokens
         self._check_new_request(req.req_id, num_tokens, lookahead, req.priority, req.num_encoder_tokens, req.max_new_tokens)
         hash_lists = self._hash_lists(req.block_hashes, num_tokens)
         tokens = None if req.token_ids is None else self._admit_tokens(req.token_ids, hash_lists, num_tokens)
+        if type(space) is tuple:
+            space = self._space(*space)
         status, cached, hits, new = self._plan_admission(
             num_tokens, hash_lists, lookahead, space, req.max_new_tokens, req.num_encoder_tokens
         )

@@ -531,6 +531,15 @@ def test_misuse_of_the_manager_api_is_typed_and_changes_nothing(seed):
     assert refused > 60
 
 
+def test_a_refused_allocation_in_a_new_namespace_makes_no_registration_space():
+    m = BlockManager(ManagerConfig(num_gpu_blocks=64, max_model_len=64, max_num_reqs=8))
+    before = _manager_state(m)
+    with pytest.raises(errors.BadHashes):  # 7 hashes for 6 tokens
+        m.allocate("x", 6, np.frombuffer(b"h" * 16 * 7, "S16"), namespace=5, writer=2)
+    assert changed(before, _manager_state(m)) == []
+    assert m.allocate("x", 6, namespace=5, writer=2).ok and (5, 2) in m._spaces
+
+
 def test_a_step_of_wrong_kinds_is_refused_before_it_changes_anything():
     m = BlockManager(ManagerConfig(num_gpu_blocks=64, max_model_len=64, max_num_reqs=8))
     m.allocate("a", 10)
