@@ -7,7 +7,10 @@ replaced, other ops). Before each mutated message the daemon's deferred work is 
 taken: every numpy array and plain value reachable from the manager (pools, groups, prefix index,
 queues, ticks) and from each session (row maps, shared-memory tables and counts). An error reply
 must leave all of it as it was; no message may raise out of ``handle`` or get an internal error;
-the heavy invariants hold after every message. Plus the cases the runs found, one by one."""
+the heavy invariants hold after every message. Then the same for the client's and the manager's own
+refusals: every API call with arguments of every wrong kind mixed in must raise a KvdError (never a
+bare TypeError or ValueError) and leave the client, the daemon or the manager as they were. Plus
+the cases the runs found, one by one."""
 
 from __future__ import annotations
 
