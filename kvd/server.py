@@ -341,6 +341,10 @@ class Daemon:
                 sess.last_reply = reply
             return reply
         except KvdError as e:
+            if e.__cause__ is not None and not isinstance(e.__cause__, KvdError):
+                # a Python or numpy error the manager reported as misuse (errors.ARGUMENT_ERRORS):
+                # the daemon's frames reach it typed, so this may be a bug; keep its traceback
+                log.warning("refused a message with %s", e, exc_info=e.__cause__)
             if isinstance(e, ProtocolError) and self.metrics is not None:
                 self.metrics.inc_malformed()
             if self.metrics is not None:

@@ -558,3 +558,21 @@ def test_a_step_of_wrong_kinds_is_refused_before_it_changes_anything():
         assert changed(before, _manager_state(m)) == [], batch
     res = m.step(StepBatch(free=np.array(["a", "b"])))  # an array of ids is a list (its truth value is not)
     assert res.free_status.tolist() == [0, 0] and m.num_requests == 0
+
+
+def test_a_python_error_the_manager_types_as_misuse_is_logged_by_the_daemon(new_daemon, monkeypatch, caplog):
+    """The daemon's frames reach the manager typed, so a Python error that the manager reports as
+    InvalidArgument may be a bug: the daemon replies InvalidArgument and logs its traceback."""
+    d = new_daemon()
+    c = _ApiClient(d)
+    c.allocate("p", 10)
+    assert c.swap_out(["p"]).ok
+
+    def broken(self, rows):
+        raise IndexError("a bug")
+
+    monkeypatch.setattr(BlockManager, "_swap_in_plan", broken)
+    with caplog.at_level("WARNING", logger="kvd.server"), pytest.raises(errors.InvalidArgument, match="a bug"):
+        c.swap_in(["p"])
+    [rec] = [r for r in caplog.records if r.name == "kvd.server"]
+    assert "refused a message with" in rec.getMessage() and rec.exc_info[0] is IndexError
