@@ -1698,13 +1698,15 @@ class BlockManager:
             decode = (self._simple and batch.append_rows is not None
                       and not (len(batch.free) or len(batch.forks) or len(batch.admit) or len(batch.append_ids)))
             la = batch.num_lookahead_tokens
-            if type(la) is not int and (not isinstance(la, np.integer) or isinstance(la, bool)) or not 0 <= la <= self.max_lookahead:
+            if (type(la) is not int and (not isinstance(la, np.integer) or isinstance(la, bool))
+                    or not 0 <= la <= self.max_lookahead):
                 raise errors.InvalidArgument(f"num_lookahead_tokens must be an integer in [0, {self.max_lookahead}]")
             if not decode and _LONE_ADMISSION_PATH and batch.is_lone_admission():
                 return self._lone_step(batch, namespace, writer)
             # misuse of the step as a whole is refused before its confirmation counts: nothing changes
             n_new, given_rows, n = self._step_append_sizes(batch)
-            hash_lists, hash_counts = self._step_hashes(batch, n) if len(batch.append_hashes) else (self._no_hashes, None)
+            hash_lists, hash_counts = (self._step_hashes(batch, n) if len(batch.append_hashes)
+                                       else (self._no_hashes, None))
             tokens = None
             if len(batch.append_token_ids):
                 tokens = self._block_tokens(batch.append_token_ids, hash_lists, "append_token_ids")

@@ -919,7 +919,8 @@ class Daemon:
             tick, status_b, sched_rows, lens = m.tick, bytes(2 * na), mrows, np.full(na, an, np.int32)
             sched_start = old.astype(np.int32)
         else:  # declined (or token ids for KV events): the manager decides request by request
-            batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la, computed_through=confirm)
+            batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la,
+                              computed_through=confirm)
             if hs is not None:
                 batch.append_hashes, batch.append_hash_counts = (hs,), (cnt,)
             if tokens is not None:
