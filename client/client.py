@@ -69,6 +69,7 @@ from kvd.errors import (
 from kvd.shm import SHM_DIR, SessionBuffers
 
 from .step import LoneAdmission, StepMessage, group_token_ids, int32_array, tag_of, token_frame
+from .step import count_field as _count
 
 DEFAULT_ENDPOINT_ENV = "KVD_ENDPOINT"
 #: ``_Core.step`` sends a lone admission as ``LoneAdmission`` (tests switch it off to compare)
@@ -273,13 +274,6 @@ class _Heartbeat(threading.Thread):
             pass
         finally:
             sock.close(0)
-
-
-def _tick(value: Any) -> int:
-    """A confirmed tick (``computed_through``, ``mark_computed``): an int in [0, P.MAX_INT]."""
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 0 <= value <= P.MAX_INT:
-        raise InvalidArgument(f"computed tick must be an int in [0, {P.MAX_INT}], got {value!r}")
-    return int(value)
 
 
 def _is_index(value: Any, n: int) -> bool:
@@ -510,7 +504,7 @@ class _Core:
         """The ``c`` of a step: the caller's, or in auto mode the tick of the step ``steps_in_flight``
         steps before the last (whose forward pass has finished when this step is scheduled)."""
         if explicit is not None:
-            return _tick(explicit)
+            return _count("computed tick", explicit, P.MAX_INT)
         ticks = self._step_ticks
         if self._auto_confirm and len(ticks) == ticks.maxlen and self.info.get("shared"):
             return ticks[0]
@@ -711,7 +705,8 @@ class _Core:
 
     @_builds
     def _req_mark_computed(self, tick: int | None = None):
-        return P.COMPUTED, {"c": self.tick if tick is None else _tick(tick)}, [], lambda h, f: None
+        c = self.tick if tick is None else _count("computed tick", tick, P.MAX_INT)
+        return P.COMPUTED, {"c": c}, [], lambda h, f: None
 
     def _req_step(self, batch: StepBatch):
         try:  # (as _builds does, inline: the decode step's path pays nothing for it)
@@ -890,15 +885,6 @@ def _uniform_lens(n: int, value: int) -> np.ndarray:
 
 def _alloc_status(h: dict, f: list) -> AllocStatus:
     return AllocStatus(int(h["status"]))
-
-
-def _count(name: str, value: Any) -> int:
-    """A size argument checked on this side, so misuse is InvalidArgument, not a ProtocolError."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise InvalidArgument(f"{name} must be an integer, got {value!r}")
-    if not 0 <= value <= P.MAX_COUNT:
-        raise InvalidArgument(f"{name} must be in [0, {P.MAX_COUNT}], got {value}")
-    return int(value)
 
 
 def _swap_result(h, f) -> SwapResult:

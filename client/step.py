@@ -63,11 +63,13 @@ def count_without_appends(count: int) -> int:
     return int(count) if 0 <= count <= P.MAX_COUNT else 1
 
 
-def lookahead_field(value) -> int:
-    """A step's ``num_lookahead_tokens`` for its header: an int in [0, P.MAX_COUNT] (the manager
-    judges the rest), else InvalidArgument (a float is not truncated)."""
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 0 <= value <= P.MAX_COUNT:
-        raise InvalidArgument(f"num_lookahead_tokens must be an int in [0, {P.MAX_COUNT}], got {value!r}")
+def count_field(name: str, value: Any, top: int = P.MAX_COUNT) -> int:
+    """A count (or tick) argument for a header, checked on this side, so misuse is InvalidArgument,
+    not a ProtocolError: an int in [0, top] (a float is not truncated)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgument(f"{name} must be an integer, got {value!r}")
+    if not 0 <= value <= top:
+        raise InvalidArgument(f"{name} must be in [0, {top}], got {value}")
     return int(value)
 
 
@@ -270,8 +272,8 @@ class StepMessage:
         keys = app_rows if b.append_rows is not None else b.append_ids
         app_rows, ant_b, an = self._append_counts(b.append_num_tokens, app_rows, num_appends, keys)
         self.an = an
-        fields = {"la": lookahead_field(b.num_lookahead_tokens), "nf": len(free_rows), "nk": len(forks),
-                  "na": app_rows.shape[0]}
+        fields = {"la": count_field("num_lookahead_tokens", b.num_lookahead_tokens), "nf": len(free_rows),
+                  "nk": len(forks), "na": app_rows.shape[0]}
         c = core._confirmation(b.computed_through)
         if c is not None:
             fields["c"] = c
@@ -388,7 +390,7 @@ class LoneAdmission(StepMessage):
     def _lone_spec(self, one) -> tuple:
         core, b = self.core, self.batch
         cols, per_g, tokens = one
-        fields = {"la": lookahead_field(b.num_lookahead_tokens), "nf": 0, "nk": 0, "na": 0}
+        fields = {"la": count_field("num_lookahead_tokens", b.num_lookahead_tokens), "nf": 0, "nk": 0, "na": 0}
         c = core._confirmation(b.computed_through)
         if c is not None:
             fields["c"] = c

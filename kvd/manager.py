@@ -408,13 +408,15 @@ class BlockManager:
         fifo.append((tick, self._num_regs, key, blocks, runs))
         self._block_reg[blocks] = self._num_regs
 
-    @_refuses_misuse
     def mark_computed(self, writer: int, through_tick: int) -> None:
         """Writer ``writer`` has finished the forward passes of every call up to ``through_tick``:
         the blocks it registered in them become visible to every lookup of their namespace."""
         if type(through_tick) is not int and not isinstance(through_tick, np.integer) or not 0 <= through_tick <= self.tick:
             raise errors.InvalidArgument(f"computed tick must be in [0, {self.tick}], got {through_tick!r}")
-        fifo = self._unconfirmed.get(writer)
+        try:  # (inline, not _refuses_misuse: a daemon's decode step confirms every time)
+            fifo = self._unconfirmed.get(writer)
+        except TypeError:
+            raise errors.InvalidArgument(f"writer must be an int, got {writer!r}") from None
         if not self._deferred and not self._waiting and (not fifo or fifo[0][0] > through_tick):
             return  # (deferred registrations join the queue when flushed, before this confirmation)
         if self.config.defer_cache_registration:

@@ -962,7 +962,7 @@ class Daemon:
         res = self.manager.step(batch, namespace=sess.namespace, writer=sess.writer)
         assert not res.freed_rows.size and not res.copies.size  # an admission frees and copies nothing
         if int(res.admit_status[0]) == STATUS_OK:
-            self._map_admitted(sess, row, int(res.admit_rows[0]), tag)
+            self._map(sess, row, int(res.admit_rows[0]), tag & _U64_MASK)  # (the tag travels as int64)
         changed = self._sync_rows(sess, res.changed_rows, full=False)
         nt_written = self._write_slots(sess, res.sched_rows, res.sched_start, res.sched_len)
         self.was_step = True
@@ -978,13 +978,6 @@ class Daemon:
         if not P.within(cols, 0, self._admit_max_list):
             rows_ok = P.within(cols[:, 0], 0, self._admit_max_list[0])
             raise InvalidArgument("admission field out of range" if rows_ok else "admission row out of range")
-
-    def _map_admitted(self, sess: Session, srow: int, mrow: int, tag: int) -> None:
-        """An admitted request's session row <-> manager row, and its tag in the segment."""
-        sess.mrow[srow] = mrow
-        self.owner_sid[mrow] = sess.sid
-        self.owner_srow[mrow] = srow
-        sess.shm.row_tags[srow] = tag & _U64_MASK  # the tag travels as int64
 
     def _admit_hashes(self, hashes_b: bytes, counts_b: bytes, nd: int, g: int) -> list[np.ndarray]:
         """Group ``g``'s admission hashes of a step, one array per admission."""
@@ -1134,7 +1127,7 @@ class Daemon:
                     self._map(sess, c, int(m.row_of(base | c)), tags[i])
         if nd == 1:  # one admission (an idle engine's new request): scalars, no masks
             if int(res.admit_status[0]) == STATUS_OK:
-                self._map_admitted(sess, int(adm[0, 0]), int(res.admit_rows[0]), int(adm[0, 6]))
+                self._map(sess, int(adm[0, 0]), int(res.admit_rows[0]), int(adm[0, 6]) & _U64_MASK)
         elif nd:
             ast_ = np.asarray(res.admit_status)
             okm = ast_ == STATUS_OK

@@ -37,8 +37,8 @@ class Cfg:
 class InProc(_Core):
     """A client core calling ``Daemon.handle`` directly; ``json`` sends decode steps as JSON steps."""
 
-    def __init__(self, d: Daemon, json: bool):
-        super().__init__("inproc://x", heartbeat=False, gpu=False, kv_shared=True)  # a writer: it confirms
+    def __init__(self, d: Daemon, json: bool, confirm: str = "auto"):
+        super().__init__("inproc://x", heartbeat=False, gpu=False, kv_shared=True, confirm=confirm)  # a writer
         self.d, self.json = d, json
         self.raw: list[list[bytes]] = []
         op, fields, frames = self._hello_msg()
