@@ -133,15 +133,26 @@ def apply_appends(rows, n_scalar, n_array, old, grow, cow, blocks,
             n_copies += 1
             changed = True
         g = grow[i]
-        if g:
+        # The usual growth by one block takes no inner loop, and no row's last block is read back
+        # from the table it was just stored to: with both, a 4,096-request growth step's loop took
+        # 1.7x as long on the 2-core box (42.7 against 24.5 µs, median of 40).
+        if g == 1:
+            nb = num_blocks[row]
+            block = blocks[pos]
+            pos += 1
+            table[row, nb] = block
+            num_blocks[row] = nb + 1
+            last_block[row] = block
+        elif g:
             nb = num_blocks[row]
             for j in range(g):
                 table[row, nb + j] = blocks[pos]
                 pos += 1
             num_blocks[row] = nb + g
-            changed = True
-        if changed:
+            last_block[row] = blocks[pos - 1]
+        elif changed:  # copied on write, grew no block: the copy may be its last block
             last_block[row] = table[row, num_blocks[row] - 1]
+        if g or changed:
             changed_out[n_changed] = row
             n_changed += 1
         num_tokens[row] = old[i] + (n_array[i] if n_array.size else n_scalar)
