@@ -473,11 +473,29 @@ def test_idle_pacer_sizes_slices_to_the_expected_gap_and_runs_one_per_reply():
     p.ran(30e-6, 0)  # only confirmations: the cost per request stays
     assert p.row_s == pytest.approx(0.12e-6)
     p.arrived(1.0 + 600e-6)
-    after = gap + (600e-6 - gap) * IdlePacer.EWMA
-    assert p.gap_s == pytest.approx(after)  # the mean gap follows the clients' pace
-    p.replied(2.0)
-    p.arrived(3.0)  # one long pause counts as MAX_GAP_S
-    assert p.gap_s == pytest.approx(after + (IdlePacer.MAX_GAP_S - after) * IdlePacer.EWMA)
+    assert p.gap_s == pytest.approx(600e-6)  # the first gap seen replaces the initial guess
+
+
+def test_idle_pacer_expects_the_shortest_of_the_last_gaps():
+    """One long gap (a client hashing before its registering step) does not size the slices after
+    it; the gap expected follows the clients' pace within IdlePacer.GAPS messages."""
+    from kvd.pacing import IdlePacer
+
+    assert IdlePacer.GAPS == 16
+    p = IdlePacer(gap_s=1e-3, row_s=0.1e-6)
+    t = 1.0
+    for gap in [60.1e-6] * 15 + [500e-6]:
+        p.replied(t)
+        t += gap
+        p.arrived(t)
+    assert p.gap_s == pytest.approx(60.1e-6)  # not the mean (87.6 µs), nor 500
+    p.replied(t)
+    assert p.rows(t) == 300  # FILL of 60.1 µs at 0.1 µs a request (300.5)
+    for k in range(15):  # the clients slow down: gaps of 400 µs push the 60.1 µs ones out, oldest first
+        p.replied(t)
+        t += 400e-6
+        p.arrived(t)
+        assert p.gap_s == pytest.approx(60.1e-6 if k < 14 else 400e-6)  # (the 500 µs gap is still there)
 
 
 def test_idle_pacer_slices_converge_to_the_size_that_fills_the_gap():
