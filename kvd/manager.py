@@ -1034,11 +1034,12 @@ class BlockManager:
         return status, None
 
     def _append_fast(self, rows, n_new, hashes, counts, lookahead, defer: bool = False, tokens=None,
-                     own_counts: bool = False):
+                     own_counts: bool = False, mirror: tuple = rowloops.NO_MIRROR):
         """A batch of appends to the one full-attention group, copy-on-write included, in two
         compiled loops (``kvd.rowloops``). Returns (the tokens each request had before, the rows
         whose tables changed), or None, having changed nothing, whenever anything is unusual
-        (misuse, no space): the general path then decides request by request."""
+        (misuse, no space): the general path then decides request by request. ``mirror``: see
+        ``rowloops.NO_MIRROR`` (written only when the appends are applied)."""
         n = rows.size
         if rows.dtype != np.int32 or n > self.num_tokens.size or not 0 <= lookahead <= self.max_lookahead:
             return None
@@ -1051,7 +1052,7 @@ class BlockManager:
             rows, n_scalar, n_array, lookahead, counts if hashes.size else _EMPTY_I64, self.config.max_model_len,
             self.num_tokens, self.appendable, self.forked, self._num_forked > 0, self._mark,
             g.table, g.num_blocks, g.last_block, g.num_registered, pool.ref_cnt, g.block_size,
-            pool.fresh_stack, pool.num_fresh, old, grow, cow, self._copies_buf, self._changed_buf,
+            pool.fresh_stack, pool.num_fresh, old, grow, cow, self._copies_buf, self._changed_buf, mirror,
         )
         if need < 0 or need > pool.num_free:
             return None
@@ -1064,7 +1065,7 @@ class BlockManager:
                 self.flush_deferred()
             n_copies, n_changed = rowloops.apply_appends(
                 rows, n_scalar, n_array, old, grow, cow, pool.take(need), self.num_tokens, g.table, g.num_blocks,
-                g.last_block, pool.ref_cnt, g.block_size, self._copies_buf, self._changed_buf,
+                g.last_block, pool.ref_cnt, g.block_size, self._copies_buf, self._changed_buf, mirror,
             )
         self._record_copies(n_copies)
         if hashes.size:
@@ -1142,7 +1143,7 @@ class BlockManager:
             return
         n_copies, _ = rowloops.apply_appends(
             rows, 0, n_new, old, grow, cow, self.pool.take(total), self.num_tokens, g.table, g.num_blocks,
-            g.last_block, self.pool.ref_cnt, g.block_size, self._copies_buf, self._changed_buf,
+            g.last_block, self.pool.ref_cnt, g.block_size, self._copies_buf, self._changed_buf, rowloops.NO_MIRROR,
         )
         self._record_copies(n_copies)
 
@@ -1942,7 +1943,7 @@ class BlockManager:
         )
 
     def decode_rows(self, rows: np.ndarray, n_new: int, lookahead: int = 0, hashes: np.ndarray | None = None,
-                    counts: np.ndarray | None = None):
+                    counts: np.ndarray | None = None, mirror: tuple = rowloops.NO_MIRROR):
         """The daemon's decode step, without a ``StepBatch`` or a ``StepResult``: every request of
         ``rows`` (manager rows, int32) appends ``n_new`` tokens (an int) with ``lookahead`` slots,
         and with ``hashes`` (the one group's, ``hash_dtype``) and ``counts`` (int32, one per row)
@@ -1954,7 +1955,8 @@ class BlockManager:
         may run before the deferred prefix-cache work (it reads no cache) unless it must evict;
         registering, after it.
         Why one entry for both: the step that registers is one in 16 of a decode run, and on the
-        general path its code is cold in the daemon (2-3x its warm cost)."""
+        general path its code is cold in the daemon (2-3x its warm cost). ``mirror``: the caller's
+        copy of these rows' tables, written on the way when the step is taken (``rowloops.NO_MIRROR``)."""
         if not self._simple or not rows.size or type(n_new) is not int or type(lookahead) is not int:
             return None
         if hashes is None:
@@ -1971,7 +1973,7 @@ class BlockManager:
         copies_before = len(self._copies)
         self.tick += 1  # a deferred registration carries the step's tick
         fast = self._append_fast(rows, n_new, hashes, counts, lookahead, self.config.defer_cache_registration,
-                                 own_counts=True)
+                                 own_counts=True, mirror=mirror)
         if fast is None:
             self.tick -= 1
             return None

@@ -518,6 +518,29 @@ class Daemon:
             tr.mark_counts(srows)
         return srows
 
+    def _mirror(self, sess: Session, rows_b: bytes, n: int) -> tuple:
+        """The session's segment as the mirror of a decode step's rows (``rowloops.NO_MIRROR``):
+        the manager writes the entries it appends there on the way (the rows are the session's own,
+        ``_mapped_rows`` checked them)."""
+        if self.G != 1:
+            return rowloops.NO_MIRROR  # (the manager's decode_rows declines such a pool anyway)
+        tr = sess.gpu.tracker if sess.gpu is not None else None
+        return (sess.shm.tables[0], sess.shm.counts[0], np.frombuffer(rows_b, np.int32, n),
+                tr.st[0] if tr is not None else _EMPTY_I32, tr.en[0] if tr is not None else _EMPTY_I32)
+
+    def _mirrored(self, sess: Session, grown: np.ndarray, copies: np.ndarray) -> np.ndarray:
+        """The session rows whose tables a mirrored decode step changed (``_mirror``); a step with
+        copy-on-write copies its rows whole as before (rare: forks)."""
+        if copies.size:
+            return self._sync_rows(sess, grown)
+        if not grown.size:
+            return _EMPTY_I32
+        srows = self.owner_srow[grown]
+        if sess.gpu is not None:
+            sess.gpu.tracker.dirty = True
+            sess.gpu.tracker.mark_counts(srows)
+        return srows
+
     def _sync_row(self, sess: Session, srow: int) -> None:
         mrow = int(sess.mrow[srow])
         m = self.manager
@@ -913,11 +936,12 @@ class Daemon:
             if confirm is not None:
                 m.mark_computed(sess.writer, confirm)
                 confirm = None
-            fast = m.decode_rows(mrows, an, la, hs, cnt)
-        if fast is not None:  # the usual step: every request appended
+            fast = m.decode_rows(mrows, an, la, hs, cnt, self._mirror(sess, rows_b, na))
+        if fast is not None:  # the usual step: every request appended, its tables published
             old, grown, copies = fast
             tick, status_b, sched_rows, lens = m.tick, bytes(2 * na), mrows, np.full(na, an, np.int32)
             sched_start = old.astype(np.int32)
+            changed = self._mirrored(sess, grown, copies)
         else:  # declined (or token ids for KV events): the manager decides request by request
             batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la,
                               computed_through=confirm)
@@ -932,7 +956,7 @@ class Daemon:
             sched_start = res.sched_start.astype(np.int32, copy=False)
             if sched_rows.shape[0] != na:
                 self._count_step_no_space(sess, res)
-        changed = self._sync_rows(sess, grown, full=copies.size > 0)
+            changed = self._sync_rows(sess, grown, full=copies.size > 0)
         nt = self._write_slots(sess, sched_rows, sched_start, lens, uniform=an)
         self.was_step = True
         ns = sched_rows.shape[0]

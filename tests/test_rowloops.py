@@ -1,6 +1,8 @@
 """The compiled row loops on hand-made arrays: exact plans, exact writes, and planning that
 declines changes nothing (reference counts and the scratch mark are as they were)."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -102,7 +104,7 @@ def test_apply_hands_out_copy_then_growth_blocks_in_batch_order():
     copies, changed = np.zeros((R, 2), np.int32), np.zeros(R, np.int32)
     n_copies, n_changed = rowloops.apply_appends(
         rows, 2, np.empty(0, np.int64), out["old"], out["grow"], out["cow"], blocks, s["num_tokens"], s["table"],
-        s["num_blocks"], s["last_block"], s["ref_cnt"], BS, copies, changed,
+        s["num_blocks"], s["last_block"], s["ref_cnt"], BS, copies, changed, rowloops.NO_MIRROR,
     )
     assert (n_copies, n_changed) == (1, 3)
     assert copies[:1].tolist() == [[2, 5]] and changed[:3].tolist() == [1, 2, 0]
@@ -110,6 +112,30 @@ def test_apply_hands_out_copy_then_growth_blocks_in_batch_order():
     assert s["num_blocks"][:3].tolist() == [3, 3, 3] and s["num_tokens"][:3].tolist() == [9, 9, 10]
     assert s["last_block"].tolist() == [8, 6, 7, 0, 0, 0]  # each changed row's new last column
     assert s["ref_cnt"][:9].tolist() == [0, 2, 1, 1, 1, 1, 1, 1, 1]
+
+
+def test_apply_writes_its_mirror_rows_exactly_where_the_tables_changed():
+    """A daemon's session segment as the mirror: request i of the batch is mirror row m_rows[i];
+    the entries the appends wrote (copy-on-write and growth), each changed row's count and its
+    tracked range, nothing else."""
+    s = state()
+    rows = np.array([1, 2, 0], np.int32)
+    need, out = plan(s, rows.tolist(), n=2)
+    m_table = np.full((4, 4), -7, np.int32)  # the published tables: session rows 3, 0, 1
+    m_table[3, :2], m_table[0, :2], m_table[1, :2] = [1, 2], [3, 4], [1, 2]
+    m_counts = np.array([2, 2, -7, 2], np.int32)
+    m_rows = np.array([3, 0, 1], np.int32)
+    m_start, m_end = np.full(4, 99, np.int32), np.zeros(4, np.int32)
+    s["ref_cnt"][[5, 6, 7, 8]] = 1
+    rowloops.apply_appends(
+        rows, 2, np.empty(0, np.int64), out["old"], out["grow"], out["cow"], np.array([5, 6, 7, 8], np.int32),
+        s["num_tokens"], s["table"], s["num_blocks"], s["last_block"], s["ref_cnt"], BS,
+        np.zeros((R, 2), np.int32), np.zeros(R, np.int32), (m_table, m_counts, m_rows, m_start, m_end),
+    )
+    assert m_table.tolist() == [[3, 4, 7, -7], [1, 2, 8, -7], [-7] * 4, [1, 5, 6, -7]]
+    assert m_table[[3, 0, 1], :3].tolist() == s["table"][[1, 2, 0], :3].tolist()
+    assert m_counts.tolist() == [3, 3, -7, 3]
+    assert m_start.tolist() == [2, 2, 99, 1] and m_end.tolist() == [3, 3, 0, 3]  # row 3: its copy at column 1
 
 
 def test_append_batch_takes_the_top_of_the_fresh_stack_or_declines_to_apply():
@@ -123,7 +149,7 @@ def test_append_batch_takes_the_top_of_the_fresh_stack_or_declines_to_apply():
             np.array([1, 0], np.int32), 1, np.empty(0, np.int64), 0, np.empty(0, np.int64), 16,
             s["num_tokens"], s["appendable"], s["forked"], True, s["mark"], s["table"], s["num_blocks"],
             s["last_block"], s["num_registered"], s["ref_cnt"], BS, fresh, num_fresh, bufs["old"], bufs["grow"], bufs["cow"],
-            bufs["copies"], bufs["changed"],
+            bufs["copies"], bufs["changed"], rowloops.NO_MIRROR,
         )
 
     assert call(0) == (1, False, 0, 0)  # one copy needed, no fresh block: nothing applied
@@ -406,7 +432,8 @@ print(json.dumps([before, cold(rowloops), cold(prefixindex)]))
 """
 
 
-@pytest.mark.skipif(not rowloops.HAVE_NUMBA, reason="numba is not installed: nothing compiles")
+@pytest.mark.skipif(not rowloops.HAVE_NUMBA or os.environ.get("NUMBA_DISABLE_JIT", "0") != "0",
+                    reason="numba is not installed or NUMBA_DISABLE_JIT is set: nothing compiles")
 def test_manager_warm_up_loads_every_loop_that_python_calls():
     """numba loads a loop at its first call (4-10 ms, inside whatever step calls it first): after
     ``kvd.manager.warm_up`` none is left to load but the helpers only compiled code calls (a fresh
@@ -418,5 +445,5 @@ def test_manager_warm_up_loads_every_loop_that_python_calls():
     out = subprocess.run([sys.executable, "-c", _COLD_LOOPS], capture_output=True, text=True, timeout=300, check=True)
     before, rows_cold, index_cold = json.loads(out.stdout.strip().splitlines()[-1])
     assert {"append_batch", "plan_appends", "insert_new", "find_run", "rebuild"} <= set(before)
-    assert rows_cold == ["fork_row_state"]  # inlined into fork_rows
+    assert rows_cold == ["_mirror", "fork_row_state"]  # compiled into apply_appends and fork_rows
     assert index_cold and all(n.startswith("_") for n in index_cold)  # the index's inner helpers
