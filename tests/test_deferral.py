@@ -173,3 +173,29 @@ def test_a_manager_that_defers_registrations_behaves_as_one_that_does_not(seed, 
     deferred = run.m[0]
     assert waited and deferred.stats() == run.m[1].stats()
     deferred.check_invariants(heavy=True)
+
+
+def test_a_deferred_registering_decode_step_queues_behind_the_waiting_confirmations(monkeypatch):
+    """With registrations deferred, a decode step that registers a filled block neither promotes
+    the confirmations still waiting for a flush nor runs the registrations queued before it: its
+    own registration queues behind them, and the flush runs all of it in order."""
+    import kvd.manager
+
+    monkeypatch.setattr(kvd.manager, "PROMOTE_BATCH", 2)  # a flush promotes two blocks at most
+    m = _manager(defer=True, events=False)
+    toks = np.arange(1, 41, dtype=np.int32)
+    res = m.step(StepBatch(admit=[AdmitRequest("a", 15, hash_prompt(toks[:15], BS))]), writer=1)
+    rows = res.admit_rows.astype(np.int32)
+    m.flush_deferred()  # three full blocks registered, unconfirmed
+    m.step(StepBatch(append_rows=rows, append_num_tokens=1, computed_through=m.tick), writer=1)
+    m.flush_deferred()  # the confirmation promotes two blocks; the third waits
+    assert (m.num_deferred, m.pool.num_unconfirmed) == (1, 1)
+    filled = hash_prompt(toks[:16], BS)[3:]
+    m.step(StepBatch(append_rows=rows, append_num_tokens=1, append_hashes=(filled,),
+                     append_hash_counts=(np.ones(1, np.int32),)), writer=1)
+    assert (m.num_deferred, m.pool.num_unconfirmed) == (2, 1)  # nothing ran: the waiting one, then the registration
+    m.flush_deferred()
+    assert (m.num_deferred, m.pool.num_unconfirmed) == (0, 1)  # the admission's last block confirmed, the new one not
+    assert m.lookup(hash_prompt(toks[:16], BS), writer=2) == 3
+    assert m.lookup(hash_prompt(toks[:16], BS), writer=1) == 4
+    m.check_invariants(heavy=True)
