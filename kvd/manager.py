@@ -1034,12 +1034,12 @@ class BlockManager:
         return status, None
 
     def _append_fast(self, rows, n_new, hashes, counts, lookahead, defer: bool = False, tokens=None,
-                     own_counts: bool = False, mirror: tuple = rowloops.NO_MIRROR):
+                     own_counts: bool = False, mirror: tuple | None = None):
         """A batch of appends to the one full-attention group, copy-on-write included, in two
         compiled loops (``kvd.rowloops``). Returns (the tokens each request had before, the rows
         whose tables changed), or None, having changed nothing, whenever anything is unusual
-        (misuse, no space): the general path then decides request by request. ``mirror``: see
-        ``rowloops.NO_MIRROR`` (written only when the appends are applied)."""
+        (misuse, no space): the general path then decides request by request. ``mirror``: the
+        first five arguments of ``rowloops.mirror_appends``, written when the appends are applied."""
         n = rows.size
         if rows.dtype != np.int32 or n > self.num_tokens.size or not 0 <= lookahead <= self.max_lookahead:
             return None
@@ -1052,7 +1052,7 @@ class BlockManager:
             rows, n_scalar, n_array, lookahead, counts if hashes.size else _EMPTY_I64, self.config.max_model_len,
             self.num_tokens, self.appendable, self.forked, self._num_forked > 0, self._mark,
             g.table, g.num_blocks, g.last_block, g.num_registered, pool.ref_cnt, g.block_size,
-            pool.fresh_stack, pool.num_fresh, old, grow, cow, self._copies_buf, self._changed_buf, mirror,
+            pool.fresh_stack, pool.num_fresh, old, grow, cow, self._copies_buf, self._changed_buf,
         )
         if need < 0 or need > pool.num_free:
             return None
@@ -1065,9 +1065,11 @@ class BlockManager:
                 self.flush_deferred()
             n_copies, n_changed = rowloops.apply_appends(
                 rows, n_scalar, n_array, old, grow, cow, pool.take(need), self.num_tokens, g.table, g.num_blocks,
-                g.last_block, pool.ref_cnt, g.block_size, self._copies_buf, self._changed_buf, mirror,
+                g.last_block, pool.ref_cnt, g.block_size, self._copies_buf, self._changed_buf,
             )
         self._record_copies(n_copies)
+        if mirror is not None and n_changed:
+            rowloops.mirror_appends(*mirror, rows, old, grow, cow, g.table, g.num_blocks, g.last_block, g.block_size)
         if hashes.size:
             if defer:  # the whole registration after the reply (the tables do not change before)
                 kept_counts = counts if own_counts else _kept(counts)  # own: decode_rows widened them
@@ -1143,7 +1145,7 @@ class BlockManager:
             return
         n_copies, _ = rowloops.apply_appends(
             rows, 0, n_new, old, grow, cow, self.pool.take(total), self.num_tokens, g.table, g.num_blocks,
-            g.last_block, self.pool.ref_cnt, g.block_size, self._copies_buf, self._changed_buf, rowloops.NO_MIRROR,
+            g.last_block, self.pool.ref_cnt, g.block_size, self._copies_buf, self._changed_buf,
         )
         self._record_copies(n_copies)
 
@@ -1948,7 +1950,7 @@ class BlockManager:
         )
 
     def decode_rows(self, rows: np.ndarray, n_new: int, lookahead: int = 0, hashes: np.ndarray | None = None,
-                    counts: np.ndarray | None = None, mirror: tuple = rowloops.NO_MIRROR):
+                    counts: np.ndarray | None = None, mirror: tuple | None = None):
         """The daemon's decode step, without a ``StepBatch`` or a ``StepResult``: every request of
         ``rows`` (manager rows, int32) appends ``n_new`` tokens (an int) with ``lookahead`` slots,
         and with ``hashes`` (the one group's, ``hash_dtype``) and ``counts`` (int32, one per row)
@@ -1962,7 +1964,8 @@ class BlockManager:
         work, in order: see ``_confirm_then_flush``).
         Why one entry for both: the step that registers is one in 16 of a decode run, and on the
         general path its code is cold in the daemon (2-3x its warm cost). ``mirror``: the caller's
-        copy of these rows' tables, written on the way when the step is taken (``rowloops.NO_MIRROR``)."""
+        copy of these rows' tables, written when the step is taken (``rowloops.mirror_appends``'
+        first five arguments)."""
         if not self._simple or not rows.size or type(n_new) is not int or type(lookahead) is not int:
             return None
         if hashes is None:

@@ -38,17 +38,6 @@ DECLINED = -1
 
 _jit = njit(cache=True, nogil=True, boundscheck=False) if HAVE_NUMBA else (lambda fn: fn)
 
-_NONE_I32 = np.empty(0, np.int32)
-#: ``apply_appends``' and ``append_batch``'s ``mirror`` when there is none. A mirror is the
-#: caller's copy of the appended requests' tables (a daemon's session segment): (table, counts,
-#: rows, start, end), int32 arrays, where ``rows[i]`` is the mirror row of the batch's request i.
-#: Every table entry the appends write is written at that row too, and its count; ``start`` and
-#: ``end`` (empty: none) widen each mirror row's range of changed entries (a GPU copy's tracker).
-#: It saves a daemon's decode step its own pass over the rows to publish them: at 4,096 requests
-#: growing on one step, the mirror's pass adds 13-14 µs where that publish (``sync_appended_rows``,
-#: called from Python) took 22-24.
-NO_MIRROR = (np.empty((0, 0), np.int32), _NONE_I32, np.empty(0, np.int32), _NONE_I32, _NONE_I32)
-NO_MIRROR[2].flags.writeable = False  # a daemon's mirror rows come straight from a message frame (one compiled type)
 
 
 @_jit
@@ -122,12 +111,11 @@ def plan_appends(rows, n_scalar, n_array, lookahead, hash_counts, max_model_len,
 @_jit
 def apply_appends(rows, n_scalar, n_array, old, grow, cow, blocks,
                   num_tokens, table, num_blocks, last_block, ref_cnt, block_size,
-                  copies_out, changed_out, mirror):
+                  copies_out, changed_out):
     """Carry out a plan of ``plan_appends`` with ``blocks`` fresh from the pool, handed out in
     batch order, each request's copy-on-write block before its new blocks (``last_block`` kept:
     see kvd.manager's _Group). Returns (copies made, rows whose tables changed), written to the
-    front of ``copies_out`` and ``changed_out``. ``mirror`` (``NO_MIRROR``: none): every entry and
-    count written is written to the caller's copy too."""
+    front of ``copies_out`` and ``changed_out``."""
     pos = 0
     n_copies = 0
     n_changed = 0
@@ -169,18 +157,20 @@ def apply_appends(rows, n_scalar, n_array, old, grow, cow, blocks,
             changed_out[n_changed] = row
             n_changed += 1
         num_tokens[row] = old[i] + (n_array[i] if n_array.size else n_scalar)
-    if mirror[2].size:
-        _mirror(mirror, rows, old, grow, cow, table, num_blocks, last_block, block_size)
     return n_copies, n_changed
 
 
 @_jit
-def _mirror(mirror, rows, old, grow, cow, table, num_blocks, last_block, block_size):
-    """``apply_appends``' writes into its mirror, in a pass of their own. Stores to the mirror's
-    cold lines inside the appends' loop (a second cold line per row) made a 4,096-request growth
-    step's ``append_batch`` take 104-107 µs against 39-40 without a mirror; this pass adds 13-14
-    (the 2-core box, ``.dev/growth_parts2.py``)."""
-    m_table, m_counts, m_rows, m_start, m_end = mirror
+def mirror_appends(m_table, m_counts, m_rows, m_start, m_end, rows, old, grow, cow, table, num_blocks, last_block,
+                   block_size):
+    """Write what ``apply_appends`` changed into the caller's copy of the batch's tables (a
+    daemon's session segment): request i's mirror row is ``m_rows[i]``, which gets the entries its
+    copy-on-write and growth wrote and its new count; ``m_start``/``m_end`` (empty: none) widen each
+    mirror row's range of changed entries (a GPU copy's tracker). Where a row grew by one block,
+    that block is read from the dense ``last_block``, not from the row's table line. Stores to the
+    mirror inside ``apply_appends``' own loop (a second cold line per row) made a 4,096-request
+    growth step's ``append_batch`` 104-107 µs against 39-40; this pass takes 13-14 (the 2-core box,
+    ``.dev/growth_parts2.py``), where the daemon's own publish pass took 22-24."""
     tracked = m_start.size > 0
     for i in range(rows.size):
         g = grow[i]
@@ -209,7 +199,7 @@ def _mirror(mirror, rows, old, grow, cow, table, num_blocks, last_block, block_s
 def append_batch(rows, n_scalar, n_array, lookahead, hash_counts, max_model_len,
                  num_tokens, appendable, forked, any_forked, mark,
                  table, num_blocks, last_block, num_registered, ref_cnt, block_size,
-                 fresh, num_fresh, old_out, grow_out, cow_out, copies_out, changed_out, mirror):
+                 fresh, num_fresh, old_out, grow_out, cow_out, copies_out, changed_out):
     """``plan_appends`` then, when the fresh stack (``fresh[:num_fresh]``, taken from the top)
     holds the blocks needed, ``apply_appends`` with them: the usual step in one call. Returns
     (blocks needed or DECLINED, whether applied, copies made, rows changed); the caller checks
@@ -226,7 +216,7 @@ def append_batch(rows, n_scalar, n_array, lookahead, hash_counts, max_model_len,
         ref_cnt[blocks[j]] = 1
     n_copies, n_changed = apply_appends(rows, n_scalar, n_array, old_out, grow_out, cow_out, blocks,
                                         num_tokens, table, num_blocks, last_block, ref_cnt, block_size,
-                                        copies_out, changed_out, mirror)
+                                        copies_out, changed_out)
     return need, True, n_copies, n_changed
 
 
@@ -632,10 +622,10 @@ def warm_up() -> None:
     plan_appends(i32, 0, i64[:0], 0, i64[:0], 1, i64, flags, flags, False, i32.copy(),
                  table, i32, i32, i32.copy(), 1, i64.copy(), i64.copy(), flags.copy())
     apply_appends(i32[:0], 0, i64[:0], i64, i64, flags, i32, i64.copy(), table, i32, i32.copy(), i32, 1,
-                  np.zeros((1, 2), np.int32), i32.copy(), NO_MIRROR)
+                  np.zeros((1, 2), np.int32), i32.copy())
     append_batch(i32, 0, i64[:0], 0, i64[:0], 1, i64, flags, flags, False, i32.copy(),
                  table, i32, i32.copy(), i32, i32.copy(), 1, i32, 0, i64.copy(), i64.copy(), flags.copy(),
-                 np.zeros((1, 2), np.int32), i32.copy(), NO_MIRROR)
+                 np.zeros((1, 2), np.int32), i32.copy())
     fork_rows(i32, i32[:0], i64, np.zeros(1, np.uint8), i64, flags, flags, flags.copy(), table, i32, i32.copy(),
               i32, i32, i32, 1)
     share_blocks(i32, i32[:0], table, i32, i32.copy(), i32, i32, i32, i64, 1)
@@ -658,4 +648,5 @@ def warm_up() -> None:
     ro = i32.copy()
     ro.flags.writeable = False
     gather_rows(i32, ro, i32.copy())  # rows straight from a message frame (read-only)
+    mirror_appends(table, i32, ro, i32[:0], i32[:0], i32, i64, i64, flags, table, i32, i32, 1)  # the daemon's
     widen_counts(ro, i64.copy())  # hash counts from a frame: compiled later, the first took ~2.7 ms

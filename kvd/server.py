@@ -518,12 +518,12 @@ class Daemon:
             tr.mark_counts(srows)
         return srows
 
-    def _mirror(self, sess: Session, rows_b: bytes, n: int) -> tuple:
-        """The session's segment as the mirror of a decode step's rows (``rowloops.NO_MIRROR``):
-        the manager writes the entries it appends there on the way (the rows are the session's own,
+    def _mirror(self, sess: Session, rows_b: bytes, n: int) -> tuple | None:
+        """The session's segment as the mirror of a decode step's rows (``rowloops.mirror_appends``):
+        the manager writes the entries it appends there too (the rows are the session's own,
         ``_mapped_rows`` checked them)."""
         if self.G != 1:
-            return rowloops.NO_MIRROR  # (the manager's decode_rows declines such a pool anyway)
+            return None  # (the manager's decode_rows declines such a pool anyway)
         tr = sess.gpu.tracker if sess.gpu is not None else None
         return (sess.shm.tables[0], sess.shm.counts[0], np.frombuffer(rows_b, np.int32, n),
                 tr.st[0] if tr is not None else _EMPTY_I32, tr.en[0] if tr is not None else _EMPTY_I32)

@@ -104,7 +104,7 @@ def test_apply_hands_out_copy_then_growth_blocks_in_batch_order():
     copies, changed = np.zeros((R, 2), np.int32), np.zeros(R, np.int32)
     n_copies, n_changed = rowloops.apply_appends(
         rows, 2, np.empty(0, np.int64), out["old"], out["grow"], out["cow"], blocks, s["num_tokens"], s["table"],
-        s["num_blocks"], s["last_block"], s["ref_cnt"], BS, copies, changed, rowloops.NO_MIRROR,
+        s["num_blocks"], s["last_block"], s["ref_cnt"], BS, copies, changed,
     )
     assert (n_copies, n_changed) == (1, 3)
     assert copies[:1].tolist() == [[2, 5]] and changed[:3].tolist() == [1, 2, 0]
@@ -114,7 +114,7 @@ def test_apply_hands_out_copy_then_growth_blocks_in_batch_order():
     assert s["ref_cnt"][:9].tolist() == [0, 2, 1, 1, 1, 1, 1, 1, 1]
 
 
-def test_apply_writes_its_mirror_rows_exactly_where_the_tables_changed():
+def test_mirror_appends_writes_the_mirror_rows_exactly_where_the_tables_changed():
     """A daemon's session segment as the mirror: request i of the batch is mirror row m_rows[i];
     the entries the appends wrote (copy-on-write and growth), each changed row's count and its
     tracked range, nothing else."""
@@ -130,8 +130,10 @@ def test_apply_writes_its_mirror_rows_exactly_where_the_tables_changed():
     rowloops.apply_appends(
         rows, 2, np.empty(0, np.int64), out["old"], out["grow"], out["cow"], np.array([5, 6, 7, 8], np.int32),
         s["num_tokens"], s["table"], s["num_blocks"], s["last_block"], s["ref_cnt"], BS,
-        np.zeros((R, 2), np.int32), np.zeros(R, np.int32), (m_table, m_counts, m_rows, m_start, m_end),
+        np.zeros((R, 2), np.int32), np.zeros(R, np.int32),
     )
+    rowloops.mirror_appends(m_table, m_counts, m_rows, m_start, m_end, rows, out["old"], out["grow"], out["cow"],
+                            s["table"], s["num_blocks"], s["last_block"], BS)
     assert m_table.tolist() == [[3, 4, 7, -7], [1, 2, 8, -7], [-7] * 4, [1, 5, 6, -7]]
     assert m_table[[3, 0, 1], :3].tolist() == s["table"][[1, 2, 0], :3].tolist()
     assert m_counts.tolist() == [3, 3, -7, 3]
@@ -149,7 +151,7 @@ def test_append_batch_takes_the_top_of_the_fresh_stack_or_declines_to_apply():
             np.array([1, 0], np.int32), 1, np.empty(0, np.int64), 0, np.empty(0, np.int64), 16,
             s["num_tokens"], s["appendable"], s["forked"], True, s["mark"], s["table"], s["num_blocks"],
             s["last_block"], s["num_registered"], s["ref_cnt"], BS, fresh, num_fresh, bufs["old"], bufs["grow"], bufs["cow"],
-            bufs["copies"], bufs["changed"], rowloops.NO_MIRROR,
+            bufs["copies"], bufs["changed"],
         )
 
     assert call(0) == (1, False, 0, 0)  # one copy needed, no fresh block: nothing applied
@@ -445,5 +447,5 @@ def test_manager_warm_up_loads_every_loop_that_python_calls():
     out = subprocess.run([sys.executable, "-c", _COLD_LOOPS], capture_output=True, text=True, timeout=300, check=True)
     before, rows_cold, index_cold = json.loads(out.stdout.strip().splitlines()[-1])
     assert {"append_batch", "plan_appends", "insert_new", "find_run", "rebuild"} <= set(before)
-    assert rows_cold == ["_mirror", "fork_row_state"]  # compiled into apply_appends and fork_rows
+    assert rows_cold == ["fork_row_state"]  # inlined into fork_rows
     assert index_cold and all(n.startswith("_") for n in index_cold)  # the index's inner helpers
