@@ -24,14 +24,15 @@ class IdlePacer:
     mean, 4,096 requests' registering step was followed by a slice of ~1,100 requests (~80 µs in
     the daemon), which the next step (its every request's growth) waited for: on the 2-core box
     that step's p50 went from 212-240 µs to 185-197 with the shortest gap, and the decode
-    step's p99 from 309-336 to 229-234 µs (``kvd bench --scale 4096``, two runs each). After each reply one
-    slice runs however little fits (at least ``MIN_ROWS``: the work cannot fall behind the messages
-    that make it); later ones only where at least ``MIN_ROWS`` fit, or once the socket has stayed
-    idle for twice the gap (then ``IDLE_ROWS``). With back-to-back steps (a client that sends the next step
-    as soon as the reply is in) the registrations of a step that filled 4,096 blocks are spread over
-    the next steps' gaps in slices of at least ``MIN_ROWS`` instead of landing on the step after it
-    (one that filled 256 runs whole after its reply); with an engine's forward pass between steps
-    they all run at once.
+    step's p99 from 309-336 to 229-234 µs (``kvd bench --scale 4096``, two runs each).
+
+    After each reply one slice runs however little fits (at least ``MIN_ROWS``: the work cannot fall
+    behind the messages that make it); later ones only where at least ``MIN_ROWS`` fit, or once the
+    socket has stayed idle for twice the gap (then ``IDLE_ROWS``). With back-to-back steps (a client
+    that sends the next step as soon as the reply is in) the registrations of a step that filled
+    4,096 blocks are spread over the next steps' gaps in slices of at least ``MIN_ROWS`` instead of
+    landing on the step after it (one that filled 256 runs whole after its reply); with an engine's
+    forward pass between steps they all run at once.
 
     The cost per request is an average of seconds per request over the slices run, fixed costs
     included. Its slice size converges to the one that fills the time G it may use: a slice of k

@@ -39,7 +39,6 @@ DECLINED = -1
 _jit = njit(cache=True, nogil=True, boundscheck=False) if HAVE_NUMBA else (lambda fn: fn)
 
 
-
 @_jit
 def plan_appends(rows, n_scalar, n_array, lookahead, hash_counts, max_model_len,
                  num_tokens, appendable, forked, any_forked, mark,

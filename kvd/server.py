@@ -99,7 +99,7 @@ _MAX_DEFERRED = 64  # deferred prefix-cache items a daemon lets pile up while me
 class Session:
     __slots__ = (
         "sid", "tenant", "namespace", "writer", "uid", "name", "pid", "nonce", "shm", "mrow", "last_seen",
-        "last_seq", "last_reply", "ident", "slots_written", "base", "gpu", "slot_mapping",
+        "last_seq", "last_reply", "ident", "slots_written", "base", "gpu", "slot_mapping", "mirror",
     )
 
     def __init__(self, sid: int, tenant: str, namespace: int, writer: int, uid: int | None, name: str, pid: int,
@@ -122,6 +122,7 @@ class Session:
         self.base = sid << SID_SHIFT
         self.gpu = None  # kvd.gpu_session.GpuSession with a GPU pool
         self.slot_mapping = True  # replies write the step's slot mapping (hello ``slots``)
+        self.mirror: tuple | None = None  # Daemon._mirror's arrays, made on the first decode step
 
 
 def _peer(identity_frame: Any) -> Peer | None:
@@ -399,9 +400,10 @@ class Daemon:
             raise InvalidArgument(f"{name}: row out of range [0, {self.max_reqs})")
         return rows
 
-    def _mapped_rows(self, sess: Session, buf: bytes, name: str, n: int) -> np.ndarray:
+    def _mapped_rows(self, sess: Session, buf: bytes, name: str, n: int, framed: list | None = None) -> np.ndarray:
         """The manager rows of a frame of ``n`` session rows (a step's appends, the decode op's): one
-        gather that checks the range too (a negative row is huge as uint32); unmapped rows come back -1."""
+        gather that checks the range too (a negative row is huge as uint32); unmapped rows come back -1.
+        ``framed``: a list that gets the session rows' array (a view of the frame) too."""
         if not n:
             P.frame_array(buf, P.I32, 0, name)
             return _EMPTY_I32
@@ -409,6 +411,8 @@ class Daemon:
         out = rowloops.map_rows(sess.mrow, rows)
         if out is None:
             raise InvalidArgument(f"{name}: row out of range [0, {self.max_reqs})")
+        if framed is not None:
+            framed.append(rows)
         return out
 
     def _row(self, h: dict, key: str) -> int:
@@ -518,15 +522,19 @@ class Daemon:
             tr.mark_counts(srows)
         return srows
 
-    def _mirror(self, sess: Session, rows_b: bytes, n: int) -> tuple | None:
-        """The session's segment as the mirror of a decode step's rows (``rowloops.mirror_appends``):
-        the manager writes the entries it appends there too (the rows are the session's own,
-        ``_mapped_rows`` checked them)."""
-        if self.G != 1:
-            return None  # (the manager's decode_rows declines such a pool anyway)
-        tr = sess.gpu.tracker if sess.gpu is not None else None
-        return (sess.shm.tables[0], sess.shm.counts[0], np.frombuffer(rows_b, np.int32, n),
-                tr.st[0] if tr is not None else _EMPTY_I32, tr.en[0] if tr is not None else _EMPTY_I32)
+    def _mirror(self, sess: Session, srows: np.ndarray) -> tuple | None:
+        """The session's segment as the mirror of a decode step's session rows ``srows``
+        (``rowloops.mirror_appends``' first five arguments): the manager writes the entries it
+        appends there too (the rows are the session's own, ``_mapped_rows`` checked them). The
+        segment's arrays are the session's for its life, so they are looked up once."""
+        base = sess.mirror
+        if base is None:
+            if self.G != 1:
+                return None  # (the manager's decode_rows declines such a pool anyway)
+            tr = sess.gpu.tracker if sess.gpu is not None else None
+            base = sess.mirror = (sess.shm.tables[0], sess.shm.counts[0],
+                                  tr.st[0] if tr is not None else _EMPTY_I32, tr.en[0] if tr is not None else _EMPTY_I32)
+        return base[0], base[1], srows, base[2], base[3]
 
     def _mirrored(self, sess: Session, grown: np.ndarray, copies: np.ndarray) -> np.ndarray:
         """The session rows whose tables a mirrored decode step changed (``_mirror``); a step with
@@ -914,7 +922,8 @@ class Daemon:
         op) or JSON (a step)."""
         if na * an > self.max_tokens:
             raise InvalidArgument(f"{na * an} append tokens > max_num_batched_tokens {self.max_tokens}")
-        mrows = self._mapped_rows(sess, rows_b, "append rows", na)
+        framed: list = []
+        mrows = self._mapped_rows(sess, rows_b, "append rows", na, framed)
         hs = cnt = tokens = None
         if hashes_b or counts_b:
             hs = P.frame_hashes(hashes_b, "append hashes", na * (self.max_model_len // self.block_sizes[0] + 1), dtype=self.hash_dtype)
@@ -936,7 +945,7 @@ class Daemon:
             if confirm is not None:
                 m.mark_computed(sess.writer, confirm)
                 confirm = None
-            fast = m.decode_rows(mrows, an, la, hs, cnt, self._mirror(sess, rows_b, na))
+            fast = m.decode_rows(mrows, an, la, hs, cnt, self._mirror(sess, framed[0]) if framed else None)
         if fast is not None:  # the usual step: every request appended, its tables published
             old, grown, copies = fast
             tick, status_b, sched_rows, lens = m.tick, bytes(2 * na), mrows, np.full(na, an, np.int32)
@@ -1220,6 +1229,7 @@ class Daemon:
         if sess.gpu is not None:
             sess.gpu.close()  # torch keeps the arena in its IPC limbo while the client maps it
             sess.gpu = None
+        sess.mirror = None  # (views of the segment: its mapping goes with the close below)
         sess.shm.unlink()
         log.info("session %s ended (%s): %d requests freed", sess.shm.name, why, freed)
         sess.shm.close()
