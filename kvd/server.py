@@ -536,11 +536,9 @@ class Daemon:
                                   tr.st[0] if tr is not None else _EMPTY_I32, tr.en[0] if tr is not None else _EMPTY_I32)
         return base[0], base[1], srows, base[2], base[3]
 
-    def _mirrored(self, sess: Session, grown: np.ndarray, copies: np.ndarray) -> np.ndarray:
-        """The session rows whose tables a mirrored decode step changed (``_mirror``); a step with
-        copy-on-write copies its rows whole as before (rare: forks)."""
-        if copies.size:
-            return self._sync_rows(sess, grown)
+    def _mirrored(self, sess: Session, grown: np.ndarray) -> np.ndarray:
+        """The session rows whose tables a mirrored decode step changed (``_mirror``: the manager
+        wrote them, copy-on-write included)."""
         if not grown.size:
             return _EMPTY_I32
         srows = self.owner_srow[grown]
@@ -950,7 +948,7 @@ class Daemon:
             old, grown, copies = fast
             tick, status_b, sched_rows, lens = m.tick, bytes(2 * na), mrows, np.full(na, an, np.int32)
             sched_start = old.astype(np.int32)
-            changed = self._mirrored(sess, grown, copies)
+            changed = self._mirrored(sess, grown)
         else:  # declined (or token ids for KV events): the manager decides request by request
             batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la,
                               computed_through=confirm)

@@ -47,6 +47,14 @@ class _Run:
         assert np.array_equal(s0.tables[0], s1.tables[0]) and np.array_equal(s0.counts[0], s1.counts[0])
         assert np.array_equal(s0.slot_array, s1.slot_array)
         assert _manager_state(self.c[0].d) == _manager_state(self.c[1].d)
+        for c in self.c:  # and both are the manager's own rows (the decode op's mirror, the step's publish)
+            sess = c.d.sessions[c.sid]
+            srows = np.flatnonzero(sess.mrow >= 0)
+            mrows = sess.mrow[srows]
+            counts = c.d.manager.num_blocks[0][mrows]
+            assert np.array_equal(c.shm.counts[0][srows], counts)
+            for sr, mr, n in zip(srows.tolist(), mrows.tolist(), counts.tolist()):
+                assert np.array_equal(c.shm.tables[0][sr, :n], c.d.manager.tables[0][mr, :n]), (sr, mr)
         return a
 
     def admit(self) -> None:
@@ -86,7 +94,7 @@ class _Run:
         rids = [r for r in self.tokens if self.rng.random() < 0.8]
         if not rids:
             return
-        n_new = int(self.rng.choice([0, 1, 1, 1, 2, 3]))
+        n_new = int(self.rng.choice([0, 1, 1, 1, 2, 3, 5, 7]))  # (5 and 7: two blocks at once)
         lookahead = int(self.rng.choice([0, 0, 1]))
         new = {r: self.rng.integers(1, 300, n_new).astype(np.int32) for r in rids}
         hashes, counts = [], []
