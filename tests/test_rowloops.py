@@ -120,7 +120,7 @@ def test_mirror_appends_writes_the_mirror_rows_exactly_where_the_tables_changed(
     tracked range, nothing else."""
     s = state()
     rows = np.array([1, 2, 0], np.int32)
-    need, out = plan(s, rows.tolist(), n=2)
+    _, out = plan(s, rows.tolist(), n=2)
     m_table = np.full((4, 4), -7, np.int32)  # the published tables: session rows 3, 0, 1
     m_table[3, :2], m_table[0, :2], m_table[1, :2] = [1, 2], [3, 4], [1, 2]
     m_counts = np.array([2, 2, -7, 2], np.int32)
