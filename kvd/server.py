@@ -122,7 +122,7 @@ class Session:
         self.base = sid << SID_SHIFT
         self.gpu = None  # kvd.gpu_session.GpuSession with a GPU pool
         self.slot_mapping = True  # replies write the step's slot mapping (hello ``slots``)
-        self.mirror: tuple | None = None  # Daemon._mirror's arrays, made on the first decode step
+        self.mirror: tuple | None = None  # Daemon._segment_arrays, made when first needed
 
 
 def _peer(identity_frame: Any) -> Peer | None:
@@ -400,20 +400,18 @@ class Daemon:
             raise InvalidArgument(f"{name}: row out of range [0, {self.max_reqs})")
         return rows
 
-    def _mapped_rows(self, sess: Session, buf: bytes, name: str, n: int, framed: list | None = None) -> np.ndarray:
-        """The manager rows of a frame of ``n`` session rows (a step's appends, the decode op's): one
-        gather that checks the range too (a negative row is huge as uint32); unmapped rows come back -1.
-        ``framed``: a list that gets the session rows' array (a view of the frame) too."""
+    def _mapped_rows(self, sess: Session, buf: bytes, name: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(the session rows, a view of the frame; their manager rows) of a frame of ``n`` session
+        rows (a step's appends, the decode op's): one gather that checks the range too (a negative
+        row is huge as uint32); unmapped rows come back -1."""
         if not n:
             P.frame_array(buf, P.I32, 0, name)
-            return _EMPTY_I32
+            return _EMPTY_I32, _EMPTY_I32
         rows = P.frame_array(buf, P.I32, n, name)
         out = rowloops.map_rows(sess.mrow, rows)
         if out is None:
             raise InvalidArgument(f"{name}: row out of range [0, {self.max_reqs})")
-        if framed is not None:
-            framed.append(rows)
-        return out
+        return rows, out
 
     def _row(self, h: dict, key: str) -> int:
         return P.get_int(h, key, None, 0, self.max_reqs - 1)
@@ -510,42 +508,45 @@ class Daemon:
 
     def _sync_appended(self, sess: Session, mrows: np.ndarray) -> np.ndarray:
         """``_sync_rows(full=False)`` for the one group, in one compiled call."""
-        tr = sess.gpu.tracker if sess.gpu is not None else None
+        table, counts, start, end = self._segment_arrays(sess)
         m = self.manager
         k = rowloops.sync_appended_rows(mrows, self.owner_sid, self.owner_srow, sess.sid, m.tables[0],
-                                        m.num_blocks[0], m.last_blocks[0], sess.shm.tables[0], sess.shm.counts[0],
-                                        tr.st[0] if tr is not None else _EMPTY_I32,
-                                        tr.en[0] if tr is not None else _EMPTY_I32, self._srows_buf)
-        srows = self._srows_buf[:k].copy()
-        if tr is not None:
-            tr.dirty = True
-            tr.mark_counts(srows)
-        return srows
+                                        m.num_blocks[0], m.last_blocks[0], table, counts, start, end, self._srows_buf)
+        return self._counts_changed(sess, self._srows_buf[:k].copy())
 
-    def _mirror(self, sess: Session, srows: np.ndarray) -> tuple | None:
-        """The session's segment as the mirror of a decode step's session rows ``srows``
-        (``rowloops.mirror_appends``' first five arguments): the manager writes the entries it
-        appends there too (the rows are the session's own, ``_mapped_rows`` checked them). The
-        segment's arrays are the session's for its life, so they are looked up once."""
-        base = sess.mirror
-        if base is None:
-            if self.G != 1:
-                return None  # (the manager's decode_rows declines such a pool anyway)
-            tr = sess.gpu.tracker if sess.gpu is not None else None
-            base = sess.mirror = (sess.shm.tables[0], sess.shm.counts[0],
-                                  tr.st[0] if tr is not None else _EMPTY_I32, tr.en[0] if tr is not None else _EMPTY_I32)
-        return base[0], base[1], srows, base[2], base[3]
-
-    def _mirrored(self, sess: Session, grown: np.ndarray) -> np.ndarray:
-        """The session rows whose tables a mirrored decode step changed (``_mirror``: the manager
-        wrote them, copy-on-write included)."""
-        if not grown.size:
-            return _EMPTY_I32
-        srows = self.owner_srow[grown]
+    @staticmethod
+    def _counts_changed(sess: Session, srows: np.ndarray) -> np.ndarray:
+        """``srows``, whose tables and counts a compiled loop wrote (and whose changed entries it
+        marked in a GPU session's tracker): the tracker learns of them too."""
         if sess.gpu is not None:
             sess.gpu.tracker.dirty = True
             sess.gpu.tracker.mark_counts(srows)
         return srows
+
+    @staticmethod
+    def _segment_arrays(sess: Session) -> tuple:
+        """Group 0's table and counts in the session's segment, and its GPU tracker's ranges of
+        changed entries (empty: no GPU session): the session's for its life, looked up once."""
+        arrays = sess.mirror
+        if arrays is None:
+            tr = sess.gpu.tracker if sess.gpu is not None else None
+            arrays = sess.mirror = (sess.shm.tables[0], sess.shm.counts[0], tr.st[0] if tr is not None else _EMPTY_I32,
+                                    tr.en[0] if tr is not None else _EMPTY_I32)
+        return arrays
+
+    def _mirror(self, sess: Session, srows: np.ndarray) -> tuple | None:
+        """The session's segment as the mirror of a decode step's session rows ``srows``
+        (``rowloops.mirror_appends``' first five arguments): the manager writes the entries it
+        appends there too (the rows are the session's own, ``_mapped_rows`` checked them)."""
+        if self.G != 1:
+            return None  # (the manager's decode_rows declines such a pool anyway)
+        table, counts, start, end = self._segment_arrays(sess)
+        return table, counts, srows, start, end
+
+    def _mirrored(self, sess: Session, grown: np.ndarray) -> np.ndarray:
+        """The session rows whose tables a mirrored decode step changed (``_mirror``: the manager
+        wrote them, copy-on-write included)."""
+        return self._counts_changed(sess, self.owner_srow[grown]) if grown.size else _EMPTY_I32
 
     def _sync_row(self, sess: Session, srow: int) -> None:
         mrow = int(sess.mrow[srow])
@@ -920,8 +921,7 @@ class Daemon:
         op) or JSON (a step)."""
         if na * an > self.max_tokens:
             raise InvalidArgument(f"{na * an} append tokens > max_num_batched_tokens {self.max_tokens}")
-        framed: list = []
-        mrows = self._mapped_rows(sess, rows_b, "append rows", na, framed)
+        srows, mrows = self._mapped_rows(sess, rows_b, "append rows", na)
         hs = cnt = tokens = None
         if hashes_b or counts_b:
             hs = P.frame_hashes(hashes_b, "append hashes", na * (self.max_model_len // self.block_sizes[0] + 1), dtype=self.hash_dtype)
@@ -943,7 +943,7 @@ class Daemon:
             if confirm is not None:
                 m.mark_computed(sess.writer, confirm)
                 confirm = None
-            fast = m.decode_rows(mrows, an, la, hs, cnt, self._mirror(sess, framed[0]) if framed else None)
+            fast = m.decode_rows(mrows, an, la, hs, cnt, self._mirror(sess, srows))
         if fast is not None:  # the usual step: every request appended, its tables published
             old, grown, copies = fast
             tick, status_b, sched_rows, lens = m.tick, bytes(2 * na), mrows, np.full(na, an, np.int32)
@@ -1077,7 +1077,7 @@ class Daemon:
         if forked_appends:
             app_mrows = None
         elif na or frames[3]:
-            app_mrows = self._mapped_rows(sess, frames[3], "append rows", na)
+            app_mrows = self._mapped_rows(sess, frames[3], "append rows", na)[1]
         else:
             app_mrows = _EMPTY_I32
         if frames[4]:
