@@ -42,6 +42,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvd import sha256loop
 from kvd.api import int_array
 from kvd.errors import BadHashes, InvalidArgument
 
@@ -216,22 +217,42 @@ def hash_prompt(
         out = _hash_prompt_vllm(chunks, block_size, parent, first_block_index, lora_name, lora_path,
                                 mm_items, cache_salt, seed)
         return np.frombuffer(b"".join(out), dtype=hash_dtype(VLLM_HASH_BYTES)).copy()
-    # One bytes object per block, cut in C (void items keep trailing zero bytes, unlike S items).
-    chunks = tokens[: num_blocks * block_size].view(f"V{block_size * 4}").tolist()
     extras = _block_extras(num_blocks, block_size, first_block_index, lora_name, mm_items, cache_salt)
     h = normalize_parent(parent, algo)
+    if algo == "sha256" and extras == b"" and sha256loop.AVAILABLE:  # the common case, compiled
+        out = np.empty((num_blocks, HASH_BYTES), np.uint8)
+        blocks = tokens[: num_blocks * block_size].view(np.uint8).reshape(num_blocks, block_size * 4)
+        sha256loop.chain(_writable(blocks), np.frombuffer(h, np.uint8).copy(), out)
+        return out.view(HASH_DTYPE).reshape(num_blocks)
+    # One bytes object per block, cut in C (void items keep trailing zero bytes, unlike S items).
+    chunks = tokens[: num_blocks * block_size].view(f"V{block_size * 4}").tolist()
+    if algo == "sha256" and extras == b"":
+        return _chain_py(chunks, h)
     out = []
     append = out.append
-    if algo == "sha256" and extras == b"":  # the common case, without a call per block in between
-        for chunk in chunks:
-            h = _sha256(h + chunk).digest()[:HASH_BYTES]
-            append(h)
-    else:
-        digest = _digest_fn(algo)
-        per_block = [extras] * num_blocks if isinstance(extras, bytes) else extras
-        for chunk, extra in zip(chunks, per_block):
-            h = digest(h + chunk + extra)
-            append(h)
+    digest = _digest_fn(algo)
+    per_block = [extras] * num_blocks if isinstance(extras, bytes) else extras
+    for chunk, extra in zip(chunks, per_block):
+        h = digest(h + chunk + extra)
+        append(h)
+    return np.frombuffer(b"".join(out), dtype=HASH_DTYPE).copy()
+
+
+def _writable(a: np.ndarray) -> np.ndarray:
+    """``a``, or a copy where it is read-only: the compiled loops take one array type (a read-only
+    array is another numba type, compiled again on its first use)."""
+    return a if a.flags.writeable else a.copy()
+
+
+def _chain_py(chunks: list[bytes], parent: bytes) -> np.ndarray:
+    """The default scheme's chain without extras as a Python loop (``sha256loop.chain``'s fallback
+    and reference), without a call per block in between."""
+    out = []
+    append = out.append
+    h = parent
+    for chunk in chunks:
+        h = _sha256(h + chunk).digest()[:HASH_BYTES]
+        append(h)
     return np.frombuffer(b"".join(out), dtype=HASH_DTYPE).copy()
 
 
@@ -242,8 +263,8 @@ def hash_next_blocks(token_blocks, parents, *, algo: str = "sha256") -> np.ndarr
     ``parents``: ``(n,)`` hashes (``S{hash_width(algo)}``), row i that request's previous block's
     hash. Equal to ``hash_prompt(token_blocks[i], block_size, parent=parents[i], algo=algo)`` for
     every i, for blocks past the first with no extra keys (LoRA, multimodal; use ``hash_prompt`` for
-    those): one loop over bytes objects cut in C, ~2 µs a block on the 2-core dev box where
-    ``hash_prompt`` per request costs ~10 µs a call."""
+    those): one loop (compiled for "sha256" where ``sha256loop.AVAILABLE``), where ``hash_prompt``
+    per request costs a call each."""
     tokens = _token_array(token_blocks, "token_blocks")
     if tokens.ndim != 2 or not tokens.shape[1]:
         raise InvalidArgument(f"token_blocks must be (n, block_size), got shape {tokens.shape}")
@@ -253,6 +274,11 @@ def hash_next_blocks(token_blocks, parents, *, algo: str = "sha256") -> np.ndarr
     parent_arr = as_hash_array(parents, width)
     if parent_arr.shape != (n,):
         raise BadHashes(f"{parent_arr.shape[0]} parents for {n} blocks")
+    if algo == "sha256" and sha256loop.AVAILABLE:
+        out = np.empty((n, width), np.uint8)
+        parent_bytes = np.ascontiguousarray(parent_arr, dtype).view(np.uint8).reshape(n, width)
+        sha256loop.each(_writable(tokens.view(np.uint8).reshape(n, block_size * 4)), _writable(parent_bytes), out)
+        return out.view(dtype).reshape(n)
     # V items keep trailing zero bytes (S items drop them): each parent is exactly ``width`` bytes.
     parent_list = np.ascontiguousarray(parent_arr, dtype).view(f"V{width}").tolist()
     if algo == VLLM_SCHEME:

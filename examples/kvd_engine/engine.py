@@ -26,6 +26,7 @@ from collections import deque
 import numpy as np
 import torch
 
+from kvd import sha256loop
 from kvd.api import STATUS_NO_SPACE, STATUS_OK, AdmitRequest, StepBatch
 
 from .forward import ForwardMixin
@@ -69,6 +70,7 @@ class Engine(ForwardMixin, OverlapMixin):
         ``num_scheduler_steps``: kvd's round trip once per window; a request arriving meanwhile
         waits for the window's end, a block filled meanwhile registers with the next message)."""
         self.c = client
+        sha256loop.warm_up()  # the compiled prompt hashing, loaded now rather than on the first request
         self.model = model
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
