@@ -408,11 +408,14 @@ class BlockManager:
         fifo.append((tick, self._num_regs, key, blocks, runs))
         self._block_reg[blocks] = self._num_regs
 
+    def _check_computed(self, through_tick) -> None:
+        if type(through_tick) is not int and not isinstance(through_tick, np.integer) or not 0 <= through_tick <= self.tick:
+            raise errors.InvalidArgument(f"computed tick must be in [0, {self.tick}], got {through_tick!r}")
+
     def mark_computed(self, writer: int, through_tick: int) -> None:
         """Writer ``writer`` has finished the forward passes of every call up to ``through_tick``:
         the blocks it registered in them become visible to every lookup of their namespace."""
-        if type(through_tick) is not int and not isinstance(through_tick, np.integer) or not 0 <= through_tick <= self.tick:
-            raise errors.InvalidArgument(f"computed tick must be in [0, {self.tick}], got {through_tick!r}")
+        self._check_computed(through_tick)
         try:  # (inline, not _refuses_misuse: a daemon's decode step confirms every time)
             fifo = self._unconfirmed.get(writer)
         except TypeError:
@@ -1715,7 +1718,11 @@ class BlockManager:
             tokens = None
             if len(batch.append_token_ids):
                 tokens = self._block_tokens(batch.append_token_ids, hash_lists, "append_token_ids")
-            space = self._space(namespace, writer) if len(batch.admit) else 0
+            if len(batch.admit):
+                self._check_computed_first(batch)
+                space = self._space(namespace, writer)
+            else:
+                space = 0
             self._confirm_then_flush(batch, writer, decode)
             self.tick += 1
             if decode:
@@ -1730,6 +1737,12 @@ class BlockManager:
         except errors.ARGUMENT_ERRORS as e:
             self.tick = tick
             raise errors.invalid_argument(e, "step") from e
+
+    def _check_computed_first(self, batch: StepBatch) -> None:
+        """A step's confirmation found in range before its admissions make their registration
+        space (a refused step creates none)."""
+        if batch.computed_through is not None:
+            self._check_computed(batch.computed_through)
 
     def _confirm_then_flush(self, batch: StepBatch, writer: int, decode: bool) -> None:
         """The step's confirmation, then the deferred work, the confirmation last (frees, forks and
@@ -1748,6 +1761,7 @@ class BlockManager:
 
     def _lone_step(self, batch: StepBatch, namespace: int, writer: int) -> StepResult:
         """``step`` of a lone admission, after the checks: confirmation, deferred work, tick."""
+        self._check_computed_first(batch)
         space = self._space(namespace, writer)
         self._confirm_then_flush(batch, writer, False)
         self.tick += 1

@@ -542,3 +542,15 @@ def test_rows_and_counts_that_do_not_fit_their_type_are_refused_not_wrapped():
     with pytest.raises(errors.InvalidArgument):  # uint64 beyond int64 would wrap negative
         m.step(StepBatch(append_ids=["a"], append_num_tokens=np.array([2**64 - 1], np.uint64)))
     assert m.num_tokens[row] == 3
+
+
+@pytest.mark.parametrize("lone", [True, False])
+def test_a_step_refused_for_its_confirmation_makes_no_registration_space(lone):
+    m = make()
+    m.step(StepBatch(admit=[AdmitRequest("a", 4)]), namespace=0, writer=1)
+    spaces = (dict(m._spaces), dict(m._space_info), m._next_space, m.tick)
+    extra = {} if lone else {"free": ["a"]}  # (a free too: the general path)
+    with pytest.raises(errors.InvalidArgument, match="computed tick"):
+        m.step(StepBatch(admit=[AdmitRequest("b", 4)], computed_through=m.tick + 1, **extra), namespace=7, writer=2)
+    assert (dict(m._spaces), dict(m._space_info), m._next_space, m.tick) == spaces
+    assert "a" in m and "b" not in m
