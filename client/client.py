@@ -498,6 +498,8 @@ class _Core:
     def _header(op: str, sid: int, seq: int, fields) -> bytes:
         if op is P.DECODE:  # fields: the header's tail, P.DECODE_FIELDS
             return P.DECODE_REQUEST.pack(P.DECODE_MAGIC, sid, seq, *fields)
+        if op is P.ADMIT:  # fields: (c, la, the admission's ADMIT_COLS)
+            return P.ADMIT_REQUEST.pack(P.ADMIT_MAGIC, sid, seq, *fields)
         return P.request(op, sid, seq, **fields)
 
     def _confirmation(self, explicit: int | None) -> int | None:
@@ -522,7 +524,7 @@ class _Core:
         t = h[2] if type(h) is tuple else h.get("t")
         if t is not None:
             self.tick = t
-            if op is P.DECODE or op == P.STEP:
+            if op is P.DECODE or op == P.STEP or op is P.ADMIT:
                 self._step_ticks.append(t)
 
     def _on_session(self, h: dict) -> None:
@@ -1008,9 +1010,9 @@ class Client(_Core):
 
     def _answer(self, op: str, head: bytes, seq: int):
         """The header of a reply to request ``seq``: a dict, or for the decode op the tuple of
-        ``P.unpack_decode_reply`` (no dict: the step an engine sends most); None for a stale or
+        ``P.unpack_decode_reply`` (no dict: the step an engine sends most; the admit op's too); None for a stale or
         unreadable reply. Raises for an error reply and for another daemon boot."""
-        if op is P.DECODE and head[:4] == DECODE_REPLY_MAGIC:
+        if (op is P.DECODE or op is P.ADMIT) and head[:4] == DECODE_REPLY_MAGIC:
             try:
                 r = P.unpack_decode_reply(head)
             except ProtocolError:

@@ -35,6 +35,8 @@ def tag_of(req_id: Hashable) -> int:
 
 
 _MAX_TOKEN_ID = (1 << 31) - 1  # token ids travel as int32
+BINARY_ADMIT = True
+"""``LoneAdmission`` sends the binary ``admit`` op (else the same step as a JSON ``step``; tests compare)."""
 
 
 def token_frame(ids) -> bytes:
@@ -390,13 +392,18 @@ class LoneAdmission(StepMessage):
     def _lone_spec(self, one) -> tuple:
         core, b = self.core, self.batch
         cols, per_g, tokens = one
-        fields = {"la": count_field("num_lookahead_tokens", b.num_lookahead_tokens), "nf": 0, "nk": 0, "na": 0}
+        la = count_field("num_lookahead_tokens", b.num_lookahead_tokens)
         c = core._confirmation(b.computed_through)
+        adm = np.array([(*cols[:6], _signed64(cols[7]))], np.int64)
+        self.admit_row = cols[0]
+        if BINARY_ADMIT:  # the admit op (kvd.protocol): a binary header, no JSON and no section lengths
+            frames = [*per_g, tokens] if tokens else list(per_g)
+            return P.ADMIT, (P.NO_CONFIRM if c is None else c, la, *adm[0].tolist()), frames, self.post_binary, self.undo
+        fields = {"la": la, "nf": 0, "nk": 0, "na": 0}
         if c is not None:
             fields["c"] = c
         fields["an"] = count_without_appends(b.append_num_tokens)
         fields["nd"] = 1
-        adm = np.array([(*cols[:6], _signed64(cols[7]))], np.int64)
         frames = [P.EMPTY] * (5 + 2 * self.G)
         frames.append(adm.tobytes())
         width = core.hash_width
@@ -406,13 +413,23 @@ class LoneAdmission(StepMessage):
             frames += [tokens, np.array([len(tokens) // 4], np.int32).tobytes()]
         while not frames[-1]:
             frames.pop()  # trailing empty frames may be left out (the admission frame never is)
-        self.admit_row = cols[0]
         fields["fl"], body = P.pack_frames(frames)
         return P.STEP, fields, [body], self.post, self.undo
 
     def post(self, h: dict, f: list) -> StepResult:
+        return self._result(f[0], h["nc"], h["nch"], h["nfr"], h["ns"], h["t"], h.get("nt", []))
+
+    def post_binary(self, h, f: list) -> StepResult:
+        """The admit op's result: ``h`` a ``P.unpack_decode_reply`` tuple (the blocking client) or
+        ``P.parse_reply``'s dict (the asyncio client)."""
+        if type(h) is not tuple:
+            return self.post(h, f)
+        _, _, tick, nc, nch, ns, nt = h
+        return self._result(f[0], nc, nch, 0, ns, tick, nt)
+
+    def _result(self, body: bytes, nc: int, nch: int, nfr: int, ns: int, tick: int, nt: list) -> StepResult:
         (_, _, _, adm_st, cached, copies, changed, freed, sched_rows, sched_start, sched_len) = P.split_step_reply(
-            f[0], 0, 0, 0, 1, h["nc"], h["nch"], h["nfr"], h["ns"])
+            body, 0, 0, 0, 1, nc, nch, nfr, ns)
         row = self.admit_row
         if int(adm_st[0]) != STATUS_OK:
             self.core._drop_row(row)
@@ -422,7 +439,7 @@ class LoneAdmission(StepMessage):
             admit_rows=np.array([row], np.int32), admit_cached_tokens=cached,
             copies=copies, changed_rows=changed,
             sched_rows=sched_rows, sched_start=sched_start, sched_len=sched_len,
-            freed_rows=freed, tick=h["t"],
+            freed_rows=freed, tick=tick,
         )
-        res.num_scheduled_tokens = h.get("nt", [])  # type: ignore[attr-defined]
+        res.num_scheduled_tokens = nt  # type: ignore[attr-defined]
         return res

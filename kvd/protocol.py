@@ -161,6 +161,21 @@ decode     The decode step again, with a *binary* header instead of JSON (the ho
                G      u32 groups, then nt int32[G] (slot-mapping tokens written per group)
            and its one body frame is the decode step reply's. Errors are ordinary JSON error
            replies (a client tells them apart by the first byte).
+admit      A step that is one admission and nothing else (an idle engine's new request: its time
+           to first token), with a *binary* header. The header frame is ``ADMIT_REQUEST``
+           (little-endian, 88 bytes)::
+
+               magic  4s  ADMIT_MAGIC (b"kvA" + version byte)
+               sid    u64 session id           seq  i64  q (>= 0)
+               c      i64 confirmation tick, or NO_CONFIRM (-1)
+               la     u32 lookahead tokens (the step's)
+               row, num_tokens, lookahead, priority, num_encoder_tokens, max_new_tokens, tag
+                      i64 each: the admission's ADMIT_COLS, as a step's admissions frame carries them
+           frames after it: per group g the admission's hashes S16[*] (all of them: no counts),
+           then optionally its token ids int32[*]. Same meaning, checks and effects as a ``step``
+           with that one admission. The reply is a ``DECODE_REPLY`` header (nc = 0) and the step
+           reply's frame: admit status int16[1], admit cached tokens int32[1], changed rows
+           int32[nch], sched rows int32[ns], sched start int32[ns], sched len int32[ns].
 lookup     frames: hashes S16[n] (group 0). reply hdr: n (leading cached blocks).
 can_alloc  hdr: nt, la, mnt, net. frames: per group hashes S16. reply hdr: status (AllocStatus).
 allocate   hdr: row, tag, nt, la, pri, net, mnt. frames: per group hashes S16, then optionally
@@ -229,6 +244,7 @@ COMMON_PREFIX = "common_prefix"
 CROSS_TABLE = "cross_table"
 STATUS = "status"
 DECODE = "decode"  # the binary-header decode step (never a JSON "op")
+ADMIT = "admit"  # the binary-header lone admission (never a JSON "op")
 
 OPS = frozenset(
     {
@@ -356,6 +372,23 @@ def unpack_decode_reply(raw: bytes) -> tuple[int, bytes, int, int, int, int, lis
     if not 0 < G <= MAX_GROUPS or len(raw) != DECODE_REPLY.size + 4 * G:
         raise ProtocolError("decode reply header: bad group count")
     return seq, epoch, tick, nc, nch, ns, list(_nt(G).unpack_from(raw, DECODE_REPLY.size))
+
+
+ADMIT_MAGIC = b"kvA" + bytes([VERSION])
+ADMIT_REQUEST = struct.Struct("<4sQqqI7q")
+
+
+def parse_admit_request(raw: bytes) -> tuple[int, int, int, int, tuple]:
+    """(sid, seq, c or NO_CONFIRM, la, the admission's ADMIT_COLS) of an admit header; the
+    admission's ranges are the caller's to check."""
+    if len(raw) != ADMIT_REQUEST.size:
+        raise ProtocolError(f"admit header of {len(raw)} bytes, expected {ADMIT_REQUEST.size}")
+    _, sid, seq, c, la, *cols = ADMIT_REQUEST.unpack(raw)
+    if seq < 0 or not 0 < sid <= MAX_INT or not NO_CONFIRM <= c <= MAX_INT:
+        raise ProtocolError("admit header: session, sequence number or confirmation out of range")
+    if la > MAX_COUNT:
+        raise ProtocolError("admit header: token count out of range")
+    return sid, seq, c, la, cols
 
 
 def parse_reply(raw: bytes) -> dict:

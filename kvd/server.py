@@ -304,6 +304,9 @@ class Daemon:
             if head[:4] == P.DECODE_MAGIC:  # the binary decode step
                 sid, seq, c, na, an, la = P.parse_decode_request(head)
                 h, fn = (c, na, an, la), self.op_decode
+            elif head[:4] == P.ADMIT_MAGIC:  # the binary lone admission
+                sid, seq, c, la, cols = P.parse_admit_request(head)
+                h, fn = (c, la, cols), self.op_admit
             else:
                 h = P.parse_header(head)
                 seq = P.get_int(h, "q", None)
@@ -984,12 +987,34 @@ class Daemon:
         hs = [self._admit_hashes(frames[k + 1 + 2 * g], frames[k + 2 + 2 * g], 1, g)[0] for g in range(G)]
         adm_tokens, app_token_ids = self._step_token_ids(frames[P.step_frame_count(G):], 1, 0)
         self._check_admission_fields(adm[None, :6])
-        row, nt, lookahead, pri, net, mnt, tag = adm.tolist()
         tok = adm_tokens[0] if adm_tokens and len(adm_tokens[0]) else None
-        req = AdmitRequest(sess.base | row, nt, hs[0] if G == 1 else hs, lookahead, pri, net, mnt, tok)
+        return self._admit_alone(sess, seq, adm.tolist(), hs, tok, app_token_ids, ntok, la,
+                                 self._confirmation(sess, h), binary=False)
+
+    def op_admit(self, sess, h, frames, ident, seq):
+        """The binary lone admission (kvd.protocol ``admit``): ``_lone_admission``'s checks, manager
+        call and effects, its reply under a binary header."""
+        c, la, cols = h
+        G = self.G
+        if len(frames) not in (G, G + 1):
+            raise ProtocolError(f"admit: expected {G} hash frame(s), then optionally the token ids")
+        mml = self.max_model_len
+        hs = [P.frame_hashes(frames[g], "admit hashes", mml // self.block_sizes[g] + 1, dtype=self.hash_dtype)
+              for g in range(G)]
+        tok = self._token_frame(frames[G], "admit token ids", mml) if len(frames) > G and frames[G] else None
+        self._check_admission_fields(np.array([cols[:6]], np.int64))
+        confirm = c if c != P.NO_CONFIRM and sess.writer else None
+        return self._admit_alone(sess, seq, cols, hs, tok, (), 1, la, confirm, binary=True)
+
+    def _admit_alone(self, sess: Session, seq: int, cols, hs: list[np.ndarray], tok, app_token_ids, ntok: int,
+                     la: int, confirm: int | None, binary: bool) -> list[bytes]:
+        """One admission and nothing else, parsed and range-checked: the manager's step, the
+        session's row, shared memory, and the reply (``binary``: under a decode reply header)."""
+        row, nt, lookahead, pri, net, mnt, tag = cols
+        req = AdmitRequest(sess.base | row, nt, hs[0] if self.G == 1 else hs, lookahead, pri, net, mnt, tok)
         batch = StepBatch(free=(), forks=[], append_num_tokens=ntok, append_hashes=[], append_hash_counts=[],
                           num_lookahead_tokens=la, admit=[req], append_token_ids=app_token_ids, append_rows=_EMPTY_I32,
-                          computed_through=self._confirmation(sess, h))
+                          computed_through=confirm)
         res = self.manager.step(batch, namespace=sess.namespace, writer=sess.writer)
         assert not res.freed_rows.size and not res.copies.size  # an admission frees and copies nothing
         if int(res.admit_status[0]) == STATUS_OK:
@@ -1000,9 +1025,11 @@ class Daemon:
         self._count_step_no_space(sess, res)
         ns = res.sched_rows.size
         sched_s = self.owner_srow[res.sched_rows] if ns else _EMPTY_I32
-        return [P.ok_reply(seq, self.epoch, t=res.tick, nt=nt_written, nc=0, nch=len(changed), nfr=0, ns=ns),
-                b"".join((P.arr(res.admit_status, P.I16), P.arr(res.admit_cached_tokens, P.I32), P.arr(changed, P.I32),
-                          P.arr(sched_s, P.I32), P.arr(res.sched_start, P.I32), P.arr(res.sched_len, P.I32)))]
+        body = b"".join((P.arr(res.admit_status, P.I16), P.arr(res.admit_cached_tokens, P.I32), P.arr(changed, P.I32),
+                         P.arr(sched_s, P.I32), P.arr(res.sched_start, P.I32), P.arr(res.sched_len, P.I32)))
+        if binary:
+            return [P.decode_reply(seq, self.epoch_b, res.tick, 0, len(changed), ns, nt_written), body]
+        return [P.ok_reply(seq, self.epoch, t=res.tick, nt=nt_written, nc=0, nch=len(changed), nfr=0, ns=ns), body]
 
     def _check_admission_fields(self, cols: np.ndarray) -> None:
         """A step's admissions' first six columns (row, tokens, lookahead, priority, ...) in range."""

@@ -20,6 +20,7 @@ from kvd.hashing import hash_prompt
 from kvd.manager import BlockManager
 from kvd.server import Daemon
 from kvd_client.client import Client, _Core
+from kvd_client import step as step_mod
 from kvd_client.step import tag_of
 
 BS = 4
@@ -54,6 +55,8 @@ class InProc(_Core):
                 del named["c"]
             hdr = P.request(P.STEP, sid, seq, nf=0, nk=0, nd=0, **named)
             frames = [P.EMPTY, P.EMPTY, P.EMPTY, frames[0], P.EMPTY, *frames[1:]]
+        elif op is P.ADMIT and self.json:  # the lone admission as a JSON step (its reply then JSON too)
+            hdr, frames = P.request(P.STEP, sid, seq, **_admit_fields(fields)), _admit_frames(self, fields, frames)
         else:
             hdr = self._header(op, sid, seq, fields)
         rep = self.d.handle([b"id", hdr, *frames])
@@ -64,6 +67,23 @@ class InProc(_Core):
 
     _do = Client._do
     step = Client.step
+
+
+def _admit_fields(fields: tuple) -> dict:
+    """The JSON step header fields of an admit op's (c, la, ADMIT_COLS)."""
+    c, la, *_ = fields
+    return {"la": la, "nf": 0, "nk": 0, "na": 0, "nd": 1, **({} if c == P.NO_CONFIRM else {"c": c})}
+
+
+def _admit_frames(core, fields: tuple, frames: list) -> list:
+    """The step frames of an admit op's (hashes per group, then maybe token ids)."""
+    G, (_, _, *cols) = len(core.block_sizes), fields
+    out = [P.EMPTY] * (5 + 2 * G) + [np.array([cols], np.int64).tobytes()]
+    for h in frames[:G]:
+        out += [h, np.array([len(h) // core.hash_width], np.int32).tobytes()]
+    if len(frames) > G:
+        out += [frames[G], np.array([len(frames[G]) // 4], np.int32).tobytes()]
+    return out
 
 
 @pytest.fixture
@@ -377,7 +397,8 @@ def test_a_lone_admission_maps_its_row_and_tag_exactly_and_stray_frames_of_empty
     assert int(c.shm.row_tags[5]) == (1 << 64) - 2 and c.shm.counts[0][5] == 2
 
 
-def test_a_packed_step_and_its_frames_one_by_one_do_the_same_thing():
+def test_a_packed_step_and_its_frames_one_by_one_do_the_same_thing(monkeypatch):
+    monkeypatch.setattr(step_mod, "BINARY_ADMIT", False)  # the JSON step, sent packed and frame by frame
     """The client sends a general step packed (one body frame, ``fl``); the same step sent frame by
     frame to another daemon gives the same reply bytes (but the epoch) and the same tables and
     pool, and a packed step with a bad ``fl`` changes nothing."""

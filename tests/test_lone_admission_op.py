@@ -1,7 +1,8 @@
-"""The daemon's lean path for a step that is one admission and nothing else
-(``Daemon._lone_admission``) against its general ``op_step``: two identical daemons get the same
-messages, one made to take the general path; every reply (header and body bytes), error, client
-row, shared-memory table and manager table is the same after every call.
+"""The daemon's lean paths for a step that is one admission and nothing else against its general
+``op_step``: ``Daemon._lone_admission`` (the JSON step) and ``Daemon.op_admit`` (the binary ``admit``
+op, ``kvd_client.step.BINARY_ADMIT``). Two identical daemons get the same calls, one client sending
+the lean message and one made to send the general step; every reply (header fields and body bytes),
+error, client row, shared-memory table and manager table is the same after every call.
 
 Seeded random runs (prefix hits, misses, a full session, never-fits, lookahead, append counts in and
 out of range, confirmations, between decode steps and frees) and hand-made malformed admissions
@@ -15,14 +16,31 @@ import pytest
 from kvd import protocol as P
 from kvd import server as server_mod
 from kvd.api import StepBatch
+from kvd.errors import ProtocolError
 from kvd.hashing import hash_prompt
 from kvd.server import Daemon
+from kvd_client import step as step_mod
 from tests.test_decode_op import BS, InProc
 from tests.test_lone_admission_wire import Cfg, random_run
 
 
-class General(InProc):
-    """An in-process client whose daemon always takes ``op_step``'s general path."""
+class Sender(InProc):
+    """An in-process client whose lone admissions go as the binary op or not (``binary``)."""
+
+    def __init__(self, d: Daemon, binary: bool):
+        self.binary = binary
+        super().__init__(d, json=False)
+
+    def step(self, batch):
+        old, step_mod.BINARY_ADMIT = step_mod.BINARY_ADMIT, self.binary
+        try:
+            return super().step(batch)
+        finally:
+            step_mod.BINARY_ADMIT = old
+
+
+class General(Sender):
+    """A JSON-step client whose daemon always takes ``op_step``'s general path."""
 
     def __init__(self, d: Daemon):
         handle = d.handle
@@ -35,17 +53,18 @@ class General(InProc):
                 server_mod._LONE_ADMISSION_OP = True
 
         d.handle = general
-        super().__init__(d, json=False)
+        super().__init__(d, binary=False)
 
 
-@pytest.fixture
-def pair(monkeypatch):
+@pytest.fixture(params=["json", "binary"])
+def pair(request, monkeypatch):
     lean_runs = []
-    lean = Daemon._lone_admission
-    monkeypatch.setattr(Daemon, "_lone_admission", lambda self, *a: (lean_runs.append(1), lean(self, *a))[1])
+    lean = Daemon._lone_admission if request.param == "json" else Daemon.op_admit
+    name = lean.__name__
+    monkeypatch.setattr(Daemon, name, lambda self, *a: (lean_runs.append(1), lean(self, *a))[1])
     daemons = [Daemon(Cfg), Daemon(Cfg)]
     try:
-        yield InProc(daemons[0], json=False), General(daemons[1]), lean_runs
+        yield Sender(daemons[0], binary=request.param == "binary"), General(daemons[1]), lean_runs
     finally:
         for d in daemons:
             for s in list(d.sessions.values()):
@@ -108,8 +127,61 @@ def _raw_admission(c: InProc, row=0, cols=None, hashes=None, counts=None, fields
 ], ids=lambda c: ",".join(c) or "valid")
 def test_a_malformed_lone_admission_gets_the_general_paths_error(pair, case):
     lean, general, lean_runs = pair
+    if lean.binary:
+        pytest.skip("raw JSON steps: the binary op's own cases are below")
     outs = [_raw_admission(c, **case) for c in (lean, general)]
     assert outs[0] == outs[1]
     assert _state(lean) == _state(general)
     # the lean path took every one but the negative lookahead (a header field, checked before)
     assert bool(lean_runs) == (case.get("fields", {}).get("la", 0) >= 0)
+
+
+def _raw_binary(c: InProc, row=0, cols=None, hashes=None, la=0, conf=P.NO_CONFIRM, tokens=None, frames=None,
+                cut=0):
+    """A raw ``admit`` message: its header (``cut`` bytes short) and frames."""
+    hs = hash_prompt(np.arange(1, 11, dtype=np.int32), BS) if hashes is None else hashes
+    head = P.ADMIT_REQUEST.pack(P.ADMIT_MAGIC, c.sid, c._next_seq(), conf, la, *(cols or [row, 10, 0, 0, 0, 0, 5]))
+    body = [hs.tobytes()] + ([] if tokens is None else [tokens.tobytes()]) if frames is None else frames
+    return _reply(c.d.handle([b"id", head[: len(head) - cut], *body]))
+
+
+@pytest.mark.parametrize("case", [
+    dict(row=Cfg.max_reqs_per_session), dict(row=-1), dict(cols=[0, -1, 0, 0, 0, 0, 1]),
+    dict(cols=[0, 10, 0, 101, 0, 0, 1]), dict(hashes=np.zeros(3, "S7")),
+    dict(tokens=np.arange(1, 11, dtype=np.int32)), dict(tokens=np.arange(1, 5, dtype=np.int32)),
+    dict(cols=[1, 10, 2, 3, 0, 0, -7]), dict(la=3), dict(conf=0), dict(),
+], ids=lambda c: ",".join(c) or "valid")
+def test_the_binary_admission_replies_and_changes_as_the_general_step(case):
+    """The same admission as a raw admit op and as a raw JSON step on the general path: the same
+    reply fields and body bytes, or an error of the same type; the same state after."""
+    lean, general = Sender(Daemon(Cfg), binary=True), General(Daemon(Cfg))
+    try:
+        hs = case.get("hashes")
+        json_case = {k: v for k, v in case.items() if k not in ("la", "conf")}
+        fields = {"la": case.get("la", 0), **({"c": case["conf"]} if "conf" in case else {})}
+        if hs is not None:
+            json_case["counts"] = [len(hs.tobytes()) // 16]
+        got, want = _raw_binary(lean, **case), _raw_admission(general, fields=fields, **json_case)
+        if "err" in want[0]:
+            assert got[0]["err"] == want[0]["err"] and not got[1], (got, want)
+        else:
+            assert got == want
+        assert _state(lean) == _state(general)
+    finally:
+        for c in (lean, general):
+            c.d.end_session(c.d.sessions[c.sid], "test")
+
+
+@pytest.mark.parametrize("case", [
+    dict(cut=1), dict(frames=[]), dict(frames=[P.EMPTY, P.EMPTY, P.EMPTY]), dict(la=P.MAX_COUNT + 1),
+    dict(conf=-2), dict(hashes=np.zeros(2 * (Cfg.max_model_len // BS + 2), "S16")),
+], ids=lambda c: ",".join(c))
+def test_a_malformed_binary_admission_is_a_protocol_error_and_changes_nothing(case):
+    c = Sender(Daemon(Cfg), binary=True)
+    try:
+        before = _state(c)
+        h, body = _raw_binary(c, **case)
+        assert h["err"] == ProtocolError.code and not body, h
+        assert _state(c) == before
+    finally:
+        c.d.end_session(c.d.sessions[c.sid], "test")

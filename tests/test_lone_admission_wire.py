@@ -1,7 +1,9 @@
 """The client's lone-admission message (``kvd_client.step.LoneAdmission``) against the general one
 (``StepMessage``): seeded random runs of two clients on two identical daemons, one taking the lean
 path and one made to take the general path, send the same bytes, get the same results or the same
-errors, and leave the same client rows, shared memory and manager tables, after every call.
+errors, and leave the same client rows, shared memory and manager tables, after every call. The lean
+message here is the JSON step (``BINARY_ADMIT`` off); ``tests/test_lone_admission_op.py`` runs the
+same random calls through the binary ``admit`` op.
 
 The runs: lone admissions (prefix hits, misses, bad hashes, a repeated id, a full session, a prompt
 past max_model_len, lookahead and append-count fields in and out of range, confirmations), between
@@ -19,6 +21,7 @@ from kvd.api import AdmitRequest, StepBatch
 from kvd.hashing import hash_prompt
 from kvd.server import Daemon
 from kvd_client import client as client_mod
+from kvd_client import step as step_mod
 from kvd_client.step import LoneAdmission
 from tests.test_decode_op import BS, InProc
 from tests.test_decode_op import Cfg as DecodeCfg
@@ -154,6 +157,7 @@ def _sent_with_outcome(c: Recorded, batch: StepBatch):
 
 @pytest.mark.parametrize("seed", range(12))
 def test_the_lean_and_general_lone_admission_are_the_same_message_and_result(seed, monkeypatch):
+    monkeypatch.setattr(step_mod, "BINARY_ADMIT", False)  # the JSON step (test_lone_admission_op: the admit op)
     lean_built = []
     built = LoneAdmission._lone_spec
     monkeypatch.setattr(LoneAdmission, "_lone_spec", lambda self, one: (lean_built.append(1), built(self, one))[1])

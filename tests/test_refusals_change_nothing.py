@@ -219,10 +219,10 @@ class _Run:
         if len(spec) > 4:
             spec[4]()  # the client tracks nothing this message may create
         seq = c._next_seq()
-        if op is P.DECODE:
+        if op is P.DECODE or op is P.ADMIT:  # a binary header: its fields, mutated
             f = list(fields)
             for _ in range(int(rng.integers(0, 3))):
-                f[int(rng.integers(0, 4))] = [0, 1, 7, 2**31, 2**32 - 1, c.tick, c.tick + 5][int(rng.integers(0, 7))]
+                f[int(rng.integers(0, len(f)))] = [0, 1, 7, 2**31, 2**32 - 1, c.tick, c.tick + 5][int(rng.integers(0, 7))]
             for _ in range(int(rng.integers(0, 3))):
                 k = int(rng.integers(0, 3))
                 if k == 0 and frames:

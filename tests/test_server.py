@@ -20,6 +20,7 @@ from kvd import protocol as P
 from kvd.api import AdmitRequest, StepBatch
 from kvd.errors import DaemonRestarted, InvalidArgument, ProtocolError, SessionError, UnknownRequest
 from kvd_client import Client
+from kvd_client import step as step_mod
 
 BS = 16
 
@@ -140,7 +141,8 @@ def test_silent_client_loses_lease_heartbeating_one_keeps_it(daemon):
 
 # ---- retries --------------------------------------------------------------------------------------
 
-def test_retried_step_applied_once(daemon):
+def test_retried_step_applied_once(daemon, monkeypatch):
+    monkeypatch.setattr(step_mod, "BINARY_ADMIT", False)  # JSON steps, their fields mutated
     c = Client(daemon.endpoint)
     ctx = zmq.Context()
     raw = ctx.socket(zmq.DEALER)
@@ -245,7 +247,8 @@ def _mutate(rng, fields: dict, frames: list[bytes]) -> tuple[dict, list[bytes]]:
     return fields, frames
 
 
-def test_fuzz_malformed_messages_pool_unchanged(daemon_factory):
+def test_fuzz_malformed_messages_pool_unchanged(daemon_factory, monkeypatch):
+    monkeypatch.setattr(step_mod, "BINARY_ADMIT", False)  # JSON steps, their fields mutated
     d = daemon_factory(max_message_bytes=1 << 20)
     rng = np.random.default_rng(1234)
     good = Client(d.endpoint, tenant="good")
