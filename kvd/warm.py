@@ -10,9 +10,9 @@ does (``polled_warm`` there: 317 -> 200 µs after 8 ms).
 ``Warmer`` runs that path on a shadow: a ``Daemon`` of its own (a small pool with the real one's
 KV-cache groups, block sizes and hash scheme; no GPU, no KV memory, no events, no metrics) with two
 sessions of one tenant. Session A computed a prompt once; a pass is session B's admission of the
-same prompt (a cross-session prefix hit: ``handle``, ``op_step``, the manager's lookup, take and
-registration, the session's row and tables written, the reply) and its free, through
-``Daemon.handle`` as a client's messages go. Nothing of the real daemon is read or written: its
+same prompt (a cross-session prefix hit, sent as clients send one, the binary ``admit`` op:
+``handle``, ``op_admit``, the manager's lookup, take and registration, the session's row and
+tables written, the reply) and its free, through ``Daemon.handle`` as a client's messages go. Nothing of the real daemon is read or written: its
 manager, sessions, shared memory and counters stay exactly as they were. The shadow's session
 buffers are unlinked as soon as they are made (nobody attaches them): no segment of its shows in
 /dev/shm, and none outlives the process however it ends.
@@ -75,12 +75,11 @@ class Warmer:
         hashes = [hash_prompt(tokens, bs, algo=d.hash_algo, seed=d.hash_seed) for bs, _ in group_specs]
         self.sid_a, self.seq_a = self._hello(b"warm-a")
         self.sid_b, self.seq_b = self._hello(b"warm-b")
-        G = d.G
-        self._admit = self._step_frames(G, admit_row=0, hashes=hashes)
-        self._free = self._step_frames(G, free_row=0)
+        self._hashes = [h.tobytes() for h in hashes]
+        self._free = self._step_frames(d.G, free_row=0)
         # A computes the prompt and confirms it: its blocks are B's hit from now on
         self.seq_a += 1
-        h, body = self._call(b"warm-a", self.sid_a, self.seq_a, self._admit[0], self._admit[1])
+        h, body = self.admit(b"warm-a", self.sid_a, self.seq_a)
         if _admitted(body) != (0, 0):
             raise RuntimeError(f"kvd warm: the shadow refused its prompt: {_admitted(body)}")
         self.seq_a += 1
@@ -102,23 +101,28 @@ class Warmer:
         self.d.sessions[sid].shm.unlink()  # mapped, never attached: no name in /dev/shm, nothing to leak
         return sid, 1
 
-    def _step_frames(self, G: int, admit_row: int = -1, hashes=(), free_row: int = -1) -> tuple[dict, list[bytes]]:
-        """(header fields, frames) of a step that admits the prompt in ``admit_row`` or frees
-        ``free_row`` (kvd.protocol, "step")."""
+    @staticmethod
+    def _step_frames(G: int, free_row: int) -> tuple[dict, list[bytes]]:
+        """(header fields, frames) of a step that frees ``free_row`` (kvd.protocol, "step")."""
         frames = [P.EMPTY] * P.step_frame_count(G)
-        fields = {"nf": 0, "nk": 0, "na": 0, "nd": 0, "la": 0}
-        if free_row >= 0:
-            frames[0] = np.array([free_row], np.int32).tobytes()
-            fields["nf"] = 1
-        if admit_row >= 0:
-            k = 5 + 2 * G
-            frames[k] = np.array([[admit_row, self.num_tokens, 0, 0, 0, 0, 1]], np.int64).tobytes()
-            for g in range(G):
-                frames[k + 1 + 2 * g] = hashes[g].tobytes()
-                frames[k + 2 + 2 * g] = np.array([hashes[g].shape[0]], np.int32).tobytes()
-            fields["nd"] = 1
+        frames[0] = np.array([free_row], np.int32).tobytes()
+        fields = {"nf": 1, "nk": 0, "na": 0, "nd": 0, "la": 0}
         fields["fl"], body = P.pack_frames(frames)
         return fields, [body]
+
+    def admit_message(self, sid: int, seq: int) -> list[bytes]:
+        """The prompt's admission in row 0 as a client sends a lone admission (kvd.protocol,
+        "admit": the binary op), header and frames."""
+        head = P.ADMIT_REQUEST.pack(P.ADMIT_MAGIC, sid, seq, P.NO_CONFIRM, 0, 0, self.num_tokens, 0, 0, 0, 0, 1)
+        return [head, *self._hashes]
+
+    def admit(self, ident: bytes, sid: int, seq: int) -> tuple[dict, bytes]:
+        """Send ``admit_message``: (its reply header as a dict, its body)."""
+        rep = self.d.handle([ident, *self.admit_message(sid, seq)])
+        h = P.parse_reply(rep[0])
+        if h.get("ok") != 1:
+            raise RuntimeError(f"kvd warm: shadow step failed: {h}")
+        return h, rep[1]
 
     def _call(self, ident: bytes, sid: int, seq: int, fields: dict, frames: list[bytes]) -> tuple[dict, bytes]:
         rep = self.d.handle([ident, P.request(P.STEP, sid, seq, **fields), *frames])
@@ -131,7 +135,7 @@ class Warmer:
         """B's admission of the prompt (a prefix hit on A's blocks) and its free; the admission's
         reply body."""
         self.seq_b += 1
-        _, body = self._call(b"warm-b", self.sid_b, self.seq_b, self._admit[0], self._admit[1])
+        _, body = self.admit(b"warm-b", self.sid_b, self.seq_b)
         self.seq_b += 1
         self._call(b"warm-b", self.sid_b, self.seq_b, self._free[0], self._free[1])
         self.d.manager.flush_deferred()

@@ -49,7 +49,9 @@ def test_a_pass_is_a_whole_block_hit_and_leaves_the_shadow_and_the_real_daemon_a
         assert w.passes == 6
         # B's admission as a pass sends it: the prompt's 64 whole blocks are a hit, one fresh block
         w.seq_b += 1
-        rep = w.d.handle([b"warm-b", P.request(P.STEP, w.sid_b, w.seq_b, **w._admit[0]), *w._admit[1]])
+        msg = w.admit_message(w.sid_b, w.seq_b)
+        assert msg[0][:4] == P.ADMIT_MAGIC  # the op clients send for a lone admission
+        rep = w.d.handle([b"warm-b", *msg])
         h = P.parse_reply(rep[0])
         assert h["ok"] == 1 and h["ns"] == 1
         assert np.frombuffer(rep[1], np.int16, 1, 0).tolist() == [0]  # admitted
@@ -144,7 +146,7 @@ def test_a_pass_whose_admission_is_refused_raises():
     try:
         w.run()
         w.seq_b += 1  # B admits row 0 outside a pass: the next pass's admission of row 0 is refused
-        w._call(b"warm-b", w.sid_b, w.seq_b, w._admit[0], w._admit[1])
+        w.admit(b"warm-b", w.sid_b, w.seq_b)
         with pytest.raises(RuntimeError, match="refused a pass's admission"):
             w.run()
         assert w.passes == 1
