@@ -220,6 +220,8 @@ def hash_prompt(
     extras = _block_extras(num_blocks, block_size, first_block_index, lora_name, mm_items, cache_salt)
     h = normalize_parent(parent, algo)
     if algo == "sha256" and extras == b"" and sha256loop.AVAILABLE:  # the common case, compiled
+        if not sha256loop.WARM:
+            sha256loop.warm_up()
         out = np.empty((num_blocks, HASH_BYTES), np.uint8)
         blocks = tokens[: num_blocks * block_size].view(np.uint8).reshape(num_blocks, block_size * 4)
         sha256loop.chain(_writable(blocks), np.frombuffer(h, np.uint8).copy(), out)
@@ -275,6 +277,8 @@ def hash_next_blocks(token_blocks, parents, *, algo: str = "sha256") -> np.ndarr
     if parent_arr.shape != (n,):
         raise BadHashes(f"{parent_arr.shape[0]} parents for {n} blocks")
     if algo == "sha256" and sha256loop.AVAILABLE:
+        if not sha256loop.WARM:
+            sha256loop.warm_up()
         out = np.empty((n, width), np.uint8)
         parent_bytes = np.ascontiguousarray(parent_arr, dtype).view(np.uint8).reshape(n, width)
         sha256loop.each(_writable(tokens.view(np.uint8).reshape(n, block_size * 4)), _writable(parent_bytes), out)

@@ -111,9 +111,17 @@ if AVAILABLE:
             out[i] = md[:width]
 
 
+WARM = False
+"""Whether ``warm_up`` ran: ``kvd.hashing``'s first compiled call runs it, so that a process's
+first call of either loop loads both (a client's first decode-step hashes, after its prompts'
+hashes, would otherwise pay ~5 ms to load ``each`` in the middle of its steps)."""
+
+
 def warm_up() -> None:
     """Load both loops now (from numba's disk cache, or compile them: ~0.2 s or ~2 s) rather than
     on a request's first hash."""
+    global WARM
+    WARM = True
     if AVAILABLE:
         one = np.zeros((1, 4), np.uint8)
         chain(one, np.zeros(16, np.uint8), np.empty((1, 16), np.uint8))

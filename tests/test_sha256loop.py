@@ -2,6 +2,8 @@
 fallback kvd.hashing runs without it."""
 
 import hashlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -80,3 +82,16 @@ def test_the_compiled_chain_writes_only_its_rows_and_keeps_its_inputs():
 def test_kvd_native_hash_0_turns_the_compiled_loop_off(monkeypatch):
     monkeypatch.setenv("KVD_NATIVE_HASH", "0")
     assert sha256loop._load() is False
+
+
+@native
+def test_a_process_first_hash_loads_both_loops():
+    """A client's first decode-step hashes must not load the one-each loop in the middle of its
+    steps (~5 ms): the first compiled hash of a process loads both."""
+    code = ("import numpy as np\nfrom kvd import sha256loop\nfrom kvd.hashing import hash_prompt\n"
+            "assert not sha256loop.chain.signatures and not sha256loop.each.signatures\n"
+            "hash_prompt(np.arange(64, dtype=np.int32), 16)\n"
+            "print(len(sha256loop.chain.signatures), len(sha256loop.each.signatures))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "1"]
