@@ -30,8 +30,10 @@ _CTX_BYTES = 256  # sizeof(SHA256_CTX) is 112 in OpenSSL 1.1 and 3.x; room to sp
 
 def _mapped_libcrypto() -> str | None:
     """The libcrypto this process loaded for ``hashlib`` (Linux), so that no second copy loads."""
-    import _hashlib  # noqa: F401  (maps OpenSSL when hashlib links it dynamically)
-
+    try:
+        import _hashlib  # noqa: F401  (maps OpenSSL when hashlib links it dynamically)
+    except ImportError:  # a Python built without OpenSSL
+        return None
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
@@ -119,8 +121,10 @@ hashes, would otherwise pay ~5 ms to load ``each`` in the middle of its steps)."
 
 def warm_up() -> None:
     """Load both loops now (from numba's disk cache, or compile them: ~0.2 s or ~2 s) rather than
-    on a request's first hash."""
+    on a request's first hash. Later calls do nothing."""
     global WARM
+    if WARM:
+        return
     WARM = True
     if AVAILABLE:
         one = np.zeros((1, 4), np.uint8)
