@@ -12,10 +12,11 @@ KV-cache groups, block sizes and hash scheme; no GPU, no KV memory, no events, n
 sessions of one tenant. Session A computed a prompt once; a pass is session B's admission of the
 same prompt (a cross-session prefix hit, sent as clients send one, the binary ``admit`` op:
 ``handle``, ``op_admit``, the manager's lookup, take and registration, the session's row and
-tables written, the reply) and its free, through ``Daemon.handle`` as a client's messages go. Nothing of the real daemon is read or written: its
-manager, sessions, shared memory and counters stay exactly as they were. The shadow's session
-buffers are unlinked as soon as they are made (nobody attaches them): no segment of its shows in
-/dev/shm, and none outlives the process however it ends.
+tables written, the reply) and its free, through ``Daemon.handle`` as a client's messages go.
+Nothing of the real daemon is read or written: its manager, sessions, shared memory and counters
+stay exactly as they were. The shadow's session buffers are unlinked as soon as they are made
+(nobody attaches them): no segment of its shows in /dev/shm, and none outlives the process however
+it ends.
 
 The daemon runs a pass when its socket has been idle for ``warm_every_us`` (and again every
 ``warm_every_us``), only while it busy-polls (``busy_poll_us``): a sleeping daemon warms nothing. A
@@ -76,7 +77,7 @@ class Warmer:
         self.sid_a, self.seq_a = self._hello(b"warm-a")
         self.sid_b, self.seq_b = self._hello(b"warm-b")
         self._hashes = [h.tobytes() for h in hashes]
-        self._free = self._step_frames(d.G, free_row=0)
+        self._free = self._free_frames(d.G, row=0)
         # A computes the prompt and confirms it: its blocks are B's hit from now on
         self.seq_a += 1
         h, body = self.admit(b"warm-a", self.sid_a, self.seq_a)
@@ -102,10 +103,10 @@ class Warmer:
         return sid, 1
 
     @staticmethod
-    def _step_frames(G: int, free_row: int) -> tuple[dict, list[bytes]]:
-        """(header fields, frames) of a step that frees ``free_row`` (kvd.protocol, "step")."""
+    def _free_frames(G: int, row: int) -> tuple[dict, list[bytes]]:
+        """(header fields, frames) of a step that frees ``row`` (kvd.protocol, "step")."""
         frames = [P.EMPTY] * P.step_frame_count(G)
-        frames[0] = np.array([free_row], np.int32).tobytes()
+        frames[0] = np.array([row], np.int32).tobytes()
         fields = {"nf": 1, "nk": 0, "na": 0, "nd": 0, "la": 0}
         fields["fl"], body = P.pack_frames(frames)
         return fields, [body]
