@@ -398,10 +398,10 @@ def test_a_lone_admission_maps_its_row_and_tag_exactly_and_stray_frames_of_empty
 
 
 def test_a_packed_step_and_its_frames_one_by_one_do_the_same_thing(monkeypatch):
-    monkeypatch.setattr(step_mod, "BINARY_ADMIT", False)  # the JSON step, sent packed and frame by frame
     """The client sends a general step packed (one body frame, ``fl``); the same step sent frame by
     frame to another daemon gives the same reply bytes (but the epoch) and the same tables and
     pool, and a packed step with a bad ``fl`` changes nothing."""
+    monkeypatch.setattr(step_mod, "BINARY_ADMIT", False)  # the JSON step, sent packed and frame by frame
     daemons = [Daemon(Cfg), Daemon(Cfg)]
     try:
         cores = [InProc(d, json=False) for d in daemons]

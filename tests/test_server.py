@@ -141,8 +141,9 @@ def test_silent_client_loses_lease_heartbeating_one_keeps_it(daemon):
 
 # ---- retries --------------------------------------------------------------------------------------
 
-def test_retried_step_applied_once(daemon, monkeypatch):
-    monkeypatch.setattr(step_mod, "BINARY_ADMIT", False)  # JSON steps, their fields mutated
+@pytest.mark.parametrize("binary", [False, True], ids=["json-step", "admit-op"])
+def test_retried_step_applied_once(daemon, monkeypatch, binary):
+    monkeypatch.setattr(step_mod, "BINARY_ADMIT", binary)
     c = Client(daemon.endpoint)
     ctx = zmq.Context()
     raw = ctx.socket(zmq.DEALER)
@@ -151,14 +152,15 @@ def test_retried_step_applied_once(daemon, monkeypatch):
     try:
         op, fields, frames, post, undo = c._req_step(StepBatch(admit=[AdmitRequest("a", 40)]))
         seq = c._next_seq()
-        msg = [P.request(op, c.sid, seq, **fields), *frames]
+        assert op is (P.ADMIT if binary else P.STEP)
+        msg = [c._header(op, c.sid, seq, fields), *frames]
         replies = []
         for _ in range(3):  # the original and two retries (e.g. after a timeout)
             raw.send_multipart(msg)
             assert raw.poll(5000)
             replies.append(raw.recv_multipart())
         assert replies[0] == replies[1] == replies[2]
-        res = post(orjson.loads(replies[0][0]), replies[0][1:])
+        res = post(P.parse_reply(replies[0][0]), replies[0][1:])
         assert res.admit_status.tolist() == [0]
         st = c.stats()
         assert st["num_requests"] == 1 and st["num_used_blocks"] == 3
