@@ -665,6 +665,14 @@ class BlockManager:
     def _cached_prefix(self, hash_lists: list[np.ndarray], num_tokens: int | None, space: int):
         """(cached tokens, per-group hit blocks for positions [skip, hit)) agreed by every group,
         as the lookups of registration space ``space`` see them."""
+        if self._simple:  # one full-attention group (without the per-group lists: an admission's µs)
+            hashes, g = hash_lists[0], self.groups[0]
+            if not self.config.enable_prefix_caching or not hashes.size:
+                return 0, [_EMPTY_I32]
+            limit = hashes.size if num_tokens is None else min(hashes.size, (num_tokens - 1) // g.block_size)
+            key, side_key = self._lookup_keys(space, 0)
+            hits = self.pool.lookup(key, hashes[:limit], side_key)
+            return hits.size * g.block_size, [hits]
         G = len(self.groups)
         if not self.config.enable_prefix_caching or not all(h.size for h in hash_lists):
             return 0, [_EMPTY_I32] * G
@@ -738,9 +746,16 @@ class BlockManager:
         if self._never_fits(num_tokens, lookahead, max_new_tokens, num_encoder_tokens):
             return AllocStatus.NEVER, 0, None, None
         cached, hits = self._cached_prefix(hash_lists, num_tokens, space)
-        new = [_cdiv(num_tokens + lookahead, g.block_size) - cached // g.block_size for g in self.groups]
-        need = sum(new) + _cdiv(num_encoder_tokens, self.config.encoder_block_size)
-        need += sum(self.pool.num_unheld(h) for h in hits if h.size)  # revived hits
+        if self._simple:
+            bs = self.groups[0].block_size
+            new = [_cdiv(num_tokens + lookahead, bs) - cached // bs]
+            need = new[0] + _cdiv(num_encoder_tokens, self.config.encoder_block_size)
+            if hits[0].size:
+                need += self.pool.num_unheld(hits[0])  # revived hits
+        else:
+            new = [_cdiv(num_tokens + lookahead, g.block_size) - cached // g.block_size for g in self.groups]
+            need = sum(new) + _cdiv(num_encoder_tokens, self.config.encoder_block_size)
+            need += sum(self.pool.num_unheld(h) for h in hits if h.size)  # revived hits
         if self.config.admit_full_sequence:
             need += sum(
                 _cdiv(num_tokens + max_new_tokens, g.block_size) - _cdiv(num_tokens, g.block_size) for g in self.groups
