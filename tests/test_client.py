@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from conftest_daemon import SMALL, daemon, daemon_factory, shm_segments, short_tmp  # noqa: F401
+from kvd import protocol as P
 from kvd.api import PAD_SLOT_ID, AdmitRequest, AllocStatus, GroupSpec, ManagerConfig, StepBatch
 from kvd.errors import DuplicateRequest, InvalidArgument, UnknownRequest
 from kvd.hashing import hash_prompt
@@ -184,7 +185,11 @@ def test_swap_out_and_in(daemon_factory):
         c.close()
 
 
-def test_async_client(daemon):
+def test_async_client(daemon, monkeypatch):
+    ops = []
+    header = AsyncClient._header
+    monkeypatch.setattr(AsyncClient, "_header", staticmethod(lambda op, *a: (ops.append(op), header(op, *a))[1]))
+
     async def main():
         c = await AsyncClient.connect(daemon.endpoint, tenant="async")
         try:
@@ -202,6 +207,17 @@ def test_async_client(daemon):
             assert c.slot_mappings[0][3] == c.block_table(3)[36 // BS] * BS + 36 % BS
             st = await c.stats()
             assert st["num_requests"] == 4
+            # a lone admission: the admit op, its binary reply parsed as a dict here
+            prompt = np.arange(40, dtype=np.int32)
+            res = await c.step(StepBatch(admit=[AdmitRequest("h", 40, c.hash_prompt(prompt))]))
+            assert ops[-1] == P.ADMIT
+            row = c.row_of("h")
+            assert res.admit_status.tolist() == [0] and res.admit_rows.tolist() == [row]
+            assert res.admit_cached_tokens.tolist() == [0] and res.tick == c.tick
+            assert res.sched_rows.tolist() == [row] and res.sched_start.tolist() == [0]
+            assert res.sched_len.tolist() == [40] and res.num_scheduled_tokens == [40]
+            assert c.block_table("h").size == 3
+            await c.step(StepBatch(free=["h"]))
             r = await c.allocate("z", 5)
             assert r.ok
             await c.free("z")
