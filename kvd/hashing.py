@@ -219,9 +219,7 @@ def hash_prompt(
         return np.frombuffer(b"".join(out), dtype=hash_dtype(VLLM_HASH_BYTES)).copy()
     extras = _block_extras(num_blocks, block_size, first_block_index, lora_name, mm_items, cache_salt)
     h = normalize_parent(parent, algo)
-    if algo == "sha256" and extras == b"" and sha256loop.AVAILABLE:  # the common case, compiled
-        if not sha256loop.WARM:
-            sha256loop.warm_up()
+    if algo == "sha256" and extras == b"" and _compiled():  # the common case
         out = np.empty((num_blocks, HASH_BYTES), np.uint8)
         blocks = tokens[: num_blocks * block_size].view(np.uint8).reshape(num_blocks, block_size * 4)
         sha256loop.chain(_writable(blocks), np.frombuffer(h, np.uint8).copy(), out)
@@ -238,6 +236,15 @@ def hash_prompt(
         h = digest(h + chunk + extra)
         append(h)
     return np.frombuffer(b"".join(out), dtype=HASH_DTYPE).copy()
+
+
+def _compiled() -> bool:
+    """Whether ``kvd.sha256loop``'s loops run here; a process's first use loads both of them."""
+    if not sha256loop.AVAILABLE:
+        return False
+    if not sha256loop.WARM:
+        sha256loop.warm_up()
+    return True
 
 
 def _writable(a: np.ndarray) -> np.ndarray:
@@ -276,9 +283,7 @@ def hash_next_blocks(token_blocks, parents, *, algo: str = "sha256") -> np.ndarr
     parent_arr = as_hash_array(parents, width)
     if parent_arr.shape != (n,):
         raise BadHashes(f"{parent_arr.shape[0]} parents for {n} blocks")
-    if algo == "sha256" and sha256loop.AVAILABLE:
-        if not sha256loop.WARM:
-            sha256loop.warm_up()
+    if algo == "sha256" and _compiled():
         out = np.empty((n, width), np.uint8)
         parent_bytes = np.ascontiguousarray(parent_arr, dtype).view(np.uint8).reshape(n, width)
         sha256loop.each(_writable(tokens.view(np.uint8).reshape(n, block_size * 4)), _writable(parent_bytes), out)

@@ -718,6 +718,11 @@ class Daemon:
         c = h.get("c")
         return P.get_int(h, "c", None, 0, (1 << 62)) if c is not None and sess.writer else None
 
+    @staticmethod
+    def _binary_confirmation(sess: Session, c: int) -> int | None:
+        """``_confirmation`` of a binary header's ``c`` (NO_CONFIRM: none; its range is parsed)."""
+        return c if c != P.NO_CONFIRM and sess.writer else None
+
     def op_heartbeat(self, sess, h, frames, ident, seq):
         return [P.ok_reply(seq, self.epoch)]
 
@@ -936,7 +941,7 @@ class Daemon:
         elif tokens_b:
             raise ProtocolError("append token ids without hashes")
         m = self.manager
-        confirm = c if c != P.NO_CONFIRM and sess.writer else None
+        confirm = self._binary_confirmation(sess, c)
         fast = None
         # The fast path confirms first; whatever it declines then is well formed (the frames are
         # checked above, the lookahead here), so the general path refuses none of it as a whole.
@@ -1003,8 +1008,7 @@ class Daemon:
               for g in range(G)]
         tok = self._token_frame(frames[G], "admit token ids", mml) if len(frames) > G and frames[G] else None
         self._check_admission_fields(np.array([cols[:6]], np.int64))
-        confirm = c if c != P.NO_CONFIRM and sess.writer else None
-        return self._admit_alone(sess, seq, cols, hs, tok, (), 1, la, confirm, binary=True)
+        return self._admit_alone(sess, seq, cols, hs, tok, (), 1, la, self._binary_confirmation(sess, c), binary=True)
 
     def _admit_alone(self, sess: Session, seq: int, cols, hs: list[np.ndarray], tok, app_token_ids, ntok: int,
                      la: int, confirm: int | None, binary: bool) -> list[bytes]:

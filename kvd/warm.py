@@ -119,14 +119,13 @@ class Warmer:
 
     def admit(self, ident: bytes, sid: int, seq: int) -> tuple[dict, bytes]:
         """Send ``admit_message``: (its reply header as a dict, its body)."""
-        rep = self.d.handle([ident, *self.admit_message(sid, seq)])
-        h = P.parse_reply(rep[0])
-        if h.get("ok") != 1:
-            raise RuntimeError(f"kvd warm: shadow step failed: {h}")
-        return h, rep[1]
+        return self._send(ident, self.admit_message(sid, seq))
 
     def _call(self, ident: bytes, sid: int, seq: int, fields: dict, frames: list[bytes]) -> tuple[dict, bytes]:
-        rep = self.d.handle([ident, P.request(P.STEP, sid, seq, **fields), *frames])
+        return self._send(ident, [P.request(P.STEP, sid, seq, **fields), *frames])
+
+    def _send(self, ident: bytes, msg: list[bytes]) -> tuple[dict, bytes]:
+        rep = self.d.handle([ident, *msg])
         h = P.parse_reply(rep[0])
         if h.get("ok") != 1:
             raise RuntimeError(f"kvd warm: shadow step failed: {h}")

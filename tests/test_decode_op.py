@@ -36,7 +36,8 @@ class Cfg:
 
 
 class InProc(_Core):
-    """A client core calling ``Daemon.handle`` directly; ``json`` sends decode steps as JSON steps."""
+    """A client core calling ``Daemon.handle`` directly; ``json`` sends decode steps and lone admissions
+    as JSON steps."""
 
     def __init__(self, d: Daemon, json: bool, confirm: str = "auto"):
         super().__init__("inproc://x", heartbeat=False, gpu=False, kv_shared=True, confirm=confirm)  # a writer
@@ -55,8 +56,6 @@ class InProc(_Core):
                 del named["c"]
             hdr = P.request(P.STEP, sid, seq, nf=0, nk=0, nd=0, **named)
             frames = [P.EMPTY, P.EMPTY, P.EMPTY, frames[0], P.EMPTY, *frames[1:]]
-        elif op is P.ADMIT and self.json:  # the lone admission as a JSON step (its reply then JSON too)
-            hdr, frames = P.request(P.STEP, sid, seq, **_admit_fields(fields)), _admit_frames(self, fields, frames)
         else:
             hdr = self._header(op, sid, seq, fields)
         rep = self.d.handle([b"id", hdr, *frames])
@@ -66,24 +65,15 @@ class InProc(_Core):
         return h, rep[1:]
 
     _do = Client._do
-    step = Client.step
 
-
-def _admit_fields(fields: tuple) -> dict:
-    """The JSON step header fields of an admit op's (c, la, ADMIT_COLS)."""
-    c, la, *_ = fields
-    return {"la": la, "nf": 0, "nk": 0, "na": 0, "nd": 1, **({} if c == P.NO_CONFIRM else {"c": c})}
-
-
-def _admit_frames(core, fields: tuple, frames: list) -> list:
-    """The step frames of an admit op's (hashes per group, then maybe token ids)."""
-    G, (_, _, *cols) = len(core.block_sizes), fields
-    out = [P.EMPTY] * (5 + 2 * G) + [np.array([cols], np.int64).tobytes()]
-    for h in frames[:G]:
-        out += [h, np.array([len(h) // core.hash_width], np.int32).tobytes()]
-    if len(frames) > G:
-        out += [frames[G], np.array([len(frames[G]) // 4], np.int32).tobytes()]
-    return out
+    def step(self, batch):
+        if not self.json:
+            return Client.step(self, batch)
+        old, step_mod.BINARY_ADMIT = step_mod.BINARY_ADMIT, False  # a lone admission as the JSON step
+        try:
+            return Client.step(self, batch)
+        finally:
+            step_mod.BINARY_ADMIT = old
 
 
 @pytest.fixture
