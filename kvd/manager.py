@@ -1596,7 +1596,8 @@ class BlockManager:
         for key in np.unique(keys[keys != 0]).tolist():
             sel = np.flatnonzero(keys == key)
             found[sel] = self.pool.cached_in(key, self.cpu_pool.block_hash[cpu[sel]])
-        revived = int(np.count_nonzero(self.pool.ref_cnt[found[found >= 0]] == 0))
+        # (two CPU blocks of the same content, swapped out by two requests, find the same block)
+        revived = int(np.count_nonzero(self.pool.ref_cnt[np.unique(found[found >= 0])] == 0))
         need = int(np.count_nonzero(found < 0)) + revived
         return cpu, counts, found, need
 
@@ -1631,10 +1632,13 @@ class BlockManager:
         hit = found >= 0
         gpu = np.empty(cpu.size, np.int32)
         if hit.any():
-            reused = found[hit].astype(np.int32)
+            # One reference per table entry; CPU blocks of the same content find the same cached
+            # block, which takes all of theirs (touch wants unique ids, += adds once per id).
+            reused, which = np.unique(found[hit], return_inverse=True)
+            reused = reused.astype(np.int32)
             self.pool.touch(reused)
-            self.pool.ref_cnt[reused] += (counts[hit] - 1).astype(np.int32)
-            gpu[hit] = reused
+            self.pool.ref_cnt[reused] += np.bincount(which, counts[hit]).astype(np.int32) - 1
+            gpu[hit] = found[hit]
         miss = np.flatnonzero(~hit)
         fresh = self.pool.take(miss.size)
         self.pool.ref_cnt[fresh] = counts[miss]

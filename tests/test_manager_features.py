@@ -213,6 +213,30 @@ def test_forked_requests_swapped_together_move_shared_blocks_once():
     assert m.cpu_pool.num_free == 7
 
 
+def test_requests_swapped_out_apart_with_the_same_content_swap_in_together_onto_one_cached_copy():
+    """Two swap-outs of the same content (a, then b, which hit a's cached blocks) leave two CPU
+    copies of it; swapped in together, both find the same cached GPU blocks, which take every
+    table entry of both (a's forked child shares a's copy: two entries)."""
+    m = make(num_cpu_blocks=16)
+    hashes = hash_prompt(prompt(40), 16)
+    m.allocate("a", 40, hashes)
+    m.fork("a", "a2")
+    assert m.swap_out(["a", "a2"]).mapping.tolist() == [[1, 1], [2, 2], [3, 3]]
+    assert m.allocate("b", 40, hashes).num_cached_tokens == 32  # GPU blocks 1 and 2, still cached
+    assert m.swap_out("b").mapping.tolist() == [[1, 4], [2, 5], [3, 6]]
+    assert m.cpu_pool.ref_cnt[1:7].tolist() == [2, 2, 2, 1, 1, 1]
+    assert m.can_swap_in(["a", "a2", "b"]) == AllocStatus.OK
+    back = m.swap_in(["a", "a2", "b"])
+    # CPU 1 and 4 hold one block's content, as do 2 and 5: both pairs revive GPU blocks 1 and 2
+    assert back.ok and back.mapping.tolist() == [[1, 1], [2, 2], [3, 3], [4, 1], [5, 2], [6, 4]]
+    assert m.pool.ref_cnt[1:5].tolist() == [3, 3, 2, 1]
+    assert [m.block_table(r).tolist() for r in ("a", "a2", "b")] == [[1, 2, 3], [1, 2, 3], [1, 2, 4]]
+    m.check_invariants(heavy=True)
+    for r in ("a", "a2", "b"):
+        m.free(r)
+    assert m.num_free_blocks == 15 and m.cpu_pool.num_free == 15
+
+
 def test_swap_out_without_cpu_room_is_no_space_and_changes_nothing():
     m = make(num_cpu_blocks=2)
     m.allocate("a", 40)
