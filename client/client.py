@@ -68,7 +68,7 @@ from kvd.errors import (
 )
 from kvd.shm import SHM_DIR, SessionBuffers
 
-from .step import LoneAdmission, StepMessage, group_token_ids, int32_array, tag_of, token_frame
+from .step import DecodeWithFrees, LoneAdmission, StepMessage, group_token_ids, int32_array, tag_of, token_frame
 from .step import count_field as _count
 
 DEFAULT_ENDPOINT_ENV = "KVD_ENDPOINT"
@@ -500,6 +500,8 @@ class _Core:
             return P.DECODE_REQUEST.pack(P.DECODE_MAGIC, sid, seq, *fields)
         if op is P.ADMIT:  # fields: (c, la, the admission's ADMIT_COLS)
             return P.ADMIT_REQUEST.pack(P.ADMIT_MAGIC, sid, seq, *fields)
+        if op is P.DECODE_FREE:  # fields: P.DECODE_FREE_FIELDS
+            return P.DECODE_FREE_REQUEST.pack(P.DECODE_FREE_MAGIC, sid, seq, *fields)
         return P.request(op, sid, seq, **fields)
 
     def _confirmation(self, explicit: int | None) -> int | None:
@@ -524,7 +526,7 @@ class _Core:
         t = h[2] if type(h) is tuple else h.get("t")
         if t is not None:
             self.tick = t
-            if op is P.DECODE or op == P.STEP or op is P.ADMIT:
+            if op is P.DECODE or op == P.STEP or op is P.ADMIT or op is P.DECODE_FREE:
                 self._step_ticks.append(t)
 
     def _on_session(self, h: dict) -> None:
@@ -714,13 +716,18 @@ class _Core:
         try:  # (as _builds does, inline: the decode step's path pays nothing for it)
             G = self._num_groups
             rows = batch.append_rows
-            if (rows is not None and not len(batch.admit) and not len(batch.free) and not len(batch.forks)
+            if (rows is not None and not len(batch.admit) and not len(batch.forks)
                     and type(batch.append_num_tokens) is int):  # (len: an array of ids has no truth value)
+                if len(batch.free):  # requests that finished, the others decoding
+                    return DecodeWithFrees(self, batch, G).spec()
                 spec = self._req_decode(rows, batch.append_num_tokens, batch.num_lookahead_tokens,
                                         batch.computed_through, batch.append_hashes, batch.append_hash_counts, G,
                                         batch.append_token_ids)
                 if spec is not None:
                     return spec
+            elif (len(batch.free) and not (len(batch.admit) or len(batch.forks) or len(batch.append_ids))
+                  and type(batch.append_num_tokens) is int):
+                return DecodeWithFrees(self, batch, G).spec()  # frees alone: the same op, no appends
             if _LONE_ADMISSION and batch.is_lone_admission():
                 return LoneAdmission(self, batch, G).spec()
             return StepMessage(self, batch, G).spec()
@@ -1012,7 +1019,7 @@ class Client(_Core):
         """The header of a reply to request ``seq``: a dict, or for the decode op the tuple of
         ``P.unpack_decode_reply`` (no dict: the step an engine sends most; the admit op's too); None for a stale or
         unreadable reply. Raises for an error reply and for another daemon boot."""
-        if (op is P.DECODE or op is P.ADMIT) and head[:4] == DECODE_REPLY_MAGIC:
+        if (op is P.DECODE or op is P.ADMIT or op is P.DECODE_FREE) and head[:4] == DECODE_REPLY_MAGIC:
             try:
                 r = P.unpack_decode_reply(head)
             except ProtocolError:

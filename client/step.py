@@ -18,7 +18,7 @@ import numpy as np
 
 from kvd import protocol as P
 from kvd.api import STATUS_OK, StepBatch, StepResult, int_array
-from kvd.errors import InvalidArgument, KvdError, UnknownRequest
+from kvd.errors import InvalidArgument, KvdError, ProtocolError, UnknownRequest
 
 _EMPTY_I32 = np.empty(0, np.int32)
 _EMPTY_I16 = P.EMPTY_I16_RO
@@ -37,6 +37,8 @@ def tag_of(req_id: Hashable) -> int:
 _MAX_TOKEN_ID = (1 << 31) - 1  # token ids travel as int32
 BINARY_ADMIT = True
 """``LoneAdmission`` sends the binary ``admit`` op (else the same step as a JSON ``step``; tests compare)."""
+BINARY_DECODE_FREE = True
+"""``DecodeWithFrees`` sends the binary ``decode_free`` op (else the general JSON ``step``; tests compare)."""
 
 
 def token_frame(ids) -> bytes:
@@ -247,9 +249,11 @@ class StepMessage:
             self.undo()
             raise
 
-    def _spec(self) -> tuple:
-        core, b, G = self.core, self.batch, self.G
-        free_ids = list(b.free)
+    def _judge_frees(self) -> list[int]:
+        """Judge the step's frees (``free_local``, ``free_sent``, ``free_rows``) and unmap the ids
+        of the ones sent; their rows."""
+        core = self.core
+        free_ids = list(self.batch.free)
         self.free_local, self.free_sent, free_rows = self._judge(free_ids, core.row_of)
         self.free_rows = np.array(free_rows, np.int32) if free_rows else _EMPTY_I32
         # Frees go first: by the step's forks, appends and admissions the freed requests are gone, so
@@ -260,6 +264,21 @@ class StepMessage:
             if core._row_of.get(rid) == row:
                 del core._row_of[rid]
                 self.unmapped.append((rid, row))
+        return free_rows
+
+    def _frees_done(self, free_st: np.ndarray) -> None:
+        """The reply's free statuses: the freed rows go, a refused free's request stays."""
+        core = self.core
+        for r, st in zip(self.free_rows.tolist(), free_st.tolist()):
+            if st == STATUS_OK:
+                core._drop_row(r)
+        for rid, row in self.unmapped:  # a free the daemon refused: that request is still there
+            if core._id_of[row] == rid and rid not in core._row_of:
+                core._row_of[rid] = row
+
+    def _spec(self) -> tuple:
+        core, b, G = self.core, self.batch, self.G
+        free_rows = self._judge_frees()
         self.fork_local, self.fork_sent, forks = self._judge(list(b.forks), self._fork_one)
         fr = np.array([x[:2] for x in forks], np.int32).reshape(-1, 2) if forks else _NO_FORKS
         tags = np.array([x[2] for x in forks], np.uint64) if forks else _EMPTY_U64
@@ -337,12 +356,7 @@ class StepMessage:
         (free_st, fork_st, app_st, adm_st, cached, copies, changed, freed,
          sched_rows, sched_start, sched_len) = P.split_step_reply(
             f[0], nf, nk, na, nd, h["nc"], h["nch"], h["nfr"], h["ns"])
-        for r, st in zip(self.free_rows.tolist(), free_st.tolist()):
-            if st == STATUS_OK:
-                core._drop_row(r)
-        for rid, row in self.unmapped:  # a free the daemon refused: that request is still there
-            if core._id_of[row] == rid and rid not in core._row_of:
-                core._row_of[rid] = row
+        self._frees_done(free_st)
         for c, st in zip(self.fork_children.tolist(), fork_st.tolist()):
             if st != STATUS_OK:
                 core._drop_row(c)
@@ -442,4 +456,62 @@ class LoneAdmission(StepMessage):
             freed_rows=freed, tick=tick,
         )
         res.num_scheduled_tokens = nt  # type: ignore[attr-defined]
+        return res
+
+
+class DecodeWithFrees(StepMessage):
+    """:class:`StepMessage` of frees and appends by row with one token count (a serving engine's
+    step after requests finished), or of frees alone: the binary ``decode_free`` op (kvd.protocol), whose reply is the
+    decode op's with the frees' statuses first. A step it does not carry goes the general way: a
+    free the client judges bad, hashes of several groups, counts out of the wire's range, token ids."""
+
+    def spec(self) -> tuple:
+        try:
+            spec = self._binary_spec() if BINARY_DECODE_FREE else None
+        except BaseException:
+            self.undo()
+            raise
+        return spec if spec is not None else StepMessage(self.core, self.batch, self.G).spec()
+
+    def _binary_spec(self) -> tuple | None:
+        core, b = self.core, self.batch
+        an, la = b.append_num_tokens, b.num_lookahead_tokens
+        if not 0 <= an <= P.MAX_COUNT or type(la) is not int or not 0 <= la <= P.MAX_COUNT or len(b.append_token_ids):
+            return None
+        rows = _EMPTY_I32 if b.append_rows is None else int32_array(b.append_rows, "append_rows")
+        frames = [P.EMPTY, rows.tobytes()]
+        if len(b.append_hashes) or len(b.append_hash_counts):
+            if self.G != 1 or len(b.append_hashes) != 1 or len(b.append_hash_counts) != 1:
+                return None
+            hs, cnt = b.append_hashes[0], b.append_hash_counts[0]
+            # whether the counts add up is the daemon's to say (a ProtocolError on either path)
+            if (type(cnt) is not np.ndarray or cnt.dtype != np.int32 or cnt.shape != rows.shape
+                    or type(hs) is not np.ndarray or hs.ndim != 1 or hs.dtype.itemsize != core.hash_width
+                    or hs.dtype.kind != "S"):
+                return None
+            frames += [hs.tobytes(), cnt.tobytes()]
+        self._judge_frees()
+        if self.free_local is not None:  # the general way reports it in its status
+            self.undo()
+            return None
+        frames[0] = self.free_rows.tobytes()
+        self.rows_b, self.an = frames[1], int(an)
+        c = core._confirmation(b.computed_through)
+        fields = (P.NO_CONFIRM if c is None else c, rows.shape[0], int(an), la, self.free_rows.shape[0])
+        return P.DECODE_FREE, fields, frames, self.post_binary, self.undo
+
+    def post_binary(self, h, f: list) -> StepResult:
+        """The decode_free op's result: ``h`` a ``P.unpack_decode_reply`` tuple (the blocking
+        client) or ``P.parse_reply``'s dict (the asyncio client)."""
+        from kvd_client.client import _decode_post
+
+        nf = self.free_rows.shape[0]
+        body = f[0]
+        if len(body) < 2 * nf:
+            raise ProtocolError(f"decode_free reply body of {len(body)} bytes, fewer than {nf} free statuses")
+        free_st = np.frombuffer(body, P.I16, nf, 0)
+        res = _decode_post(self.rows_b, self.an, h, [memoryview(body)[2 * nf:]])
+        self._frees_done(free_st)
+        res.free_status = free_st
+        res.freed_rows = self.free_rows[free_st == STATUS_OK]
         return res

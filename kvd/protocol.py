@@ -161,6 +161,18 @@ decode     The decode step again, with a *binary* header instead of JSON (the ho
                G      u32 groups, then nt int32[G] (slot-mapping tokens written per group)
            and its one body frame is the decode step reply's. Errors are ordinary JSON error
            replies (a client tells them apart by the first byte).
+decode_free
+           The decode op of a step that also frees requests, before its appends (requests that
+           finished with the last forward: the usual step of a serving engine whose requests end
+           at different times). The header frame is ``DECODE_FREE_REQUEST`` (44 bytes): the decode
+           op's fields with magic DECODE_FREE_MAGIC (b"kvF" + version byte), then
+               nf     u32 free rows
+           frames after it: free rows int32[nf], append rows int32[na], then the decode op's
+           optional hash, count and token-id frames. Same meaning, checks and effects as a
+           ``step`` of those frees and appends (frees first). The reply is a ``DECODE_REPLY``
+           header and one body frame: free status int16[nf], then the decode op's body (append
+           status, copies, changed rows, sched start); the rows freed are the free rows whose
+           status is OK.
 admit      A step that is one admission and nothing else (an idle engine's new request: its time
            to first token), with a *binary* header. The header frame is ``ADMIT_REQUEST``
            (little-endian, 88 bytes)::
@@ -244,6 +256,7 @@ COMMON_PREFIX = "common_prefix"
 CROSS_TABLE = "cross_table"
 STATUS = "status"
 DECODE = "decode"  # the binary-header decode step (never a JSON "op")
+DECODE_FREE = "decode_free"  # the binary-header decode step with frees first (never a JSON "op")
 ADMIT = "admit"  # the binary-header lone admission (never a JSON "op")
 
 OPS = frozenset(
@@ -372,6 +385,21 @@ def unpack_decode_reply(raw: bytes) -> tuple[int, bytes, int, int, int, int, lis
     if not 0 < G <= MAX_GROUPS or len(raw) != DECODE_REPLY.size + 4 * G:
         raise ProtocolError("decode reply header: bad group count")
     return seq, epoch, tick, nc, nch, ns, list(_nt(G).unpack_from(raw, DECODE_REPLY.size))
+
+
+DECODE_FREE_MAGIC = b"kvF" + bytes([VERSION])
+DECODE_FREE_REQUEST = struct.Struct("<4sQqqIIII")
+DECODE_FREE_FIELDS = (*DECODE_FIELDS, "nf")
+"""The decode_free header's fields after magic, sid and seq: the decode op's, then the free count."""
+
+
+def parse_decode_free_request(raw: bytes) -> tuple[int, int, int, int, int, int, int]:
+    """(sid, seq, c or NO_CONFIRM, na, an, la, nf) of a decode_free header (ranges of na and nf are
+    the caller's to check)."""
+    if len(raw) != DECODE_FREE_REQUEST.size:
+        raise ProtocolError(f"decode_free header of {len(raw)} bytes, expected {DECODE_FREE_REQUEST.size}")
+    nf = DECODE_FREE_REQUEST.unpack(raw)[-1]
+    return (*parse_decode_request(DECODE_MAGIC + raw[4:DECODE_REQUEST.size]), nf)
 
 
 ADMIT_MAGIC = b"kvA" + bytes([VERSION])

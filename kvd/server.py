@@ -304,6 +304,9 @@ class Daemon:
             if head[:4] == P.DECODE_MAGIC:  # the binary decode step
                 sid, seq, c, na, an, la = P.parse_decode_request(head)
                 h, fn = (c, na, an, la), self.op_decode
+            elif head[:4] == P.DECODE_FREE_MAGIC:  # the binary decode step with frees first
+                sid, seq, c, na, an, la, nf = P.parse_decode_free_request(head)
+                h, fn = (c, na, an, la, nf), self.op_decode_free
             elif head[:4] == P.ADMIT_MAGIC:  # the binary lone admission
                 sid, seq, c, la, cols = P.parse_admit_request(head)
                 h, fn = (c, la, cols), self.op_admit
@@ -920,15 +923,30 @@ class Daemon:
             raise ProtocolError("decode: expected the rows frame, then hashes and counts (+ token ids; one group only)")
         return self._decode_step(sess, seq, frames[0], na, an, la, c, *frames[1:])
 
+    def op_decode_free(self, sess, h, frames, ident, seq):
+        """The decode op with frees first (kvd.protocol ``decode_free``): free rows, then the
+        decode op's frames."""
+        c, na, an, la, nf = h
+        if na > self.max_reqs or nf > self.max_reqs:
+            raise ProtocolError(f"decode_free: {na} append rows or {nf} free rows > {self.max_reqs}")
+        if len(frames) == 2:
+            return self._decode_step(sess, seq, frames[1], na, an, la, c, free_b=frames[0], nf=nf)
+        if len(frames) not in (4, 5) or self.G != 1:
+            raise ProtocolError("decode_free: expected the free rows and append rows frames, then hashes and "
+                                "counts (+ token ids; one group only)")
+        return self._decode_step(sess, seq, frames[1], na, an, la, c, *frames[2:], free_b=frames[0], nf=nf)
+
     def _decode_step(self, sess: Session, seq: int, rows_b: bytes, na: int, an: int, la: int, c: int,
                      hashes_b: bytes = P.EMPTY, counts_b: bytes = P.EMPTY, tokens_b: bytes = P.EMPTY,
-                     binary: bool = True) -> list[bytes]:
+                     binary: bool = True, free_b: bytes | None = None, nf: int = 0) -> list[bytes]:
         """The decode fast path: appends only, one token count for all; the hashes of blocks that
         filled (if any, one group) are registered on the way, with their token ids if sent.
         ``c``: the confirmation, or NO_CONFIRM. ``binary``: reply with a decode header (the decode
-        op) or JSON (a step)."""
+        op) or JSON (a step). ``free_b``: the decode_free op's ``nf`` free rows, freed first (the
+        manager's step then decides request by request; the reply body starts with their status)."""
         if na * an > self.max_tokens:
             raise InvalidArgument(f"{na * an} append tokens > max_num_batched_tokens {self.max_tokens}")
+        free_rows = None if free_b is None else self._rows(free_b, "free rows", nf)
         srows, mrows = self._mapped_rows(sess, rows_b, "append rows", na)
         hs = cnt = tokens = None
         if hashes_b or counts_b:
@@ -947,7 +965,7 @@ class Daemon:
         # checked above, the lookahead here), so the general path refuses none of it as a whole.
         # Token ids, or a lookahead out of range: the general path, which counts the confirmation
         # only once the step is found well formed.
-        if tokens is None and 0 <= la <= m.max_lookahead:
+        if tokens is None and free_rows is None and 0 <= la <= m.max_lookahead:
             if confirm is not None:
                 m.mark_computed(sess.writer, confirm)
                 confirm = None
@@ -964,7 +982,12 @@ class Daemon:
                 batch.append_hashes, batch.append_hash_counts = (hs,), (cnt,)
             if tokens is not None:
                 batch.append_token_ids = (tokens,)
+            if free_rows is not None:
+                base = sess.base
+                batch.free = [base | r for r in free_rows.tolist()]
             res = m.step(batch, namespace=sess.namespace, writer=sess.writer)
+            if res.freed_rows.size:  # (the session's own rows: frees name only its requests)
+                self._unmap_mrows(sess, np.asarray(res.freed_rows))
             grown, copies, tick = res.changed_rows, res.copies, res.tick
             status_b = res.append_status.astype(P.I16, copy=False).tobytes()
             sched_rows, lens = res.sched_rows, res.sched_len
@@ -976,6 +999,9 @@ class Daemon:
         self.was_step = True
         ns = sched_rows.shape[0]
         body = b"".join((status_b, copies.astype(P.I32, copy=False).tobytes(), changed.tobytes(), sched_start.tobytes()))
+        if free_rows is not None:
+            assert binary, "a JSON step with frees takes the general path"
+            body = P.arr(res.free_status, P.I16) + body
         if binary:
             return [P.decode_reply(seq, self.epoch_b, tick, len(copies), len(changed), ns, nt), body]
         return [P.ok_reply(seq, self.epoch, t=tick, nt=nt, nc=len(copies), nch=len(changed), nfr=0, ns=ns), body]

@@ -217,7 +217,16 @@ def test_async_client(daemon, monkeypatch):
             assert res.sched_rows.tolist() == [row] and res.sched_start.tolist() == [0]
             assert res.sched_len.tolist() == [40] and res.num_scheduled_tokens == [40]
             assert c.block_table("h").size == 3
-            await c.step(StepBatch(free=["h"]))
+            # frees, then appends of the others: the decode_free op, its reply parsed as a dict here
+            hrow = c.row_of("h")
+            res = await c.step(StepBatch(free=["h", 0], append_rows=c.rows_of([1, 2]), append_num_tokens=1))
+            assert ops[-1] == P.DECODE_FREE
+            assert res.free_status.tolist() == [0, 0] and sorted(res.freed_rows.tolist()) == sorted([hrow, rows[0]])
+            assert res.append_status.tolist() == [0, 0] and res.sched_start.tolist() == [37, 37]
+            assert res.tick == c.tick and "h" not in c.request_ids and 0 not in c.request_ids
+            assert c.slot_mappings[0][1] == c.block_table(2)[37 // BS] * BS + 37 % BS
+            await c.step(StepBatch(free=[1, 2, 3]))
+            assert ops[-1] == P.DECODE_FREE and c.request_ids == []
             r = await c.allocate("z", 5)
             assert r.ok
             await c.free("z")

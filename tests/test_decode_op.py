@@ -36,7 +36,7 @@ class Cfg:
 
 
 class InProc(_Core):
-    """A client core calling ``Daemon.handle`` directly; ``json`` sends decode steps and lone admissions
+    """A client core calling ``Daemon.handle`` directly; ``json`` sends decode steps, lone admissions and frees
     as JSON steps."""
 
     def __init__(self, d: Daemon, json: bool, confirm: str = "auto"):
@@ -69,11 +69,13 @@ class InProc(_Core):
     def step(self, batch):
         if not self.json:
             return Client.step(self, batch)
-        old, step_mod.BINARY_ADMIT = step_mod.BINARY_ADMIT, False  # a lone admission as the JSON step
+        # a lone admission, and frees with appends, as the JSON step
+        old = step_mod.BINARY_ADMIT, step_mod.BINARY_DECODE_FREE
+        step_mod.BINARY_ADMIT = step_mod.BINARY_DECODE_FREE = False
         try:
             return Client.step(self, batch)
         finally:
-            step_mod.BINARY_ADMIT = old
+            step_mod.BINARY_ADMIT, step_mod.BINARY_DECODE_FREE = old
 
 
 @pytest.fixture

@@ -61,7 +61,7 @@ class Recorded(InProc):
 
 def _header(raw: bytes, sid: int):
     """A sent header without its session id (the two daemons' sessions differ)."""
-    if raw[:4] == P.DECODE_MAGIC:  # the binary decode header: its bytes, the session id blanked
+    if raw[:4] in (P.DECODE_MAGIC, P.DECODE_FREE_MAGIC):  # a binary header: its bytes, the session id blanked
         return raw.replace(sid.to_bytes(8, "little"), bytes(8), 1)
     h = P.parse_header(raw)
     h.pop("s", None)

@@ -27,6 +27,7 @@ from kvd.manager import BlockManager
 from kvd.server import Daemon
 from kvd.shm import segment_name
 from kvd_client.client import Client
+from kvd_client.step import DecodeWithFrees
 from test_decode_op import InProc as _DecodeInProc
 from test_server import _mutate
 
@@ -123,7 +124,8 @@ class _Run:
     """One seeded run: ``valid()`` sends a well-formed message of a random kind through the
     client, ``mutated()`` a mutation of one and returns what the check found."""
 
-    KINDS = ("step", "step", "decode", "fork", "swap_out", "swap_in", "common", "computed", "allocate", "append")
+    KINDS = ("step", "step", "decode", "decode_free", "fork", "swap_out", "swap_in", "common", "computed", "allocate",
+             "append")
 
     def __init__(self, seed: int, d: Daemon):
         self.rng = np.random.default_rng(seed)
@@ -165,6 +167,8 @@ class _Run:
                 cnt[:k] = 1
                 return c._req_decode(rows, 1, 0, None, (np.frombuffer(rng.bytes(16 * k), "S16"),), (cnt,))
             return c._req_decode(rows, int(rng.integers(0, 3)), 0)
+        if kind == "decode_free":
+            return DecodeWithFrees(c, self._decode_free(run), len(c.block_sizes)).spec()
         if kind == "fork":
             return c._req_fork(run[int(rng.integers(0, len(run)))], next(self.ids))
         if kind == "swap_out":
@@ -180,6 +184,11 @@ class _Run:
             return c._req_append_slots(run[int(rng.integers(0, len(run)))], int(rng.integers(0, 5)))
         return c._req_mark_computed()
 
+    def _decode_free(self, run: list) -> StepBatch:
+        """A step that frees one running request and appends to the others (the decode_free op)."""
+        rows = np.asarray(self.c.rows_of(run[1:]), np.int32)
+        return StepBatch(free=run[:1], append_rows=rows, append_num_tokens=int(self.rng.integers(0, 3)))
+
     def valid(self) -> None:
         c, rng, kind = self.c, self.rng, self.KINDS[int(self.rng.integers(0, len(self.KINDS)))]
         run = self.running()
@@ -193,6 +202,8 @@ class _Run:
                     self.swapped.clear()
             elif kind == "decode" and run:
                 c.step(StepBatch(append_rows=np.asarray(c.rows_of(run), np.int32), append_num_tokens=1))
+            elif kind == "decode_free" and run:
+                c.step(self._decode_free(run))
             elif kind == "fork" and run:
                 c._do(c._req_fork(run[0], next(self.ids)))
             elif kind == "allocate":
@@ -219,7 +230,7 @@ class _Run:
         if len(spec) > 4:
             spec[4]()  # the client tracks nothing this message may create
         seq = c._next_seq()
-        if op is P.DECODE or op is P.ADMIT:  # a binary header: its fields, mutated
+        if op is P.DECODE or op is P.ADMIT or op is P.DECODE_FREE:  # a binary header: its fields, mutated
             f = list(fields)
             for _ in range(int(rng.integers(0, 3))):
                 f[int(rng.integers(0, len(f)))] = [0, 1, 7, 2**31, 2**32 - 1, c.tick, c.tick + 5][int(rng.integers(0, 7))]
