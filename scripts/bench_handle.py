@@ -11,6 +11,8 @@ Four kinds of step, each ``--steps`` times (after ``--warmup``), R = ``--request
   prompt: its blocks are a prefix hit once the first sharer registered them);
 * ``free``: one request is freed (the general step, nothing else in it; the refill admission after
   it, untimed, registers its prompt before the next free, as an idle daemon would);
+* ``finish``: the oldest request is freed and the others decode (the binary ``decode_free`` op: a
+  serving step after a request finished; refilled untimed as ``free``);
 * ``hit``: a new request's first step in another session (the time to first token of issue 11's
   cross-engine hit): session A admits a ``--prompt``-token prefix plus 16 tokens and confirms it
   with its next step (its registration runs before B's message, as in an idle daemon), then session
@@ -18,8 +20,8 @@ Four kinds of step, each ``--steps`` times (after ``--warmup``), R = ``--request
   admission that hits the prefix's whole blocks; A and B free theirs untimed.
 
 Medians in µs. Ends with ONE JSON line: the figures and honesty checks (every status OK, the
-shared admissions hit exactly the system prompt's whole blocks, B's exactly the prefix's, the pool
-empty at the end).
+shared admissions hit exactly the system prompt's whole blocks, B's exactly the prefix's, the
+finish steps went as the decode_free op, the pool empty at the end).
 
     python scripts/bench_handle.py                 # R = 256, 1,024-token prompts, 512 shared
     python scripts/bench_handle.py -R 16 --steps 20 --warmup 5 -P 64 -S 32   # a quick run (a test)
@@ -56,6 +58,7 @@ class _InProc(_Core):
 
     def _call(self, op, fields, frames, sid=None):
         seq = self._next_seq()
+        self.last_op = op
         hdr = self._header(op, self.sid if sid is None else sid, seq, fields)
         t0 = time.perf_counter()
         rep = self.d.handle([self.ident, hdr, *frames])
@@ -152,7 +155,7 @@ def main(argv=None) -> int:
         ca.step(StepBatch(free=[f"a{k}"]))
         return res, t
 
-    for kind in ("decode", "mixed", "free", "hit"):
+    for kind in ("decode", "mixed", "free", "hit", "finish"):
         times = []
         for k in range(args.warmup + args.steps):
             if kind == "hit":
@@ -167,7 +170,13 @@ def main(argv=None) -> int:
                 if shared and k >= args.warmup:
                     shared_hits.append(int(res.admit_cached_tokens[0]))
             else:
-                res, t = run(StepBatch(free=[order.pop(0)]))
+                victim = order.pop(0)
+                if kind == "free":
+                    res, t = run(StepBatch(free=[victim]))
+                else:
+                    res, t = run(StepBatch(free=[victim], append_rows=c.rows_of(order), append_num_tokens=1))
+                    checks["finish_steps_take_the_decode_free_op"] = (
+                        checks.get("finish_steps_take_the_decode_free_op", True) and c.last_op is P.DECODE_FREE)
                 adm, _ = admission()  # refill untimed, so that every free step sees R - 1 requests
                 run(StepBatch(admit=[adm]))
                 d.manager.flush_deferred()  # its registration, as an idle daemon runs it: not the next free's

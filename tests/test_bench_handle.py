@@ -19,7 +19,8 @@ def test_small_run_reports_every_step_kind_and_its_checks_hold():
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["ok"] and out["checks"] == {"statuses_ok": True, "pool_empty_after": True,
                                            "shared_admissions_hit_the_system_prompt": True,
-                                           "hits_cover_the_prefix": True}
-    assert set(out["steps"]) == {"decode", "mixed", "free", "hit"}
+                                           "hits_cover_the_prefix": True,
+                                           "finish_steps_take_the_decode_free_op": True}
+    assert set(out["steps"]) == {"decode", "mixed", "free", "finish", "hit"}
     for f in out["steps"].values():  # each step's client time holds its handle, which holds its manager call
         assert f["client_step_us"] >= f["handle_us"] >= f["manager_us"] > 0
