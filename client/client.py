@@ -68,7 +68,8 @@ from kvd.errors import (
 )
 from kvd.shm import SHM_DIR, SessionBuffers
 
-from .step import DecodeWithFrees, LoneAdmission, StepMessage, group_token_ids, int32_array, tag_of, token_frame
+from .step import (DecodeWithFrees, LoneAdmission, StepMessage, decode_hash_frames, group_token_ids, int32_array,
+                   tag_of, token_frame)
 from .step import count_field as _count
 
 DEFAULT_ENDPOINT_ENV = "KVD_ENDPOINT"
@@ -747,17 +748,11 @@ class _Core:
         if not 0 <= num_tokens <= P.MAX_COUNT or not 0 <= lookahead <= P.MAX_COUNT:
             return None
         rows_b = rows.tobytes()
-        frames = [rows_b]
-        if len(hashes) or len(counts):
-            if num_groups != 1 or len(hashes) != 1 or len(counts) != 1:
-                return None
-            cnt = counts[0]
-            # whether the counts add up is the daemon's to say (a ProtocolError on either path)
-            if (type(cnt) is not np.ndarray or cnt.dtype != np.int32 or cnt.shape != (na,)
-                    or type(hashes[0]) is not np.ndarray or hashes[0].ndim != 1
-                    or hashes[0].dtype.itemsize != self.hash_width or hashes[0].dtype.kind != "S"):
-                return None
-            frames += [hashes[0].tobytes(), cnt.tobytes()]
+        hash_frames = decode_hash_frames(hashes, counts, na, num_groups, self.hash_width)
+        if hash_frames is None:
+            return None
+        frames = [rows_b, *hash_frames]
+        if hash_frames:
             if len(token_ids) and self.info.get("kv_events"):
                 frames.append(token_frame(group_token_ids(token_ids, 1)[0]))
         elif len(token_ids):

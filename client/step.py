@@ -85,6 +85,22 @@ def int32_array(values, what: str) -> np.ndarray:
     return np.ascontiguousarray(int_array(values, np.int32, what))
 
 
+def decode_hash_frames(hashes, counts, n: int, num_groups: int, width: int) -> list[bytes] | None:
+    """The decode ops' optional hash frames for ``n`` append rows: none without hashes, the one
+    group's hashes and counts when both are well-typed arrays, None for anything else (the step
+    then goes as the general message). Whether the counts add up is the daemon's to say (a
+    ProtocolError on either path)."""
+    if not (len(hashes) or len(counts)):
+        return []
+    if num_groups != 1 or len(hashes) != 1 or len(counts) != 1:
+        return None
+    hs, cnt = hashes[0], counts[0]
+    if (type(cnt) is not np.ndarray or cnt.dtype != np.int32 or cnt.shape != (n,)
+            or type(hs) is not np.ndarray or hs.ndim != 1 or hs.dtype.itemsize != width or hs.dtype.kind != "S"):
+        return None
+    return [hs.tobytes(), cnt.tobytes()]
+
+
 def _repeats(keys) -> np.ndarray:
     """Per item, whether an earlier item has the same key (unhashable keys never repeat)."""
     seen: set = set()
@@ -479,17 +495,11 @@ class DecodeWithFrees(StepMessage):
         if not 0 <= an <= P.MAX_COUNT or type(la) is not int or not 0 <= la <= P.MAX_COUNT or len(b.append_token_ids):
             return None
         rows = _EMPTY_I32 if b.append_rows is None else int32_array(b.append_rows, "append_rows")
-        frames = [P.EMPTY, rows.tobytes()]
-        if len(b.append_hashes) or len(b.append_hash_counts):
-            if self.G != 1 or len(b.append_hashes) != 1 or len(b.append_hash_counts) != 1:
-                return None
-            hs, cnt = b.append_hashes[0], b.append_hash_counts[0]
-            # whether the counts add up is the daemon's to say (a ProtocolError on either path)
-            if (type(cnt) is not np.ndarray or cnt.dtype != np.int32 or cnt.shape != rows.shape
-                    or type(hs) is not np.ndarray or hs.ndim != 1 or hs.dtype.itemsize != core.hash_width
-                    or hs.dtype.kind != "S"):
-                return None
-            frames += [hs.tobytes(), cnt.tobytes()]
+        hash_frames = decode_hash_frames(b.append_hashes, b.append_hash_counts, rows.shape[0], self.G,
+                                         core.hash_width)
+        if hash_frames is None:
+            return None
+        frames = [P.EMPTY, rows.tobytes(), *hash_frames]
         self._judge_frees()
         if self.free_local is not None:  # the general way reports it in its status
             self.undo()
