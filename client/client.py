@@ -717,18 +717,18 @@ class _Core:
         try:  # (as _builds does, inline: the decode step's path pays nothing for it)
             G = self._num_groups
             rows = batch.append_rows
-            if (rows is not None and not len(batch.admit) and not len(batch.forks)
-                    and type(batch.append_num_tokens) is int):  # (len: an array of ids has no truth value)
-                if len(batch.free):  # requests that finished, the others decoding
+            if rows is not None and not len(batch.forks) and type(batch.append_num_tokens) is int:
+                # (len: an array of ids has no truth value)
+                if len(batch.free) or len(batch.admit):  # requests that finished or join, the others decoding
                     return DecodeWithFrees(self, batch, G).spec()
                 spec = self._req_decode(rows, batch.append_num_tokens, batch.num_lookahead_tokens,
                                         batch.computed_through, batch.append_hashes, batch.append_hash_counts, G,
                                         batch.append_token_ids)
                 if spec is not None:
                     return spec
-            elif (len(batch.free) and not (len(batch.admit) or len(batch.forks) or len(batch.append_ids))
+            elif (len(batch.free) and not (len(batch.forks) or len(batch.append_ids))
                   and type(batch.append_num_tokens) is int):
-                return DecodeWithFrees(self, batch, G).spec()  # frees alone: the same op, no appends
+                return DecodeWithFrees(self, batch, G).spec()  # frees (and admissions) without appends
             if _LONE_ADMISSION and batch.is_lone_admission():
                 return LoneAdmission(self, batch, G).spec()
             return StepMessage(self, batch, G).spec()

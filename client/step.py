@@ -476,10 +476,12 @@ class LoneAdmission(StepMessage):
 
 
 class DecodeWithFrees(StepMessage):
-    """:class:`StepMessage` of frees and appends by row with one token count (a serving engine's
-    step after requests finished), or of frees alone: the binary ``decode_free`` op (kvd.protocol), whose reply is the
-    decode op's with the frees' statuses first. A step it does not carry goes the general way: a
-    free the client judges bad, hashes of several groups, counts out of the wire's range, token ids."""
+    """:class:`StepMessage` of frees, appends by row with one token count and admissions (a serving
+    engine's step after requests finished and others took their place), or of some of these: the
+    binary ``decode_free`` op (kvd.protocol), whose reply is the decode op's with the frees'
+    statuses first and the admissions' after the appends'. A step it does not carry goes the
+    general way: a free or admission the client judges bad, hashes of several groups (or with
+    admissions, several groups at all), counts out of the wire's range, token ids."""
 
     def spec(self) -> tuple:
         try:
@@ -492,23 +494,38 @@ class DecodeWithFrees(StepMessage):
     def _binary_spec(self) -> tuple | None:
         core, b = self.core, self.batch
         an, la = b.append_num_tokens, b.num_lookahead_tokens
-        if not 0 <= an <= P.MAX_COUNT or type(la) is not int or not 0 <= la <= P.MAX_COUNT or len(b.append_token_ids):
+        if (not 0 <= an <= P.MAX_COUNT or type(la) is not int or not 0 <= la <= P.MAX_COUNT
+                or len(b.append_token_ids) or (len(b.admit) and self.G != 1)):
             return None
         rows = _EMPTY_I32 if b.append_rows is None else int32_array(b.append_rows, "append_rows")
         hash_frames = decode_hash_frames(b.append_hashes, b.append_hash_counts, rows.shape[0], self.G,
                                          core.hash_width)
         if hash_frames is None:
             return None
-        frames = [P.EMPTY, rows.tobytes(), *hash_frames]
         self._judge_frees()
-        if self.free_local is not None:  # the general way reports it in its status
+        frames = [self.free_rows.tobytes(), rows.tobytes(), *hash_frames]
+        nd = len(b.admit)
+        if nd and self.free_local is None:  # (after the frees: an id they free may be admitted again)
+            frames = self._with_admissions(frames, hash_frames)
+        if self.free_local is not None or frames is None:  # the general way reports it in its status
             self.undo()
             return None
-        frames[0] = self.free_rows.tobytes()
-        self.rows_b, self.an = frames[1], int(an)
+        self.nd, self.rows_b, self.an = nd, frames[1], int(an)
         c = core._confirmation(b.computed_through)
-        fields = (P.NO_CONFIRM if c is None else c, rows.shape[0], int(an), la, self.free_rows.shape[0])
+        fields = (P.NO_CONFIRM if c is None else c, rows.shape[0], int(an), la, self.free_rows.shape[0], nd)
         return P.DECODE_FREE, fields, frames, self.post_binary, self.undo
+
+    def _with_admissions(self, frames: list[bytes], hash_frames: list[bytes]) -> list[bytes] | None:
+        """The op's frames with the step's admissions (rows taken for them), or None when the
+        client judges one bad or one carries token ids (the step then goes the general way)."""
+        self.adm_local, self.adm_sent, admits = self._judge(list(self.batch.admit), self._admit_one)
+        if self.adm_local is not None or any(a[2] for a in admits):
+            return None
+        adm = np.array([(*a[0][:6], _signed64(a[0][7])) for a in admits], np.int64).reshape(len(admits), P.ADMIT_COLS)
+        self.admit_rows_sent, self.admit_tokens = adm[:, 0].astype(np.int32), adm[:, 1]
+        counts = np.array([len(a[1][0]) // self.core.hash_width for a in admits], np.int32)
+        return [*frames[:2], *(hash_frames or (P.EMPTY, P.EMPTY)), adm.tobytes(), b"".join(a[1][0] for a in admits),
+                counts.tobytes()]
 
     def post_binary(self, h, f: list) -> StepResult:
         """The decode_free op's result: ``h`` a ``P.unpack_decode_reply`` tuple (the blocking
@@ -517,6 +534,8 @@ class DecodeWithFrees(StepMessage):
 
         nf = self.free_rows.shape[0]
         body = f[0]
+        if self.nd:
+            return self._admitted(h, body, nf)
         if len(body) < 2 * nf:
             raise ProtocolError(f"decode_free reply body of {len(body)} bytes, fewer than {nf} free statuses")
         free_st = np.frombuffer(body, P.I16, nf, 0)
@@ -524,4 +543,45 @@ class DecodeWithFrees(StepMessage):
         self._frees_done(free_st)
         res.free_status = free_st
         res.freed_rows = self.free_rows[free_st == STATUS_OK]
+        return res
+
+    def _admitted(self, h, body: bytes, nf: int) -> StepResult:
+        """``post_binary`` of a step with admissions: the schedule's rows and lengths are the
+        client's to fill in (the appends', then the admissions' whose status is OK)."""
+        from kvd_client.client import _EMPTY_COPIES
+
+        if type(h) is tuple:
+            _, _, tick, nc, nch, ns, nt = h
+        else:
+            tick, nc, nch, ns, nt = h["t"], h["nc"], h["nch"], h["ns"], h.get("nt", [])
+        na, nd = len(self.rows_b) >> 2, self.nd
+        if len(body) != 2 * (nf + na + nd) + 4 * nd + 8 * nc + 4 * nch + 4 * ns:
+            raise ProtocolError(f"decode_free reply body of {len(body)} bytes does not match its step")
+        free_st = np.frombuffer(body, P.I16, nf, 0)
+        app_st = np.frombuffer(body, P.I16, na, 2 * nf)
+        adm_st = np.frombuffer(body, P.I16, nd, 2 * (nf + na))
+        off = 2 * (nf + na + nd)
+        cached = np.frombuffer(body, P.I32, nd, off)
+        copies = np.frombuffer(body, P.I32, 2 * nc, off + 4 * nd)
+        changed = np.frombuffer(body, P.I32, nch, off + 4 * nd + 8 * nc)
+        sched_start = np.frombuffer(body, P.I32, ns, off + 4 * nd + 8 * nc + 4 * nch)
+        ok_app, ok_adm = app_st == STATUS_OK, adm_st == STATUS_OK
+        sched_rows = np.concatenate([np.frombuffer(self.rows_b, P.I32)[ok_app], self.admit_rows_sent[ok_adm]])
+        if sched_rows.shape[0] != ns:
+            raise ProtocolError(f"decode_free reply schedules {ns} requests, its statuses {sched_rows.shape[0]}")
+        sched_len = np.empty(ns, np.int32)
+        appended = ns - int(np.count_nonzero(ok_adm))
+        sched_len[:appended] = self.an
+        sched_len[appended:] = (self.admit_tokens - cached)[ok_adm]
+        self._frees_done(free_st)
+        for r in self.admit_rows_sent[~ok_adm].tolist():
+            self.core._drop_row(r)
+        res = StepResult(
+            free_status=free_st, fork_status=_EMPTY_I16, append_status=app_st, admit_status=adm_st,
+            admit_rows=np.where(ok_adm, self.admit_rows_sent, -1).astype(np.int32), admit_cached_tokens=cached,
+            copies=copies.reshape(nc, 2) if nc else _EMPTY_COPIES, changed_rows=changed,
+            sched_rows=sched_rows, sched_start=sched_start, sched_len=sched_len,
+            freed_rows=self.free_rows[free_st == STATUS_OK], tick=tick,
+        )
+        res.num_scheduled_tokens = nt  # type: ignore[attr-defined]
         return res

@@ -162,17 +162,24 @@ decode     The decode step again, with a *binary* header instead of JSON (the ho
            and its one body frame is the decode step reply's. Errors are ordinary JSON error
            replies (a client tells them apart by the first byte).
 decode_free
-           The decode op of a step that also frees requests, before its appends (requests that
-           finished with the last forward: the usual step of a serving engine whose requests end
-           at different times). The header frame is ``DECODE_FREE_REQUEST`` (44 bytes): the decode
-           op's fields with magic DECODE_FREE_MAGIC (b"kvF" + version byte), then
-               nf     u32 free rows
-           frames after it: free rows int32[nf], append rows int32[na], then the decode op's
-           optional hash, count and token-id frames. Same meaning, checks and effects as a
-           ``step`` of those frees and appends (frees first). The reply is a ``DECODE_REPLY``
-           header and one body frame: free status int16[nf], then the decode op's body (append
-           status, copies, changed rows, sched start); the rows freed are the free rows whose
-           status is OK.
+           The decode op of a step that also frees requests, before its appends, and may admit
+           new ones after them (requests that finished with the last forward, others that take
+           their place: the usual step of a serving engine whose requests end at different
+           times). The header frame is ``DECODE_FREE_REQUEST`` (48 bytes): the decode op's fields
+           with magic DECODE_FREE_MAGIC (b"kvF" + version byte), then
+               nf     u32 free rows            nd   u32  admissions (one KV-cache group only)
+           frames after it, without admissions: free rows int32[nf], append rows int32[na], then
+           the decode op's optional hash, count and token-id frames; with admissions exactly
+           ``DECODE_FREE_ADMIT_FRAMES`` frames: free rows, append rows, append hashes S16[*] and
+           counts int32[na] (both empty: none), admissions int64[nd, ADMIT_COLS], admit hashes
+           S16[*] and admit hash counts int32[nd] (no token ids: such a step goes as ``step``).
+           Same meaning, checks and effects as a ``step`` of those frees, appends and admissions.
+           The reply is a ``DECODE_REPLY`` header and one body frame: free status int16[nf], the
+           decode op's append status int16[na], with admissions their status int16[nd] and cached
+           tokens int32[nd], then copies int32[nc, 2], changed rows int32[nch], sched start
+           int32[ns]. The rows freed are the free rows whose status is OK; the schedule is the
+           appends whose status is OK (``an`` tokens each), then the admissions whose status is OK
+           (from their cached tokens to their num_tokens).
 admit      A step that is one admission and nothing else (an idle engine's new request: its time
            to first token), with a *binary* header. The header frame is ``ADMIT_REQUEST``
            (little-endian, 88 bytes)::
@@ -388,18 +395,22 @@ def unpack_decode_reply(raw: bytes) -> tuple[int, bytes, int, int, int, int, lis
 
 
 DECODE_FREE_MAGIC = b"kvF" + bytes([VERSION])
-DECODE_FREE_REQUEST = struct.Struct("<4sQqqIIII")
-DECODE_FREE_FIELDS = (*DECODE_FIELDS, "nf")
-"""The decode_free header's fields after magic, sid and seq: the decode op's, then the free count."""
+DECODE_FREE_REQUEST = struct.Struct("<4sQqqIIIII")
+DECODE_FREE_FIELDS = (*DECODE_FIELDS, "nf", "nd")
+"""The decode_free header's fields after magic, sid and seq: the decode op's, then the free and
+admission counts."""
+DECODE_FREE_ADMIT_FRAMES = 7
+"""The frames of a decode_free step with admissions: free rows, append rows, append hashes and
+counts, admissions, admit hashes and counts (empty ones included)."""
 
 
-def parse_decode_free_request(raw: bytes) -> tuple[int, int, int, int, int, int, int]:
-    """(sid, seq, c or NO_CONFIRM, na, an, la, nf) of a decode_free header (ranges of na and nf are
-    the caller's to check)."""
+def parse_decode_free_request(raw: bytes) -> tuple[int, int, int, int, int, int, int, int]:
+    """(sid, seq, c or NO_CONFIRM, na, an, la, nf, nd) of a decode_free header (ranges of na, nf
+    and nd are the caller's to check)."""
     if len(raw) != DECODE_FREE_REQUEST.size:
         raise ProtocolError(f"decode_free header of {len(raw)} bytes, expected {DECODE_FREE_REQUEST.size}")
-    nf = DECODE_FREE_REQUEST.unpack(raw)[-1]
-    return (*parse_decode_request(DECODE_MAGIC + raw[4:DECODE_REQUEST.size]), nf)
+    nf, nd = DECODE_FREE_REQUEST.unpack(raw)[-2:]
+    return (*parse_decode_request(DECODE_MAGIC + raw[4:DECODE_REQUEST.size]), nf, nd)
 
 
 ADMIT_MAGIC = b"kvA" + bytes([VERSION])

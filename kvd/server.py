@@ -305,8 +305,8 @@ class Daemon:
                 sid, seq, c, na, an, la = P.parse_decode_request(head)
                 h, fn = (c, na, an, la), self.op_decode
             elif head[:4] == P.DECODE_FREE_MAGIC:  # the binary decode step with frees first
-                sid, seq, c, na, an, la, nf = P.parse_decode_free_request(head)
-                h, fn = (c, na, an, la, nf), self.op_decode_free
+                sid, seq, c, na, an, la, nf, nd = P.parse_decode_free_request(head)
+                h, fn = (c, na, an, la, nf, nd), self.op_decode_free
             elif head[:4] == P.ADMIT_MAGIC:  # the binary lone admission
                 sid, seq, c, la, cols = P.parse_admit_request(head)
                 h, fn = (c, la, cols), self.op_admit
@@ -926,9 +926,15 @@ class Daemon:
     def op_decode_free(self, sess, h, frames, ident, seq):
         """The decode op with frees first (kvd.protocol ``decode_free``): free rows, then the
         decode op's frames."""
-        c, na, an, la, nf = h
-        if na > self.max_reqs or nf > self.max_reqs:
-            raise ProtocolError(f"decode_free: {na} append rows or {nf} free rows > {self.max_reqs}")
+        c, na, an, la, nf, nd = h
+        if na > self.max_reqs or nf > self.max_reqs or nd > self.max_reqs:
+            raise ProtocolError(f"decode_free: {na} append rows, {nf} free rows or {nd} admissions > {self.max_reqs}")
+        if nd:
+            if len(frames) != P.DECODE_FREE_ADMIT_FRAMES or self.G != 1:
+                raise ProtocolError(f"decode_free with admissions: expected {P.DECODE_FREE_ADMIT_FRAMES} frames "
+                                    "(one group only)")
+            return self._decode_step(sess, seq, frames[1], na, an, la, c, frames[2], frames[3], free_b=frames[0],
+                                     nf=nf, admit_frames=frames[4:], nd=nd)
         if len(frames) == 2:
             return self._decode_step(sess, seq, frames[1], na, an, la, c, free_b=frames[0], nf=nf)
         if len(frames) not in (4, 5) or self.G != 1:
@@ -938,12 +944,14 @@ class Daemon:
 
     def _decode_step(self, sess: Session, seq: int, rows_b: bytes, na: int, an: int, la: int, c: int,
                      hashes_b: bytes = P.EMPTY, counts_b: bytes = P.EMPTY, tokens_b: bytes = P.EMPTY,
-                     binary: bool = True, free_b: bytes | None = None, nf: int = 0) -> list[bytes]:
+                     binary: bool = True, free_b: bytes | None = None, nf: int = 0,
+                     admit_frames: list[bytes] | None = None, nd: int = 0) -> list[bytes]:
         """The decode fast path: appends only, one token count for all; the hashes of blocks that
         filled (if any, one group) are registered on the way, with their token ids if sent.
         ``c``: the confirmation, or NO_CONFIRM. ``binary``: reply with a decode header (the decode
         op) or JSON (a step). ``free_b``: the decode_free op's ``nf`` free rows, freed first (the
-        manager's step then decides request by request; the reply body starts with their status)."""
+        manager's step then decides request by request; the reply body starts with their status),
+        and ``admit_frames`` its ``nd`` admissions (frame, hashes, counts), admitted last."""
         if na * an > self.max_tokens:
             raise InvalidArgument(f"{na * an} append tokens > max_num_batched_tokens {self.max_tokens}")
         free_rows = None if free_b is None else self._rows(free_b, "free rows", nf)
@@ -958,6 +966,10 @@ class Daemon:
                 tokens = self._token_frame(tokens_b, "append token ids", na * self.max_model_len)
         elif tokens_b:
             raise ProtocolError("append token ids without hashes")
+        adm = admits = None
+        if admit_frames is not None:
+            adm = P.frame_array(admit_frames[0], P.I64, nd * P.ADMIT_COLS, "admissions").reshape(nd, P.ADMIT_COLS)
+            admits = self._step_admissions(sess, adm, [self._admit_hashes(*admit_frames[1:], nd, 0)], None)
         m = self.manager
         confirm = self._binary_confirmation(sess, c)
         fast = None
@@ -985,23 +997,31 @@ class Daemon:
             if free_rows is not None:
                 base = sess.base
                 batch.free = [base | r for r in free_rows.tolist()]
+            if admits:
+                batch.admit = admits
             res = m.step(batch, namespace=sess.namespace, writer=sess.writer)
             if res.freed_rows.size:  # (the session's own rows: frees name only its requests)
                 self._unmap_mrows(sess, np.asarray(res.freed_rows))
+            if admits:
+                self._map_admitted(sess, adm, res)
             grown, copies, tick = res.changed_rows, res.copies, res.tick
             status_b = res.append_status.astype(P.I16, copy=False).tobytes()
             sched_rows, lens = res.sched_rows, res.sched_len
             sched_start = res.sched_start.astype(np.int32, copy=False)
-            if sched_rows.shape[0] != na:
+            if sched_rows.shape[0] != na or admits:
                 self._count_step_no_space(sess, res)
             changed = self._sync_rows(sess, grown, full=copies.size > 0)
-        nt = self._write_slots(sess, sched_rows, sched_start, lens, uniform=an)
+        nt = self._write_slots(sess, sched_rows, sched_start, lens, uniform=0 if admits else an)
         self.was_step = True
         ns = sched_rows.shape[0]
-        body = b"".join((status_b, copies.astype(P.I32, copy=False).tobytes(), changed.tobytes(), sched_start.tobytes()))
-        if free_rows is not None:
+        statuses = [status_b]
+        if free_rows is not None:  # the decode_free op's: the frees' first, the admissions' after
             assert binary, "a JSON step with frees takes the general path"
-            body = P.arr(res.free_status, P.I16) + body
+            statuses.insert(0, P.arr(res.free_status, P.I16))
+            if adm is not None:
+                statuses += [P.arr(res.admit_status, P.I16), P.arr(res.admit_cached_tokens, P.I32)]
+        body = b"".join((*statuses, copies.astype(P.I32, copy=False).tobytes(), changed.tobytes(),
+                         sched_start.tobytes()))
         if binary:
             return [P.decode_reply(seq, self.epoch_b, tick, len(copies), len(changed), ns, nt), body]
         return [P.ok_reply(seq, self.epoch, t=tick, nt=nt, nc=len(copies), nch=len(changed), nfr=0, ns=ns), body]
@@ -1060,6 +1080,37 @@ class Daemon:
         if binary:
             return [P.decode_reply(seq, self.epoch_b, res.tick, 0, len(changed), ns, nt_written), body]
         return [P.ok_reply(seq, self.epoch, t=res.tick, nt=nt_written, nc=0, nch=len(changed), nfr=0, ns=ns), body]
+
+    def _map_admitted(self, sess: Session, adm: np.ndarray, res) -> None:
+        """Map the session rows of a step's admissions (``adm``: its admissions frame) that the
+        manager admitted, with their tags."""
+        if adm.shape[0] == 1:  # one admission (an idle engine's new request): scalars, no masks
+            if int(res.admit_status[0]) == STATUS_OK:
+                self._map(sess, int(adm[0, 0]), int(res.admit_rows[0]), int(adm[0, 6]) & _U64_MASK)
+            return
+        okm = np.asarray(res.admit_status) == STATUS_OK
+        if okm.any():
+            srows = adm[okm, 0].astype(np.int32)
+            mr = np.asarray(res.admit_rows)[okm]
+            sess.mrow[srows] = mr
+            self.owner_sid[mr] = sess.sid
+            self.owner_srow[mr] = srows
+            sess.shm.row_tags[srows] = adm[okm, 6].view(np.uint64)
+
+    def _step_admissions(self, sess: Session, adm: np.ndarray, adm_hashes: list, adm_tokens) -> list:
+        """A step's admissions (its frame, checked here; per group their hashes, and token ids)
+        as the manager's requests."""
+        G, nd, base = self.G, adm.shape[0], sess.base
+        cols = adm[:, :6]
+        self._check_admission_fields(cols)
+        if nd > 1 and np.unique(cols[:, 0]).size != nd:
+            raise InvalidArgument("two admissions in one row")
+        admits = []
+        for i, (row, nt, l, pri, net, mnt) in enumerate(cols.tolist()):
+            hs = [adm_hashes[g][i] for g in range(G)]
+            tok = adm_tokens[i] if adm_tokens and len(adm_tokens[i]) else None
+            admits.append(AdmitRequest(base | row, nt, hs[0] if G == 1 else hs, l, pri, net, mnt, tok))
+        return admits
 
     def _check_admission_fields(self, cols: np.ndarray) -> None:
         """A step's admissions' first six columns (row, tokens, lookahead, priority, ...) in range."""
@@ -1175,16 +1226,7 @@ class Daemon:
         if nk:
             for p, c in fork_rows.tolist():
                 forks.append((base | p, base | c))
-        admits = []
-        if nd:
-            cols = adm[:, :6]
-            self._check_admission_fields(cols)
-            if nd > 1 and np.unique(cols[:, 0]).size != nd:
-                raise InvalidArgument("two admissions in one row")
-            for i, (row, nt, l, pri, net, mnt) in enumerate(cols.tolist()):
-                hs = [adm_hashes[g][i] for g in range(G)]
-                tok = adm_tokens[i] if adm_tokens and len(adm_tokens[i]) else None
-                admits.append(AdmitRequest(base | row, nt, hs[0] if G == 1 else hs, l, pri, net, mnt, tok))
+        admits = self._step_admissions(sess, adm, adm_hashes, adm_tokens) if nd else []
         # unmapped session rows become -1: the manager reports UnknownRequest for them (and
         # InvalidArgument for duplicates) without failing the other requests
         if forked_appends:
@@ -1213,19 +1255,8 @@ class Daemon:
             for i, (p, c) in enumerate(fork_rows.tolist()):
                 if fs[i] == STATUS_OK:
                     self._map(sess, c, int(m.row_of(base | c)), tags[i])
-        if nd == 1:  # one admission (an idle engine's new request): scalars, no masks
-            if int(res.admit_status[0]) == STATUS_OK:
-                self._map(sess, int(adm[0, 0]), int(res.admit_rows[0]), int(adm[0, 6]) & _U64_MASK)
-        elif nd:
-            ast_ = np.asarray(res.admit_status)
-            okm = ast_ == STATUS_OK
-            if okm.any():
-                srows = adm[okm, 0].astype(np.int32)
-                mr = np.asarray(res.admit_rows)[okm]
-                sess.mrow[srows] = mr
-                self.owner_sid[mr] = sess.sid
-                self.owner_srow[mr] = srows
-                sess.shm.row_tags[srows] = adm[okm, 6].view(np.uint64)
+        if nd:
+            self._map_admitted(sess, adm, res)
         changed = self._sync_rows(sess, res.changed_rows, full=res.copies.size > 0)
         nt = self._write_slots(sess, res.sched_rows, res.sched_start, res.sched_len)
         self.was_step = True

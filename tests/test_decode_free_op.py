@@ -1,5 +1,5 @@
-"""The ``decode_free`` op (kvd.protocol): a step of frees and appends by row with one token count
-(a serving engine's step after requests finished) with a binary header. Exact: two identical
+"""The ``decode_free`` op (kvd.protocol): a step of frees, appends by row with one token count and
+admissions (a serving engine's step after requests finished and others joined) with a binary header. Exact: two identical
 daemons get the same calls, one client sending the binary op (``kvd_client.step.BINARY_DECODE_FREE``)
 and one the general JSON step; every result, error, client row, shared-memory table, row tag,
 slot mapping and manager table is the same after every call. A malformed binary header or frame
@@ -16,6 +16,7 @@ from kvd.errors import InvalidArgument, ProtocolError, UnknownRequest
 from kvd.hashing import hash_prompt
 from kvd.server import Daemon
 from kvd_client import step as step_mod
+from kvd_client.step import tag_of
 from tests.test_decode_op import BS, InProc
 from tests.test_lone_admission_wire import Cfg
 from tests.test_refusals_change_nothing import changed, state_of
@@ -40,7 +41,7 @@ class Sender(InProc):
 def pair(monkeypatch):
     ops = []
     real = Daemon.op_decode_free
-    monkeypatch.setattr(Daemon, "op_decode_free", lambda self, *a: (ops.append(1), real(self, *a))[1])
+    monkeypatch.setattr(Daemon, "op_decode_free", lambda self, *a: (ops.append(a[1][5]), real(self, *a))[1])
     daemons = [Daemon(Cfg), Daemon(Cfg)]
     try:
         yield Sender(daemons[0], binary=True), Sender(daemons[1], binary=False), ops
@@ -80,10 +81,17 @@ def _next_batch(rng, k: int, live: list, c: InProc, ids) -> StepBatch | None:
         free = free + [("gone", k)]  # unknown to the client: the general way reports it
     app = [r for r in live if r not in free or rng.random() < 0.2]  # (a freed one: unknown by its append)
     an = int(rng.integers(0, 3))
+    admits = []
+    if rng.random() < 0.4:  # requests joining in the same step (maybe under a freed one's id)
+        for _ in range(int(rng.integers(1, 3))):
+            t = rng.integers(1, 300, int(rng.integers(1, 30)))
+            rid = free[0] if rng.random() < 0.2 else next(ids)
+            admits.append(AdmitRequest(rid, t.size, hash_prompt(t, BS) if rng.random() < 0.6 else (),
+                                       int(rng.integers(0, 2))))
     if rng.random() < 0.15:
-        return StepBatch(free=free)  # frees alone: the same op without appends
+        return StepBatch(free=free, admit=admits)  # frees alone (and admissions): the same op without appends
     batch = StepBatch(free=free, append_rows=np.asarray(c.rows_of([r for r in app if r in c._row_of]), np.int32),
-                      append_num_tokens=an, num_lookahead_tokens=int(rng.integers(0, 3)))
+                      append_num_tokens=an, num_lookahead_tokens=int(rng.integers(0, 3)), admit=admits)
     if rng.random() < 0.4 and batch.append_rows.size:  # hashes of the blocks the appends fill
         m = c.d.manager
         mrows = c.d.sessions[c.sid].mrow[batch.append_rows]
@@ -109,6 +117,7 @@ def test_the_binary_op_replies_and_changes_as_the_general_step(pair, seed):
         assert _state(binary) == _state(general), k
         live = [r for r in binary._row_of]
     assert len(ops) >= 15, len(ops)  # the binary op did run (and only on one daemon)
+    assert sum(nd > 0 for nd in ops) >= 4, ops  # with admissions too
 
 
 def _live(c: InProc, n: int) -> list[int]:
@@ -126,7 +135,7 @@ def test_a_step_that_frees_one_request_and_appends_to_the_others_replies_exactly
     held = binary.d.manager.tables[0][mrows[1], :2].tolist()
     res = binary.step(StepBatch(free=[1], append_rows=np.array([rows[0], rows[2]], np.int32), append_num_tokens=1))
     rep = binary.raw[-1]
-    assert rep[0][:4] == P.DECODE_REPLY_MAGIC and ops == [1]
+    assert rep[0][:4] == P.DECODE_REPLY_MAGIC and ops == [0]
     assert np.frombuffer(rep[1], P.I16, 1, 0).tolist() == [0]  # the body starts with the free's status
     assert res.free_status.tolist() == [0] and res.freed_rows.tolist() == [rows[1]]
     assert res.append_status.tolist() == [0, 0] and res.sched_rows.tolist() == [rows[0], rows[2]]
@@ -154,11 +163,11 @@ def test_a_free_the_daemon_refuses_leaves_the_request_in_place(pair):
     assert outs[0] == outs[1]
     assert outs[0][1]["free_status"] == [0] and outs[0][1]["append_status"] == [UnknownRequest.code]
     assert _state(binary) == _state(general) and binary._row_of == {}
-    assert ops == [1, 1]
+    assert ops == [0, 0]
 
 
 def _raw(c: InProc, free_rows, rows, fields=None, frames=None):
-    f = {"c": P.NO_CONFIRM, "na": len(rows), "an": 1, "la": 0, "nf": len(free_rows), **(fields or {})}
+    f = {"c": P.NO_CONFIRM, "na": len(rows), "an": 1, "la": 0, "nf": len(free_rows), "nd": 0, **(fields or {})}
     head = P.DECODE_FREE_REQUEST.pack(P.DECODE_FREE_MAGIC, c.sid, c._next_seq(), *(f[k] for k in P.DECODE_FREE_FIELDS))
     if frames is None:
         frames = [np.asarray(free_rows, np.int32).tobytes(), np.asarray(rows, np.int32).tobytes()]
@@ -192,9 +201,75 @@ def test_a_retried_binary_step_gets_the_same_reply_applied_once(pair):
     binary, _, _ = pair
     _live(binary, 2)
     seq = binary._next_seq()
-    head = P.DECODE_FREE_REQUEST.pack(P.DECODE_FREE_MAGIC, binary.sid, seq, P.NO_CONFIRM, 1, 1, 0, 1)
+    head = P.DECODE_FREE_REQUEST.pack(P.DECODE_FREE_MAGIC, binary.sid, seq, P.NO_CONFIRM, 1, 1, 0, 1, 0)
     msg = [b"id", head, np.array([0], np.int32).tobytes(), np.array([1], np.int32).tobytes()]
     first = binary.d.handle(msg)
     tick = binary.d.manager.tick
     again = binary.d.handle(msg)
     assert again == first and binary.d.manager.tick == tick
+
+
+def test_a_step_that_frees_appends_and_admits_replies_exactly(pair):
+    binary, general, ops = pair
+    prompt = np.arange(1, 14, dtype=np.int32)
+    results = []
+    for c in (binary, general):
+        _live(c, 3)
+        rows = c.rows_of([0, 2])
+        batch = StepBatch(free=[1], append_rows=rows, append_num_tokens=1,
+                          admit=[AdmitRequest("x", 13, hash_prompt(prompt, BS)), AdmitRequest(1, 3)])
+        results.append(_outcome(c, batch))
+    assert results[0] == results[1] and ops == [2]
+    res = results[0][1]
+    xrow, again = binary.row_of("x"), binary.row_of(1)  # (1 was freed first: its id is admitted again)
+    assert res["free_status"] == [0] and res["append_status"] == [0, 0] and res["admit_status"] == [0, 0]
+    assert res["admit_rows"] == [xrow, again] and res["admit_cached_tokens"] == [0, 0]
+    assert res["sched_rows"] == [*binary.rows_of([0, 2]).tolist(), xrow, again]
+    assert res["sched_start"] == [5, 7, 0, 0] and res["sched_len"] == [1, 1, 13, 3]
+    assert binary.shm.row_tags[xrow] == tag_of("x") and binary.shm.counts[0][xrow] == 4
+    rep = binary.raw[-1]
+    body = rep[1]  # free status, append status, admit status, cached, (no copies), changed, sched start
+    assert np.frombuffer(body, P.I16, 5, 0).tolist() == [0, 0, 0, 0, 0]
+    assert np.frombuffer(body, P.I32, 2, 10).tolist() == [0, 0]
+    assert _state(binary) == _state(general)
+
+
+def _raw_admit(c: InProc, cols=None, hashes=None, counts=None, nd=None, frames=None):
+    adm = np.array(cols or [[4, 8, 0, 0, 0, 0, 9]], np.int64)
+    hs = hash_prompt(np.arange(1, 9, dtype=np.int32), BS) if hashes is None else hashes
+    cnt = np.array(counts or [len(hs)] + [0] * (adm.shape[0] - 1), np.int32)
+    f = (P.NO_CONFIRM, 0, 1, 0, 0, adm.shape[0] if nd is None else nd)
+    head = P.DECODE_FREE_REQUEST.pack(P.DECODE_FREE_MAGIC, c.sid, c._next_seq(), *f)
+    if frames is None:
+        frames = [P.EMPTY, P.EMPTY, P.EMPTY, P.EMPTY, adm.tobytes(), hs.tobytes(), cnt.tobytes()]
+    return c.d.handle([b"id", head, *frames])
+
+
+@pytest.mark.parametrize("case", [
+    dict(cols=[[Cfg.max_reqs_per_session, 8, 0, 0, 0, 0, 9]]),
+    dict(cols=[[4, -1, 0, 0, 0, 0, 9]]),
+    dict(cols=[[4, 8, 0, 0, 0, 0, 9], [4, 4, 0, 0, 0, 0, 7]]),
+    dict(counts=[7]),
+    dict(hashes=np.zeros(3, "S7")),
+    dict(nd=2),
+    dict(nd=10 ** 6),
+    dict(frames=[P.EMPTY] * 6),
+    dict(frames=[P.EMPTY, P.EMPTY, P.EMPTY, P.EMPTY, b"\0" * 8, P.EMPTY, np.zeros(1, np.int32).tobytes()]),
+], ids=lambda c: ",".join(f"{k}" for k in c))
+def test_a_malformed_admission_in_the_binary_step_gets_a_typed_error_and_changes_nothing(pair, case):
+    binary, _, _ = pair
+    _live(binary, 2)
+    before = state_of(binary.d)
+    rep = _raw_admit(binary, **case)
+    h = P.parse_reply(rep[0])
+    assert h.get("err") in (ProtocolError.code, InvalidArgument.code), h
+    assert changed(before, state_of(binary.d)) == []
+
+
+def test_a_valid_raw_admission_in_the_binary_step_is_mapped_with_its_tag(pair):
+    binary, _, _ = pair
+    rep = _raw_admit(binary)
+    assert rep[0][:4] == P.DECODE_REPLY_MAGIC
+    assert np.frombuffer(rep[1], P.I16, 1, 0).tolist() == [0]
+    sess = binary.d.sessions[binary.sid]
+    assert sess.mrow[4] >= 0 and binary.shm.row_tags[4] == 9 and binary.shm.counts[0][4] == 2

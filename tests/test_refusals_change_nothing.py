@@ -185,9 +185,14 @@ class _Run:
         return c._req_mark_computed()
 
     def _decode_free(self, run: list) -> StepBatch:
-        """A step that frees one running request and appends to the others (the decode_free op)."""
+        """A step that frees one running request and appends to the others, maybe admitting one
+        (the decode_free op)."""
         rows = np.asarray(self.c.rows_of(run[1:]), np.int32)
-        return StepBatch(free=run[:1], append_rows=rows, append_num_tokens=int(self.rng.integers(0, 3)))
+        admit = []
+        if self.rng.random() < 0.3:
+            t = self._prompt()
+            admit.append(AdmitRequest(next(self.ids), t.size, self._hashes(t)))
+        return StepBatch(free=run[:1], append_rows=rows, append_num_tokens=int(self.rng.integers(0, 3)), admit=admit)
 
     def valid(self) -> None:
         c, rng, kind = self.c, self.rng, self.KINDS[int(self.rng.integers(0, len(self.KINDS)))]
