@@ -66,18 +66,25 @@ def _state(c: InProc):
             m.num_tokens.tolist(), m.pool.ref_cnt.tolist(), m.tick)
 
 
+_PREFIX = np.arange(101, 113)
+
+
 def _next_batch(rng, k: int, live: list, c: InProc, ids) -> StepBatch | None:
     if not live or rng.random() < 0.3:
         n = int(rng.integers(1, 3))
         admits = []
         for _ in range(n):
             t = rng.integers(1, 300, int(rng.integers(1, 30)))
+            if rng.random() < 0.5:
+                t = np.concatenate([_PREFIX, t])[:Cfg.max_model_len - 2]
             admits.append(AdmitRequest(next(ids), t.size, hash_prompt(t, BS) if rng.random() < 0.6 else ()))
         return StepBatch(admit=admits)
     free = [r for r in live if rng.random() < 0.3] or live[:1]
-    if rng.random() < 0.1:
+    if rng.random() < 0.15:
+        free = []  # (with admissions: a step where requests join and none finished)
+    if free and rng.random() < 0.1:
         free = free + free[:1]  # a repeat: the manager refuses the second
-    if rng.random() < 0.1:
+    if free and rng.random() < 0.1:
         free = free + [("gone", k)]  # unknown to the client: the general way reports it
     app = [r for r in live if r not in free or rng.random() < 0.2]  # (a freed one: unknown by its append)
     an = int(rng.integers(0, 3))
@@ -85,10 +92,12 @@ def _next_batch(rng, k: int, live: list, c: InProc, ids) -> StepBatch | None:
     if rng.random() < 0.4:  # requests joining in the same step (maybe under a freed one's id)
         for _ in range(int(rng.integers(1, 3))):
             t = rng.integers(1, 300, int(rng.integers(1, 30)))
-            rid = free[0] if rng.random() < 0.2 else next(ids)
+            if rng.random() < 0.5:  # a shared prefix: the cache holds its blocks once a sharer confirmed
+                t = np.concatenate([_PREFIX, t])[:Cfg.max_model_len - 2]
+            rid = free[0] if free and rng.random() < 0.2 else next(ids)
             admits.append(AdmitRequest(rid, t.size, hash_prompt(t, BS) if rng.random() < 0.6 else (),
                                        int(rng.integers(0, 2))))
-    if rng.random() < 0.15:
+    if free and rng.random() < 0.15:
         return StepBatch(free=free, admit=admits)  # frees alone (and admissions): the same op without appends
     batch = StepBatch(free=free, append_rows=np.asarray(c.rows_of([r for r in app if r in c._row_of]), np.int32),
                       append_num_tokens=an, num_lookahead_tokens=int(rng.integers(0, 3)), admit=admits)
@@ -110,14 +119,19 @@ def test_the_binary_op_replies_and_changes_as_the_general_step(pair, seed):
     rng = np.random.default_rng(seed)
     ids = iter(range(1000, 100000))
     live: list = []
+    hits = [0]
     for k in range(70):
         batch = _next_batch(rng, k, live, binary, ids)
+        n = len(ops)
         outs = [_outcome(c, batch) for c in (binary, general)]
         assert outs[0] == outs[1], (k, batch)
+        if len(ops) > n and ops[-1] and outs[0][0] == "ok":
+            hits[0] += sum(x > 0 for x in outs[0][1]["admit_cached_tokens"])
         assert _state(binary) == _state(general), k
         live = [r for r in binary._row_of]
     assert len(ops) >= 15, len(ops)  # the binary op did run (and only on one daemon)
     assert sum(nd > 0 for nd in ops) >= 4, ops  # with admissions too
+    assert hits[0] >= 2, hits  # admissions in the op that hit the cache
 
 
 def _live(c: InProc, n: int) -> list[int]:
