@@ -1223,7 +1223,8 @@ class Client(_Core):
         ``kvd.api.StepBatch``). Every request gets a status in the result (a bad id is a status,
         not an exception); rows are session rows. Block tables and the step's slot mapping are in
         ``tables`` / ``slot_mappings`` when it returns; ``sched_*`` say which rows' tokens they
-        hold. ``append_rows`` with one int token count takes the decode fast path."""
+        hold. ``append_rows`` with one int token count takes the decode fast path (the ``decode``
+        op; with frees or admissions beside them, or frees alone, the ``decode_free`` op)."""
         return self._do(self._req_step(batch))
 
     def start_step(self, batch: StepBatch) -> "PendingStep":
