@@ -15,26 +15,16 @@ from kvd.api import AdmitRequest, StepBatch
 from kvd.errors import InvalidArgument, ProtocolError, UnknownRequest
 from kvd.hashing import hash_prompt
 from kvd.server import Daemon
-from kvd_client import step as step_mod
 from kvd_client.step import tag_of
 from tests.test_decode_op import BS, InProc
+from tests.test_lone_admission_op import Sender as _Sender
 from tests.test_lone_admission_wire import Cfg
 from tests.test_refusals_change_nothing import changed, state_of
 
 
-class Sender(InProc):
+def Sender(d: Daemon, binary: bool) -> InProc:
     """An in-process client whose decode steps with frees go as the binary op or not (``binary``)."""
-
-    def __init__(self, d: Daemon, binary: bool):
-        self.binary = binary
-        super().__init__(d, json=False)
-
-    def step(self, batch):
-        old, step_mod.BINARY_DECODE_FREE = step_mod.BINARY_DECODE_FREE, self.binary
-        try:
-            return super().step(batch)
-        finally:
-            step_mod.BINARY_DECODE_FREE = old
+    return _Sender(d, binary, flag="BINARY_DECODE_FREE")
 
 
 @pytest.fixture
@@ -201,14 +191,19 @@ def _raw(c: InProc, free_rows, rows, fields=None, frames=None):
     dict(free_rows=[0], rows=[1], fields={"c": 10 ** 9}),
 ], ids=lambda c: ",".join(f"{k}" for k in c))
 def test_a_malformed_binary_step_gets_a_typed_error_and_changes_nothing(pair, case):
-    binary, _, _ = pair
-    _live(binary, 2)
-    before = state_of(binary.d)
-    rep = _raw(binary, **case)
+    _refused_and_unchanged(pair[0], lambda c: _raw(c, **case))
+
+
+def _refused_and_unchanged(c: InProc, send) -> None:
+    """``send(c)`` (a raw message, two requests live) gets one typed error frame and changes
+    nothing."""
+    _live(c, 2)
+    before = state_of(c.d)
+    rep = send(c)
     h = P.parse_reply(rep[0])
     assert h.get("err") in (ProtocolError.code, InvalidArgument.code), h
     assert len(rep) == 1
-    assert changed(before, state_of(binary.d)) == []
+    assert changed(before, state_of(c.d)) == []
 
 
 def test_a_retried_binary_step_gets_the_same_reply_applied_once(pair):
@@ -271,13 +266,7 @@ def _raw_admit(c: InProc, cols=None, hashes=None, counts=None, nd=None, frames=N
     dict(frames=[P.EMPTY, P.EMPTY, P.EMPTY, P.EMPTY, b"\0" * 8, P.EMPTY, np.zeros(1, np.int32).tobytes()]),
 ], ids=lambda c: ",".join(f"{k}" for k in c))
 def test_a_malformed_admission_in_the_binary_step_gets_a_typed_error_and_changes_nothing(pair, case):
-    binary, _, _ = pair
-    _live(binary, 2)
-    before = state_of(binary.d)
-    rep = _raw_admit(binary, **case)
-    h = P.parse_reply(rep[0])
-    assert h.get("err") in (ProtocolError.code, InvalidArgument.code), h
-    assert changed(before, state_of(binary.d)) == []
+    _refused_and_unchanged(pair[0], lambda c: _raw_admit(c, **case))
 
 
 def test_a_valid_raw_admission_in_the_binary_step_is_mapped_with_its_tag(pair):

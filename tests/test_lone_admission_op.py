@@ -25,18 +25,20 @@ from tests.test_lone_admission_wire import Cfg, random_run
 
 
 class Sender(InProc):
-    """An in-process client whose lone admissions go as the binary op or not (``binary``)."""
+    """An in-process client whose lone admissions (``flag``: ``kvd_client.step``'s switch of another
+    binary op) go as the binary op or not (``binary``)."""
 
-    def __init__(self, d: Daemon, binary: bool):
-        self.binary = binary
+    def __init__(self, d: Daemon, binary: bool, flag: str = "BINARY_ADMIT"):
+        self.binary, self.flag = binary, flag
         super().__init__(d, json=False)
 
     def step(self, batch):
-        old, step_mod.BINARY_ADMIT = step_mod.BINARY_ADMIT, self.binary
+        old = getattr(step_mod, self.flag)
+        setattr(step_mod, self.flag, self.binary)
         try:
             return super().step(batch)
         finally:
-            step_mod.BINARY_ADMIT = old
+            setattr(step_mod, self.flag, old)
 
 
 class General(Sender):
