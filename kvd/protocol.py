@@ -263,7 +263,7 @@ COMMON_PREFIX = "common_prefix"
 CROSS_TABLE = "cross_table"
 STATUS = "status"
 DECODE = "decode"  # the binary-header decode step (never a JSON "op")
-DECODE_FREE = "decode_free"  # the binary-header decode step with frees first (never a JSON "op")
+DECODE_FREE = "decode_free"  # the binary-header decode step with frees and admissions (never a JSON "op")
 ADMIT = "admit"  # the binary-header lone admission (never a JSON "op")
 
 OPS = frozenset(
@@ -372,11 +372,15 @@ def parse_decode_request(raw: bytes) -> tuple[int, int, int, int, int, int]:
     if len(raw) != DECODE_REQUEST.size:
         raise ProtocolError(f"decode header of {len(raw)} bytes, expected {DECODE_REQUEST.size}")
     _, sid, seq, c, na, an, la = DECODE_REQUEST.unpack(raw)
-    if seq < 0 or not 0 < sid <= MAX_INT or not NO_CONFIRM <= c <= MAX_INT:
-        raise ProtocolError("decode header: session, sequence number or confirmation out of range")
-    if an > MAX_COUNT or la > MAX_COUNT:
-        raise ProtocolError("decode header: token count out of range")
+    _check_decode_fields("decode", sid, seq, c, an, la)
     return sid, seq, c, na, an, la
+
+
+def _check_decode_fields(op: str, sid: int, seq: int, c: int, an: int, la: int) -> None:
+    if seq < 0 or not 0 < sid <= MAX_INT or not NO_CONFIRM <= c <= MAX_INT:
+        raise ProtocolError(f"{op} header: session, sequence number or confirmation out of range")
+    if an > MAX_COUNT or la > MAX_COUNT:
+        raise ProtocolError(f"{op} header: token count out of range")
 
 
 def decode_reply(seq: int, epoch: bytes, tick: int, nc: int, nch: int, ns: int, nt: list[int]) -> bytes:
@@ -409,8 +413,9 @@ def parse_decode_free_request(raw: bytes) -> tuple[int, int, int, int, int, int,
     and nd are the caller's to check)."""
     if len(raw) != DECODE_FREE_REQUEST.size:
         raise ProtocolError(f"decode_free header of {len(raw)} bytes, expected {DECODE_FREE_REQUEST.size}")
-    nf, nd = DECODE_FREE_REQUEST.unpack(raw)[-2:]
-    return (*parse_decode_request(DECODE_MAGIC + raw[4:DECODE_REQUEST.size]), nf, nd)
+    _, sid, seq, c, na, an, la, nf, nd = DECODE_FREE_REQUEST.unpack(raw)
+    _check_decode_fields("decode_free", sid, seq, c, an, la)
+    return sid, seq, c, na, an, la, nf, nd
 
 
 ADMIT_MAGIC = b"kvA" + bytes([VERSION])
