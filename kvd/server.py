@@ -304,7 +304,7 @@ class Daemon:
             if head[:4] == P.DECODE_MAGIC:  # the binary decode step
                 sid, seq, c, na, an, la = P.parse_decode_request(head)
                 h, fn = (c, na, an, la), self.op_decode
-            elif head[:4] == P.DECODE_FREE_MAGIC:  # the binary decode step with frees first
+            elif head[:4] == P.DECODE_FREE_MAGIC:  # the binary decode step with frees and admissions
                 sid, seq, c, na, an, la, nf, nd = P.parse_decode_free_request(head)
                 h, fn = (c, na, an, la, nf, nd), self.op_decode_free
             elif head[:4] == P.ADMIT_MAGIC:  # the binary lone admission
@@ -924,8 +924,8 @@ class Daemon:
         return self._decode_step(sess, seq, frames[0], na, an, la, c, *frames[1:])
 
     def op_decode_free(self, sess, h, frames, ident, seq):
-        """The decode op with frees first (kvd.protocol ``decode_free``): free rows, then the
-        decode op's frames."""
+        """The decode op with frees first and admissions last (kvd.protocol ``decode_free``): free
+        rows, then the decode op's frames, or with admissions the seven frames that carry them."""
         c, na, an, la, nf, nd = h
         if na > self.max_reqs or nf > self.max_reqs or nd > self.max_reqs:
             raise ProtocolError(f"decode_free: {na} append rows, {nf} free rows or {nd} admissions > {self.max_reqs}")
