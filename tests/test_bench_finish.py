@@ -3,20 +3,11 @@ took its path: the decode_free op or the JSON step) and both kinds are reported.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.test_bench_handle import run_script
 
 
 def test_small_run_reports_both_kinds_on_both_paths_and_its_checks_hold():
-    p = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_finish.py"), "-R", "8", "--chunks", "2",
-                        "--chunk", "4", "-P", "64", "--pause-us", "0"], cwd=str(REPO), capture_output=True, text=True,
-                       timeout=120)
-    assert p.returncode == 0, p.stderr[-3000:]
-    out = json.loads(p.stdout.strip().splitlines()[-1])
+    out = run_script("bench_finish.py", "-R", "8", "--chunks", "2", "--chunk", "4", "-P", "64", "--pause-us", "0")
     assert out["ok"] and out["checks"] == {"statuses_ok": True, "timed_steps_take_their_path": True,
                                            "pool_empty_after": True}
     assert set(out["figures"]) == {f"{kind}_{path}_{q}_us" for kind in ("finish", "mixed")
