@@ -292,6 +292,27 @@ class StepMessage:
             if core._id_of[row] == rid and rid not in core._row_of:
                 core._row_of[rid] = row
 
+    def _admission_frames(self, admits: list) -> list[bytes]:
+        """The admissions frame (``admit_rows_sent``, ``admit_tokens`` noted) and per group the
+        hashes and hash-counts frames of ``_admit_one``'s results."""
+        adm = np.array([(*a[0][:6], _signed64(a[0][7])) for a in admits], np.int64).reshape(len(admits), P.ADMIT_COLS)
+        self.admit_rows_sent, self.admit_tokens = adm[:, 0].astype(np.int32), adm[:, 1]
+        frames = [adm.tobytes()]
+        for g in range(self.G):
+            frames.append(b"".join(a[1][g] for a in admits))
+            frames.append(np.array([len(a[1][g]) // self.core.hash_width for a in admits], np.int32).tobytes())
+        return frames
+
+    def _admissions_done(self, adm_st: np.ndarray) -> np.ndarray:
+        """The reply's admission statuses: a refused admission's row goes; the admitted rows (-1
+        where refused)."""
+        bad = adm_st != STATUS_OK
+        if not bad.any():
+            return self.admit_rows_sent
+        for r in self.admit_rows_sent[bad].tolist():
+            self.core._drop_row(r)
+        return np.where(bad, -1, self.admit_rows_sent).astype(np.int32)
+
     def _spec(self) -> tuple:
         core, b, G = self.core, self.batch, self.G
         free_rows = self._judge_frees()
@@ -322,11 +343,7 @@ class StepMessage:
         self.adm_local, self.adm_sent, admits = self._judge(list(b.admit), self._admit_one)
         nd = len(admits)
         fields["nd"] = nd
-        adm = np.array([(*a[0][:6], _signed64(a[0][7])) for a in admits], np.int64).reshape(nd, P.ADMIT_COLS)
-        frames.append(adm.tobytes())
-        for g in range(G):
-            frames.append(b"".join(a[1][g] for a in admits))
-            frames.append(np.array([len(a[1][g]) // core.hash_width for a in admits], np.int32).tobytes())
+        frames += self._admission_frames(admits)
         app_tokens = self._append_tokens(self.app_sent)
         if app_tokens or any(a[2] for a in admits):  # the optional token-id frames (kvd.protocol)
             frames.append(b"".join(a[2] for a in admits))
@@ -340,7 +357,6 @@ class StepMessage:
             G == 1 or not any(frames[5:]))
         self.app_rows_b = frames[3]
         self.fork_children = fr[:, 1].copy() if forks else _EMPTY_I32
-        self.admit_rows_sent = adm[:, 0].astype(np.int32)
         self.counts = (len(free_rows), len(forks), app_rows.shape[0], nd)
         fields["fl"], body = P.pack_frames(frames)  # one ZeroMQ frame instead of up to 13
         return P.STEP, fields, [body], self.post, self.undo
@@ -376,13 +392,7 @@ class StepMessage:
         for c, st in zip(self.fork_children.tolist(), fork_st.tolist()):
             if st != STATUS_OK:
                 core._drop_row(c)
-        admit_rows = self.admit_rows_sent
-        if nd:
-            bad = adm_st != STATUS_OK
-            if bad.any():
-                for r in admit_rows[bad].tolist():
-                    core._drop_row(r)
-                admit_rows = np.where(bad, -1, admit_rows).astype(np.int32)
+        admit_rows = self._admissions_done(adm_st) if nd else self.admit_rows_sent
         res = StepResult(
             free_status=_spread(self.free_local, self.free_sent, free_st),
             fork_status=_spread(self.fork_local, self.fork_sent, fork_st),
@@ -521,11 +531,7 @@ class DecodeWithFrees(StepMessage):
         self.adm_local, self.adm_sent, admits = self._judge(list(self.batch.admit), self._admit_one)
         if self.adm_local is not None or any(a[2] for a in admits):
             return None
-        adm = np.array([(*a[0][:6], _signed64(a[0][7])) for a in admits], np.int64).reshape(len(admits), P.ADMIT_COLS)
-        self.admit_rows_sent, self.admit_tokens = adm[:, 0].astype(np.int32), adm[:, 1]
-        counts = np.array([len(a[1][0]) // self.core.hash_width for a in admits], np.int32)
-        return [*frames[:2], *(hash_frames or (P.EMPTY, P.EMPTY)), adm.tobytes(), b"".join(a[1][0] for a in admits),
-                counts.tobytes()]
+        return [*frames[:2], *(hash_frames or (P.EMPTY, P.EMPTY)), *self._admission_frames(admits)]
 
     def post_binary(self, h, f: list) -> StepResult:
         """The decode_free op's result: ``h`` a ``P.unpack_decode_reply`` tuple (the blocking
@@ -574,11 +580,9 @@ class DecodeWithFrees(StepMessage):
         sched_len[:appended] = self.an
         sched_len[appended:] = (self.admit_tokens - cached)[ok_adm]
         self._frees_done(free_st)
-        for r in self.admit_rows_sent[~ok_adm].tolist():
-            self.core._drop_row(r)
         res = StepResult(
             free_status=free_st, fork_status=_EMPTY_I16, append_status=app_st, admit_status=adm_st,
-            admit_rows=np.where(ok_adm, self.admit_rows_sent, -1).astype(np.int32), admit_cached_tokens=cached,
+            admit_rows=self._admissions_done(adm_st), admit_cached_tokens=cached,
             copies=copies.reshape(nc, 2) if nc else _EMPTY_COPIES, changed_rows=changed,
             sched_rows=sched_rows, sched_start=sched_start, sched_len=sched_len,
             freed_rows=self.free_rows[free_st == STATUS_OK], tick=tick,
