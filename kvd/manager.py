@@ -189,6 +189,10 @@ def _row_blocks(table: np.ndarray, rows: np.ndarray, starts: np.ndarray, stops: 
 #: (tests switch it off to compare with the general path).
 _LONE_ADMISSION_PATH = True
 
+#: ``_append_rows`` of a pool of several groups or a sliding window takes ``_append_fast_groups``
+#: (tests switch it off to compare with the request-by-request path).
+_GROUPS_FAST_PATH = True
+
 
 class BlockManager:
     @staticmethod
@@ -242,6 +246,9 @@ class BlockManager:
         self._freed_buf = np.empty(0, np.int32)  # scratch of _release_held: blocks it freed
         self._freed_rep = np.empty(0, np.int32)  # and the index of the row that freed each
         self._simple = len(self.groups) == 1 and not self.groups[0].window
+        # Scratch of the several-groups append path (_append_fast_groups): per group its plan.
+        self._gplan_grow = np.empty((len(self.groups), R), np.int64)
+        self._gplan_cow = np.empty((len(self.groups), R), bool)
         self.max_cross_blocks = _cdiv(config.max_encoder_len, config.encoder_block_size)
         self.cross_table = np.zeros((R, self.max_cross_blocks), np.int32)
         self.cross_num_blocks = np.zeros(R, np.int32)
@@ -1002,6 +1009,10 @@ class BlockManager:
                                      tokens=token_lists and token_lists[0])
             if fast is not None:
                 return np.zeros(n, np.int16), fast[0]
+        elif _GROUPS_FAST_PATH:
+            fast = self._append_fast_groups(rows, n_new, hash_lists, hash_counts, lookahead, token_lists)
+            if fast is not None:
+                return np.zeros(n, np.int16), fast[0]
         if not isinstance(n_new, np.ndarray):
             n_new = np.full(n, n_new, np.int64)
         if hash_counts is None:
@@ -1096,6 +1107,55 @@ class BlockManager:
                 self._register_appends(rows, np.zeros(n, np.int16), [hashes], [counts],
                                        token_lists=None if tokens is None else [tokens])
         return old, self._changed_buf[:n_changed]  # views of scratch: valid until the next append
+
+    def _append_fast_groups(self, rows, n_new, hash_lists, hash_counts, lookahead, token_lists=None):
+        """``_append_fast`` for a pool of several KV-cache groups or a sliding window: each group's
+        plan in a compiled loop (``rowloops.plan_appends``), all of them applied or none, then the
+        general path's registration and window release; the same blocks, references, free queue and
+        prefix cache as ``_append_rows``' request-by-request path (tests/test_group_fast_path.py).
+        Returns (the tokens each request had before, a view of scratch; the rows whose tables
+        changed: grown, copied on write, or a block slid out of a window) or None, having changed
+        nothing, whenever anything is unusual (misuse, no space): the general path decides then.
+        The caller ran the deferred prefix-cache work: registration here is not deferred."""
+        n = rows.size
+        if rows.dtype != np.int32 or n > self.num_tokens.size or not 0 <= lookahead <= self.max_lookahead:
+            return None
+        scalar = not isinstance(n_new, np.ndarray)
+        n_scalar, n_array = (int(n_new), _EMPTY_I64) if scalar else (0, n_new)
+        pool = self.pool
+        old = self._plan_old[:n]
+        needs = []
+        for gi, g in enumerate(self.groups):
+            counts = hash_counts[gi] if hash_counts is not None and hash_lists[gi].size else _EMPTY_I64
+            need = rowloops.plan_appends(
+                rows, n_scalar, n_array, lookahead, counts, self.config.max_model_len,
+                self.num_tokens, self.appendable, self.forked, self._num_forked > 0, self._mark,
+                g.table, g.num_blocks, g.num_registered, pool.ref_cnt, g.block_size,
+                old, self._gplan_grow[gi, :n], self._gplan_cow[gi, :n])
+            if need < 0:
+                return None
+            needs.append(need)
+        if sum(needs) > pool.num_free:
+            return None
+        old = old.copy()  # (apply_appends writes num_tokens from it; the scratch is shared with _append_fast)
+        changed = np.zeros(n, bool)
+        for gi, g in enumerate(self.groups):
+            grow, cow = self._gplan_grow[gi, :n], self._gplan_cow[gi, :n]
+            n_copies, _ = rowloops.apply_appends(
+                rows, n_scalar, n_array, old, grow, cow, pool.take(needs[gi]), self.num_tokens, g.table,
+                g.num_blocks, g.last_block, pool.ref_cnt, g.block_size, self._copies_buf, self._changed_buf)
+            self._record_copies(n_copies)
+            if needs[gi]:
+                changed |= (grow > 0) | cow
+        if hash_counts is not None:
+            self._register_appends(rows, np.zeros(n, np.int16), hash_lists, hash_counts, token_lists=token_lists)
+        grew = (n_array > 0) if not scalar else None
+        for g in self.groups:
+            if g.window and (scalar and n_scalar > 0 or not scalar):
+                slid = self._release_out_of_window(g, rows if scalar else rows[grew], old if scalar else old[grew])
+                if slid is not None:
+                    changed[np.isin(rows, slid)] = True
+        return old, rows[changed]
 
     @staticmethod
     def _greedy(need: np.ndarray, avail: int) -> np.ndarray:
@@ -1280,13 +1340,15 @@ class BlockManager:
         self._set_tails(gi, srows, hashes[hash_idx[firsts + counts - 1]])
         return Runs(parents, first, None if tokens is None else tokens[hash_idx])
 
-    def _release_out_of_window(self, g: _Group, rows, num_computed) -> None:
+    def _release_out_of_window(self, g: _Group, rows, num_computed) -> np.ndarray | None:
+        """Release the blocks of ``rows`` that slid out of the window once ``num_computed`` tokens
+        are computed; returns the rows whose tables changed (None: none)."""
         skip = g.skip_for(num_computed).astype(np.int32)
         skip = np.minimum(skip, g.num_blocks[rows])
         starts = g.num_skipped[rows]
         moved = skip > starts
         if not moved.any():
-            return
+            return None
         rows, skip, starts = rows[moved], skip[moved], starts[moved]
         blocks, rep = _row_blocks(g.table, rows, starts, skip, True)
         cols_rows = rows[rep]
@@ -1299,6 +1361,7 @@ class BlockManager:
         g.num_skipped[rows] = skip
         # never the last block (last_block stays): skip <= computed // block_size < num_blocks
         assert np.all(skip < g.num_blocks[rows])
+        return rows
 
     # ================================================================== free
     @_refuses_misuse
