@@ -1149,12 +1149,12 @@ class BlockManager:
                 changed |= (grow > 0) | cow
         if hash_counts is not None:
             self._register_appends(rows, np.zeros(n, np.int16), hash_lists, hash_counts, token_lists=token_lists)
-        grew = (n_array > 0) if not scalar else None
+        grew = None if scalar else np.flatnonzero(n_array > 0)  # a 0-token append releases nothing
         for g in self.groups:
-            if g.window and (scalar and n_scalar > 0 or not scalar):
+            if g.window and (not scalar or n_scalar > 0):
                 slid = self._release_out_of_window(g, rows if scalar else rows[grew], old if scalar else old[grew])
                 if slid is not None:
-                    changed[np.isin(rows, slid)] = True
+                    changed[slid if scalar else grew[slid]] = True
         return old, rows[changed]
 
     @staticmethod
@@ -1342,26 +1342,21 @@ class BlockManager:
 
     def _release_out_of_window(self, g: _Group, rows, num_computed) -> np.ndarray | None:
         """Release the blocks of ``rows`` that slid out of the window once ``num_computed`` tokens
-        are computed; returns the rows whose tables changed (None: none)."""
-        skip = g.skip_for(num_computed).astype(np.int32)
-        skip = np.minimum(skip, g.num_blocks[rows])
-        starts = g.num_skipped[rows]
-        moved = skip > starts
-        if not moved.any():
+        are computed (``rowloops.slide_windows``); returns the indices into ``rows`` of those whose
+        tables changed (None: none)."""
+        num_computed = np.asarray(num_computed, np.int64)
+        total = rowloops.window_slides(rows, num_computed, g.window, g.block_size, g.num_blocks, g.num_skipped)
+        if not total:
             return None
-        rows, skip, starts = rows[moved], skip[moved], starts[moved]
-        blocks, rep = _row_blocks(g.table, rows, starts, skip, True)
-        cols_rows = rows[rep]
-        live = blocks != NULL_BLOCK
-        self.pool.release(blocks[live], self.priority[cols_rows[live]])
-        # Null out [start, skip) of every moved row.
-        counts = skip - starts
-        within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-        g.table[np.repeat(rows, counts), np.repeat(starts, counts) + within] = NULL_BLOCK
-        g.num_skipped[rows] = skip
-        # never the last block (last_block stays): skip <= computed // block_size < num_blocks
-        assert np.all(skip < g.num_blocks[rows])
-        return rows
+        freed, rep, moved = np.empty(total, np.int32), np.empty(total, np.int32), np.empty(rows.size, np.int32)
+        n, m = rowloops.slide_windows(rows, num_computed, g.window, g.block_size, g.table, g.num_blocks, g.num_skipped,
+                                      self.pool.ref_cnt, freed, rep, moved)
+        assert n >= 0, "a window released more references than its blocks had, or a row's last block"
+        if n:
+            prio = self.priority[rep[:n]]
+            # one priority for all (the usual case) parks in one compiled pass (kvd.pool.park)
+            self.pool.park(freed[:n], int(prio[0]) if prio.min() == prio.max() else prio)
+        return moved[:m]
 
     # ================================================================== free
     @_refuses_misuse

@@ -318,6 +318,69 @@ def drop_row_refs(table, rows, starts, stops, ref_cnt, freed_out, rep_out, n):
 
 
 @_jit
+def _window_skip(num_computed, window, block_size, nb):
+    """Leading blocks a row of ``nb`` blocks no longer needs once ``num_computed`` tokens are
+    computed (kvd.manager's ``_Group.skip_for``, capped at its blocks)."""
+    skip = num_computed - window + 1
+    if skip <= 0:
+        return 0
+    skip //= block_size
+    return nb if skip > nb else skip
+
+
+@_jit
+def window_slides(rows, num_computed, window, block_size, num_blocks, num_skipped):
+    """How many table entries ``slide_windows`` would release (changes nothing)."""
+    total = 0
+    for i in range(rows.size):
+        row = rows[i]
+        skip = _window_skip(num_computed[i], window, block_size, num_blocks[row])
+        if skip > num_skipped[row]:
+            total += skip - num_skipped[row]
+    return total
+
+
+@_jit
+def slide_windows(rows, num_computed, window, block_size, table, num_blocks, num_skipped, ref_cnt,
+                  freed_out, rep_out, moved_out):
+    """Release the blocks of a sliding-window group that ``rows`` no longer need once
+    ``num_computed[i]`` tokens of row i are computed: each row's entries from its new skip count
+    down to its old one (tail first, row after row) become NULL_BLOCK and drop a reference, as
+    ``BlockPool.release`` of those entries gathered would. A block whose count reaches zero goes to
+    ``freed_out[n]`` (its row to ``rep_out[n]``), the index into ``rows`` of each row that moved to
+    ``moved_out[m]``. Returns
+    (n, m), or (DECLINED, 0) when a count would fall below zero or a row would skip its last block
+    (bugs: the state is then partly changed, and the caller asserts)."""
+    n = 0
+    m = 0
+    for i in range(rows.size):
+        row = rows[i]
+        nb = num_blocks[row]
+        skip = _window_skip(num_computed[i], window, block_size, nb)
+        start = num_skipped[row]
+        if skip <= start:
+            continue
+        if skip >= nb:  # never the last block: kvd.manager's _Group keeps last_block
+            return DECLINED, 0
+        for j in range(skip - 1, start - 1, -1):
+            b = table[row, j]
+            table[row, j] = NULL_BLOCK
+            if b == NULL_BLOCK:
+                continue
+            if ref_cnt[b] <= 0:
+                return DECLINED, 0
+            ref_cnt[b] -= 1
+            if ref_cnt[b] == 0:
+                freed_out[n] = b
+                rep_out[n] = row
+                n += 1
+        num_skipped[row] = skip
+        moved_out[m] = i
+        m += 1
+    return n, m
+
+
+@_jit
 def park_blocks(freed, cache_key, no_cache_key, stack, stack_top, qbuf, qtail, queue_pos, evict_prio, prio):
     """Blocks whose count just reached zero, in freeing order (what ``BlockPool.park`` does with one
     priority for all): a block in no prefix cache goes on the free stack (``stack[stack_top]``), a
@@ -649,3 +712,5 @@ def warm_up() -> None:
     gather_rows(i32, ro, i32.copy())  # rows straight from a message frame (read-only)
     mirror_appends(table, i32, ro, i32[:0], i32[:0], i32, i64, i64, flags, table, i32, i32, 1)  # the daemon's
     widen_counts(ro, i64.copy())  # hash counts from a frame: compiled later, the first took ~2.7 ms
+    window_slides(i32, i64, 1, 1, i32, i32)
+    slide_windows(i32[:0], i64, 1, 1, table, i32, i32.copy(), i32.copy(), i32.copy(), i32.copy(), i32.copy())

@@ -447,5 +447,71 @@ def test_manager_warm_up_loads_every_loop_that_python_calls():
     out = subprocess.run([sys.executable, "-c", _COLD_LOOPS], capture_output=True, text=True, timeout=300, check=True)
     before, rows_cold, index_cold = json.loads(out.stdout.strip().splitlines()[-1])
     assert {"append_batch", "plan_appends", "insert_new", "find_run", "rebuild"} <= set(before)
-    assert rows_cold == ["fork_row_state"]  # inlined into fork_rows
+    assert rows_cold == ["_window_skip", "fork_row_state"]  # inlined into their callers
     assert index_cold and all(n.startswith("_") for n in index_cold)  # the index's inner helpers
+
+
+def _slide_reference(rows, num_computed, window, block_size, table, num_blocks, num_skipped, ref_cnt):
+    """What kvd.manager released before ``slide_windows``: each moved row's entries [old skip, new
+    skip) gathered tail first (``_row_blocks``), their references dropped in that order
+    (``drop_refs``: a block is freed at its last entry), then nulled."""
+    from kvd.manager import _row_blocks
+
+    skip = np.minimum(np.maximum(num_computed - window + 1, 0) // block_size, num_blocks[rows]).astype(np.int32)
+    starts = num_skipped[rows]
+    moved = np.flatnonzero(skip > starts)
+    blocks, rep = _row_blocks(table, rows[moved], starts[moved], skip[moved], True)
+    live = blocks != 0
+    last = np.zeros(int(live.sum()), bool)
+    assert rowloops.drop_refs(blocks[live], ref_cnt, last) >= 0
+    freed, freed_rows = blocks[live][last], rows[moved][rep][live][last]
+    for i in moved.tolist():
+        table[rows[i], starts[i]:skip[i]] = 0
+        num_skipped[rows[i]] = skip[i]
+    return freed, freed_rows, moved
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_slide_windows_releases_what_the_gathered_release_did(seed):
+    rng = np.random.default_rng(seed)
+    R, W, B, bs = 6, 9, 30, 4
+    window = int(rng.choice([4, 8, 13]))
+    table = rng.integers(1, B, (R, W)).astype(np.int32)
+    num_blocks = rng.integers(1, W + 1, R).astype(np.int32)
+    num_skipped = np.array([rng.integers(0, n) for n in num_blocks], np.int32)
+    for r in range(R):
+        table[r, :num_skipped[r]] = 0
+        table[r, num_blocks[r]:] = 0
+        table[r, rng.random(W) < 0.1] = 0  # a null entry inside the window range: skipped
+    ref_cnt = np.bincount(table.ravel(), minlength=B).astype(np.int32) + rng.integers(0, 2, B).astype(np.int32)
+    ref_cnt[0] = 0
+    rows = rng.permutation(R)[: int(rng.integers(1, R + 1))].astype(np.int32)
+    # tokens computed: anywhere up to the row's last block (a window never releases that one)
+    num_computed = np.array([rng.integers(0, (num_blocks[r] - 1) * bs + window) for r in rows], np.int64)
+    before = num_skipped.copy()
+    expect = [a.copy() for a in (table, num_skipped, ref_cnt)]
+    freed_ref, rows_ref, moved_ref = _slide_reference(rows, num_computed, window, bs, expect[0], num_blocks,
+                                                      expect[1], expect[2])
+    total = rowloops.window_slides(rows, num_computed, window, bs, num_blocks, num_skipped)
+    assert total == int((expect[1] - before).sum())  # the entries released, null ones included
+    freed, rep, moved = np.full(total, -9, np.int32), np.full(total, -9, np.int32), np.full(R, -9, np.int32)
+    n, m = rowloops.slide_windows(rows, num_computed, window, bs, table, num_blocks, num_skipped, ref_cnt,
+                                  freed, rep, moved)
+    assert freed[:n].tolist() == freed_ref.tolist() and rep[:n].tolist() == rows_ref.tolist()
+    assert moved[:m].tolist() == moved_ref.tolist()
+    assert np.array_equal(table, expect[0]) and np.array_equal(num_skipped, expect[1])
+    assert np.array_equal(ref_cnt, expect[2])
+
+
+def test_slide_windows_declines_a_count_below_zero_or_a_rows_last_block():
+    table = np.array([[5, 6, 7]], np.int32)
+    out = [np.zeros(3, np.int32) for _ in range(3)]
+    args = (np.array([0], np.int32), np.array([12], np.int64), 4, 4)  # skip (12 - 4 + 1) // 4 = 2 blocks
+    assert rowloops.slide_windows(*args, table.copy(), np.array([3], np.int32), np.zeros(1, np.int32),
+                                  np.array([0, 0, 0, 0, 0, 1, 0, 1], np.int32), *out)[0] == rowloops.DECLINED
+    assert rowloops.slide_windows(*args, table.copy(), np.array([2], np.int32), np.zeros(1, np.int32),
+                                  np.ones(8, np.int32), *out)[0] == rowloops.DECLINED  # would skip block 6, the last
+    ref = np.ones(8, np.int32)
+    t = table.copy()
+    assert rowloops.slide_windows(*args, t, np.array([3], np.int32), np.zeros(1, np.int32), ref, *out) == (2, 1)
+    assert t.tolist() == [[0, 0, 7]] and out[0][:2].tolist() == [6, 5] and ref[5:8].tolist() == [0, 0, 1]
