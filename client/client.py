@@ -738,9 +738,9 @@ class _Core:
     def _req_decode(self, rows, num_tokens: int, lookahead: int, computed_through: int | None = None,
                     hashes=(), counts=(), num_groups: int = 1, token_ids=()):
         """The decode fast path of ``step`` (the ``decode`` op, a binary header): appends by row,
-        one token count for all, and with one KV-cache group the hashes of the blocks that filled
-        (and their token ids, sent only to a daemon that publishes KV events); one array copy each
-        way, no per-request Python. None when the batch needs the general message (hashes of
+        one token count for all, and each KV-cache group's hashes of the blocks that filled
+        (with one group their token ids, sent only to a daemon that publishes KV events); one array copy each
+        way, no per-request Python. None when the batch needs the general message (token ids with
         several groups, counts that do not fit the rows)."""
         if type(rows) is not np.ndarray or rows.dtype != np.int32 or not rows.flags.c_contiguous:
             rows = int32_array(rows, "append_rows")  # InvalidArgument rather than a wrapped row
@@ -754,6 +754,8 @@ class _Core:
         frames = [rows_b, *hash_frames]
         if hash_frames:
             if len(token_ids) and self.info.get("kv_events"):
+                if num_groups != 1:
+                    return None  # several groups' token ids: the general message
                 frames.append(token_frame(group_token_ids(token_ids, 1)[0]))
         elif len(token_ids):
             return None  # token ids without hashes: the general message reports it

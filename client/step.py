@@ -86,19 +86,21 @@ def int32_array(values, what: str) -> np.ndarray:
 
 
 def decode_hash_frames(hashes, counts, n: int, num_groups: int, width: int) -> list[bytes] | None:
-    """The decode ops' optional hash frames for ``n`` append rows: none without hashes, the one
-    group's hashes and counts when both are well-typed arrays, None for anything else (the step
-    then goes as the general message). Whether the counts add up is the daemon's to say (a
-    ProtocolError on either path)."""
+    """The decode ops' optional hash frames for ``n`` append rows: none without hashes, each
+    group's hashes and counts (in group order) when all are well-typed arrays, None for anything
+    else (the step then goes as the general message). Whether the counts add up is the daemon's to
+    say (a ProtocolError on either path)."""
     if not (len(hashes) or len(counts)):
         return []
-    if num_groups != 1 or len(hashes) != 1 or len(counts) != 1:
+    if len(hashes) != num_groups or len(counts) != num_groups:
         return None
-    hs, cnt = hashes[0], counts[0]
-    if (type(cnt) is not np.ndarray or cnt.dtype != np.int32 or cnt.shape != (n,)
-            or type(hs) is not np.ndarray or hs.ndim != 1 or hs.dtype.itemsize != width or hs.dtype.kind != "S"):
-        return None
-    return [hs.tobytes(), cnt.tobytes()]
+    frames = []
+    for hs, cnt in zip(hashes, counts):
+        if (type(cnt) is not np.ndarray or cnt.dtype != np.int32 or cnt.shape != (n,)
+                or type(hs) is not np.ndarray or hs.ndim != 1 or hs.dtype.itemsize != width or hs.dtype.kind != "S"):
+            return None
+        frames += (hs.tobytes(), cnt.tobytes())
+    return frames
 
 
 def _repeats(keys) -> np.ndarray:

@@ -150,9 +150,10 @@ decode     The decode step again, with a *binary* header instead of JSON (the ho
                sid    u64 session id           seq  i64  q (>= 0)
                c      i64 confirmation tick, or NO_CONFIRM (-1)
                na     u32 append rows          an   u32  tokens each   la  u32  lookahead tokens
-           frames after it: append rows int32[na]; optionally (one KV-cache group only) the hashes
-           of the blocks that filled S16[*] and their counts int32[na], and after those optionally
-           the blocks' token ids int32[block_size per hash]. Same meaning, checks and
+           frames after it: append rows int32[na]; optionally the hashes of the blocks that filled
+           S16[*] and their counts int32[na], one pair per KV-cache group in group order, and
+           after those (one group only) optionally the blocks' token ids int32[block_size per
+           hash]: 1, 3 or 4 frames with one group, 1 or 1 + 2G with G. Same meaning, checks and
            effects as a ``step`` of appends only. The reply header is ``DECODE_REPLY`` (48 bytes +
            4 per group)::
 
@@ -169,7 +170,7 @@ decode_free
            with magic DECODE_FREE_MAGIC (b"kvF" + version byte), then
                nf     u32 free rows            nd   u32  admissions (one KV-cache group only)
            frames after it, without admissions: free rows int32[nf], append rows int32[na], then
-           the decode op's optional hash, count and token-id frames; with admissions exactly
+           the decode op's optional hash, count (per group) and token-id frames; with admissions exactly
            ``DECODE_FREE_ADMIT_FRAMES`` frames: free rows, append rows, append hashes S16[*] and
            counts int32[na] (both empty: none), admissions int64[nd, ADMIT_COLS], admit hashes
            S16[*] and admit hash counts int32[nd] (no token ids: such a step goes as ``step``).

@@ -919,8 +919,13 @@ class Daemon:
             raise ProtocolError(f"decode: {na} rows > {self.max_reqs}")
         if len(frames) == 1:
             return self._decode_step(sess, seq, frames[0], na, an, la, c)
-        if len(frames) not in (3, 4) or self.G != 1:
-            raise ProtocolError("decode: expected the rows frame, then hashes and counts (+ token ids; one group only)")
+        if self.G != 1:
+            if len(frames) != 1 + 2 * self.G:
+                raise ProtocolError(f"decode: expected the rows frame, then each of the {self.G} groups' hashes and "
+                                    "counts (no token ids with several groups)")
+            return self._decode_step(sess, seq, frames[0], na, an, la, c, group_frames=frames[1:])
+        if len(frames) not in (3, 4):
+            raise ProtocolError("decode: expected the rows frame, then hashes and counts (+ token ids)")
         return self._decode_step(sess, seq, frames[0], na, an, la, c, *frames[1:])
 
     def op_decode_free(self, sess, h, frames, ident, seq):
@@ -937,27 +942,37 @@ class Daemon:
                                      nf=nf, admit_frames=frames[4:], nd=nd)
         if len(frames) == 2:
             return self._decode_step(sess, seq, frames[1], na, an, la, c, free_b=frames[0], nf=nf)
-        if len(frames) not in (4, 5) or self.G != 1:
+        if self.G != 1:
+            if len(frames) != 2 + 2 * self.G:
+                raise ProtocolError(f"decode_free: expected the free rows and append rows frames, then each of the "
+                                    f"{self.G} groups' hashes and counts (no token ids with several groups)")
+            return self._decode_step(sess, seq, frames[1], na, an, la, c, free_b=frames[0], nf=nf,
+                                     group_frames=frames[2:])
+        if len(frames) not in (4, 5):
             raise ProtocolError("decode_free: expected the free rows and append rows frames, then hashes and "
-                                "counts (+ token ids; one group only)")
+                                "counts (+ token ids)")
         return self._decode_step(sess, seq, frames[1], na, an, la, c, *frames[2:], free_b=frames[0], nf=nf)
 
     def _decode_step(self, sess: Session, seq: int, rows_b: bytes, na: int, an: int, la: int, c: int,
                      hashes_b: bytes = P.EMPTY, counts_b: bytes = P.EMPTY, tokens_b: bytes = P.EMPTY,
                      binary: bool = True, free_b: bytes | None = None, nf: int = 0,
-                     admit_frames: list[bytes] | None = None, nd: int = 0) -> list[bytes]:
+                     admit_frames: list[bytes] | None = None, nd: int = 0,
+                     group_frames: list[bytes] | None = None) -> list[bytes]:
         """The decode fast path: appends only, one token count for all; the hashes of blocks that
         filled (if any, one group) are registered on the way, with their token ids if sent.
         ``c``: the confirmation, or NO_CONFIRM. ``binary``: reply with a decode header (the decode
         op) or JSON (a step). ``free_b``: the decode_free op's ``nf`` free rows, freed first (the
         manager's step then decides request by request; the reply body starts with their status),
-        and ``admit_frames`` its ``nd`` admissions (frame, hashes, counts), admitted last."""
+        and ``admit_frames`` its ``nd`` admissions (frame, hashes, counts), admitted last.
+        ``group_frames``: with several KV-cache groups, each group's hashes and counts frames."""
         if na * an > self.max_tokens:
             raise InvalidArgument(f"{na * an} append tokens > max_num_batched_tokens {self.max_tokens}")
         free_rows = None if free_b is None else self._rows(free_b, "free rows", nf)
         srows, mrows = self._mapped_rows(sess, rows_b, "append rows", na)
         hs = cnt = tokens = None
-        if hashes_b or counts_b:
+        if group_frames is not None:
+            hs, cnt = self._group_append_hashes(group_frames, na)
+        elif hashes_b or counts_b:
             hs = P.frame_hashes(hashes_b, "append hashes", na * (self.max_model_len // self.block_sizes[0] + 1), dtype=self.hash_dtype)
             if not counts_b:
                 raise ProtocolError("append hashes without counts")
@@ -991,7 +1006,7 @@ class Daemon:
             batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la,
                               computed_through=confirm)
             if hs is not None:
-                batch.append_hashes, batch.append_hash_counts = (hs,), (cnt,)
+                batch.append_hashes, batch.append_hash_counts = (hs, cnt) if group_frames else ((hs,), (cnt,))
             if tokens is not None:
                 batch.append_token_ids = (tokens,)
             if free_rows is not None:
@@ -1025,6 +1040,19 @@ class Daemon:
         if binary:
             return [P.decode_reply(seq, self.epoch_b, tick, len(copies), len(changed), ns, nt), body]
         return [P.ok_reply(seq, self.epoch, t=tick, nt=nt, nc=len(copies), nch=len(changed), nfr=0, ns=ns), body]
+
+    def _group_append_hashes(self, frames: list[bytes], na: int) -> tuple[tuple, tuple] | tuple[None, None]:
+        """Each group's append hashes and counts from the decode ops' ``2 * G`` frames (all empty:
+        none), checked as the one group's are."""
+        if not any(frames):
+            return None, None
+        hs, cnt = [], []
+        for g in range(self.G):
+            h = P.frame_hashes(frames[2 * g], f"append hashes[{g}]", na * (self.max_model_len // self.block_sizes[g] + 1),
+                               dtype=self.hash_dtype)
+            hs.append(h)
+            cnt.append(_hash_counts(frames[2 * g + 1], na, h.shape[0]))
+        return tuple(hs), tuple(cnt)
 
     def _lone_admission(self, sess: Session, h: dict, frames: list[bytes], seq: int, la: int) -> list[bytes]:
         """``op_step`` of one admission and nothing else (an idle engine's new request: its time to

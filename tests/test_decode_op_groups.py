@@ -1,0 +1,263 @@
+"""The binary decode ops (``decode``, and ``decode_free`` for steps that also free) on a daemon of
+several KV-cache groups (full attention beside a sliding window, two block sizes): each group's
+filled-block hashes travel as a pair of frames. Seeded random runs of admissions with every group's
+prompt hashes, forks, frees (alone and beside appends) and decode steps of random sizes, lookahead
+and hashes, in a pool small enough to evict, go to two daemons, one client sending the binary ops
+and the other JSON steps: every reply, each group's tables and counts and the slot mapping in shared
+memory, and each manager's state (every group) must be the same after every call. Malformed group
+frames are refused with nothing changed."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from kvd import protocol as P
+from kvd.api import AdmitRequest, StepBatch
+from kvd.errors import KvdError, ProtocolError
+from kvd.hashing import hash_prompt
+from kvd.server import Daemon
+from test_decode_op import Cfg, InProc
+from test_decode_op_random import FIELDS
+from test_refusals_change_nothing import changed, state_of
+
+GROUPS = {"full+window": ((4, 0), (4, 8)), "two sizes": ((4, 0), (8, 16))}  # (block size, window) each
+
+
+def _cfg(groups):
+    return type("GroupsCfg", (Cfg,), {"group_specs": staticmethod(lambda: groups), "num_gpu_blocks": 96})
+
+
+def _manager_state(d: Daemon):
+    m = d.manager
+    p = m.pool
+    groups = [(g.table.tobytes(), g.num_blocks.tobytes(), g.num_registered.tobytes(), g.num_skipped.tobytes())
+              for g in m.groups]
+    return (p.ref_cnt.tobytes(), p.cache_key.tobytes(), p.free_queue_order().tobytes(), copy.deepcopy(p.caches),
+            groups, m.num_tokens.tobytes(), m.tick, m.num_deferred)
+
+
+class _Run:
+    def __init__(self, seed: int, pair):
+        self.rng = np.random.default_rng(seed)
+        self.c = pair
+        self.sizes = pair[0].d.block_sizes
+        self.prefix = self.rng.integers(1, 300, 16).astype(np.int32)
+        self.tokens: dict[str, np.ndarray] = {}
+        self.registered: dict[str, list[int]] = {}
+        self.n = 0
+
+    def hashes(self, tokens, start):
+        return [hash_prompt(tokens, bs)[s:] for bs, s in zip(self.sizes, start)]
+
+    def step(self, batch: StepBatch):
+        """The step through both clients: the same results, or the same error."""
+        res = []
+        for c in self.c:
+            try:
+                res.append(c.step(batch))
+            except KvdError as e:
+                res.append(e)
+        a, b = res
+        self.check_same()
+        if isinstance(b, KvdError):
+            assert type(a) is type(b), (a, b)
+            return None
+        for f in FIELDS:
+            assert np.array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(b, f))), f
+        return a
+
+    def check_same(self) -> None:
+        s0, s1 = self.c[0].shm, self.c[1].shm
+        for g in range(len(self.sizes)):
+            assert np.array_equal(s0.tables[g], s1.tables[g]) and np.array_equal(s0.counts[g], s1.counts[g])
+        assert np.array_equal(s0.slot_array, s1.slot_array)
+        assert _manager_state(self.c[0].d) == _manager_state(self.c[1].d)
+        for c in self.c:  # both publish the manager's own rows, every group
+            sess = c.d.sessions[c.sid]
+            srows = np.flatnonzero(sess.mrow >= 0)
+            mrows = sess.mrow[srows]
+            for g in range(len(self.sizes)):
+                counts = c.d.manager.num_blocks[g][mrows]
+                assert np.array_equal(c.shm.counts[g][srows], counts)
+                for sr, mr, n in zip(srows.tolist(), mrows.tolist(), counts.tolist()):
+                    assert np.array_equal(c.shm.tables[g][sr, :n], c.d.manager.tables[g][mr, :n]), (g, sr, mr)
+
+    def admit(self) -> None:
+        reqs = []
+        for _ in range(int(self.rng.integers(1, 3))):
+            if len(self.tokens) + len(reqs) >= Cfg.max_reqs_per_session:
+                break
+            rid = f"r{self.n}"
+            self.n += 1
+            p = np.concatenate([self.prefix[: int(self.rng.integers(0, 17))],
+                                self.rng.integers(1, 300, int(self.rng.integers(1, 9))).astype(np.int32)])
+            self.tokens[rid], self.registered[rid] = p, [p.size // bs for bs in self.sizes]
+            reqs.append(AdmitRequest(rid, p.size, self.hashes(p, [0] * len(self.sizes))))
+        if not reqs:
+            return
+        res = self.step(StepBatch(admit=reqs))
+        for r, st in zip(reqs, res.admit_status.tolist() if res is not None else [1] * len(reqs)):
+            if st:
+                del self.tokens[r.req_id], self.registered[r.req_id]
+
+    def fork(self) -> None:
+        if not self.tokens or len(self.tokens) >= Cfg.max_reqs_per_session:
+            return
+        parent = list(self.tokens)[int(self.rng.integers(0, len(self.tokens)))]
+        child = f"r{self.n}"
+        self.n += 1
+        res = self.step(StepBatch(forks=[(parent, child)]))
+        if res is not None and res.fork_status.tolist() == [0]:
+            self.tokens[child], self.registered[child] = self.tokens[parent].copy(), list(self.registered[parent])
+
+    def _pick_free(self) -> list[str]:
+        if not self.tokens:
+            return []
+        rid = list(self.tokens)[int(self.rng.integers(0, len(self.tokens)))]
+        del self.tokens[rid], self.registered[rid]
+        return [rid]
+
+    def free(self) -> None:
+        frees = self._pick_free()
+        if frees:
+            self.step(StepBatch(free=frees))
+
+    def decode(self) -> None:
+        frees = self._pick_free() if self.rng.random() < 0.25 else []
+        rids = [r for r in self.tokens if self.rng.random() < 0.8]
+        if not rids:
+            return
+        n_new = int(self.rng.choice([0, 1, 1, 1, 2, 3, 5, 9]))  # (9: two blocks at once)
+        lookahead = int(self.rng.choice([0, 0, 1]))
+        new = {r: self.rng.integers(1, 300, n_new).astype(np.int32) for r in rids}
+        G = len(self.sizes)
+        hashes, counts = [[] for _ in range(G)], [[] for _ in range(G)]
+        for r in rids:
+            for g, h in enumerate(self.hashes(np.concatenate([self.tokens[r], new[r]]), self.registered[r])):
+                hashes[g].append(h)
+                counts[g].append(h.size)
+        rows = self.c[0].rows_of(rids)
+        with_hashes = sum(map(sum, counts)) > 0 and self.rng.random() < 0.8
+        batch = StepBatch(free=frees, append_rows=rows, append_num_tokens=n_new, num_lookahead_tokens=lookahead,
+                          append_hashes=tuple(np.concatenate(h) for h in hashes) if with_hashes else (),
+                          append_hash_counts=tuple(np.array(c, np.int32) for c in counts) if with_hashes else ())
+        res = self.step(batch)
+        if res is None:
+            return
+        for i, (r, st) in enumerate(zip(rids, res.append_status.tolist())):
+            if st == 0:
+                self.tokens[r] = np.concatenate([self.tokens[r], new[r]])
+                if with_hashes:
+                    self.registered[r] = [reg + c[i] for reg, c in zip(self.registered[r], counts)]
+
+
+class _JsonSteps(InProc):
+    """Every step as the general JSON step message (what a client sent before the binary ops took
+    several groups' hashes)."""
+
+    def _req_decode(self, *args, **kw):
+        return None
+
+
+def _pair(groups):
+    daemons = [Daemon(_cfg(groups)), Daemon(_cfg(groups))]
+    return daemons, [InProc(daemons[0], json=False), _JsonSteps(daemons[1], json=True)]
+
+
+def _close(daemons) -> None:
+    for d in daemons:
+        for s in list(d.sessions.values()):
+            d.end_session(s, "test")
+
+
+@pytest.mark.parametrize("groups", list(GROUPS))
+@pytest.mark.parametrize("seed", range(8))
+def test_the_decode_ops_and_the_json_step_agree_with_several_groups(groups, seed):
+    daemons, pair = _pair(GROUPS[groups])
+    try:
+        sent = []
+        real = daemons[0].handle
+
+        def recording(msg):
+            sent.append((msg[1][:3], len(msg)))
+            return real(msg)
+        daemons[0].handle = recording
+        run = _Run(seed, pair)
+        ops = [run.admit, run.admit, run.fork, run.free, run.decode, run.decode, run.decode, run.decode]
+        for _ in range(70):
+            ops[int(run.rng.integers(0, len(ops)))]()
+        G = len(run.sizes)
+        decodes = [n for magic, n in sent if magic == b"kvD"]
+        with_frees = [n for magic, n in sent if magic == b"kvF"]
+        # (id, header, rows[, each group's hashes and counts]); decode_free: the free rows first
+        assert len(decodes) >= 5 and decodes.count(3 + 2 * G) >= 3, decodes
+        assert len(with_frees) >= 2 and with_frees.count(4 + 2 * G) >= 1, with_frees
+        assert not any(rep[0][:4] == P.DECODE_REPLY_MAGIC for rep in pair[1].raw)
+        for d in daemons:
+            d.manager.flush_deferred()
+            d.manager.check_invariants(heavy=True)
+        assert _manager_state(daemons[0]) == _manager_state(daemons[1])
+    finally:
+        _close(daemons)
+
+
+def _decode_msg(c: InProc, rows, frames, nf: int | None = None, an: int = 1) -> list[bytes]:
+    """A raw decode op (or, with ``nf`` free rows first in ``frames``, a decode_free op)."""
+    seq = c._next_seq()
+    rows = np.asarray(rows, np.int32)
+    if nf is None:
+        head = P.DECODE_REQUEST.pack(P.DECODE_MAGIC, c.sid, seq, P.NO_CONFIRM, rows.size, an, 0)
+    else:
+        head = P.DECODE_FREE_REQUEST.pack(P.DECODE_FREE_MAGIC, c.sid, seq, P.NO_CONFIRM, rows.size, an, 0, nf, 0)
+    return [b"id", head, *frames]
+
+
+def _two_live(c: InProc) -> np.ndarray:
+    """Two requests of 7 tokens (their next token fills a block of 4 and of 8): their rows."""
+    p = np.arange(1, 8, dtype=np.int32)
+    res = c.step(StepBatch(admit=[AdmitRequest(i, 7, [hash_prompt(p, bs) for bs in c.d.block_sizes])
+                                  for i in range(2)]))
+    assert res.admit_status.tolist() == [0, 0]
+    return c.rows_of([0, 1])
+
+
+def _frames_of(c: InProc, rows: np.ndarray) -> list[bytes]:
+    """Each group's hashes and counts frames for appending token 8 to both requests (a block of
+    4 fills in group 0, one of 8 in group 1)."""
+    h = [hash_prompt(np.arange(1, 9, dtype=np.int32), bs)[-1:] for bs in c.d.block_sizes]
+    return [np.concatenate([h[0], h[0]]).tobytes(), np.array([1, 1], np.int32).tobytes(),
+            np.concatenate([h[1], h[1]]).tobytes(), np.array([1, 1], np.int32).tobytes()]
+
+
+@pytest.mark.parametrize("case", ["one group's frames", "token ids", "counts short", "counts do not add up",
+                                  "hashes of another width", "decode_free: one group's frames"])
+def test_malformed_group_frames_get_a_typed_error_and_change_nothing(case):
+    daemons, pair = _pair(GROUPS["two sizes"])
+    try:
+        c = pair[0]
+        rows = _two_live(c)
+        groups = _frames_of(c, rows)
+        rows_b = rows.tobytes()
+        frames = {
+            "one group's frames": [rows_b, *groups[:2]],
+            "token ids": [rows_b, *groups, np.zeros(8, np.int32).tobytes()],
+            "counts short": [rows_b, *groups[:3], np.array([1], np.int32).tobytes()],
+            "counts do not add up": [rows_b, *groups[:3], np.array([1, 2], np.int32).tobytes()],
+            "hashes of another width": [rows_b, groups[0] + b"x", *groups[1:]],
+            "decode_free: one group's frames": [P.EMPTY, rows_b, *groups[:2]],
+        }[case]
+        before = state_of(c.d)
+        rep = c.d.handle(_decode_msg(c, rows, frames, nf=0 if case.startswith("decode_free") else None))
+        assert P.parse_reply(rep[0]).get("err") == ProtocolError.code and len(rep) == 1
+        assert changed(before, state_of(c.d)) == []
+        # and the well-formed message then does what it says: each group registers its filled block
+        rep = c.d.handle(_decode_msg(c, rows, [rows_b, *groups]))
+        assert rep[0][:4] == P.DECODE_REPLY_MAGIC
+        m = c.d.manager
+        mrows = c.d.sessions[c.sid].mrow[rows]
+        assert m.groups[0].num_registered[mrows].tolist() == [2, 2] and m.groups[1].num_registered[mrows].tolist() == [1, 1]
+    finally:
+        _close(daemons)
