@@ -2057,8 +2057,10 @@ class BlockManager:
         general path its code is cold in the daemon (2-3x its warm cost). ``mirror``: the caller's
         copy of these rows' tables, written when the step is taken (``rowloops.mirror_appends``'
         first five arguments)."""
-        if not self._simple or not rows.size or type(n_new) is not int or type(lookahead) is not int:
+        if not rows.size or type(n_new) is not int or type(lookahead) is not int:
             return None
+        if not self._simple:
+            return self._decode_rows_groups(rows, n_new, lookahead, hashes, counts)
         if hashes is None:
             hashes, counts = self._empty_hashes, None
         elif not (type(hashes) is np.ndarray and hashes.dtype == self.hash_dtype and hashes.ndim == 1
@@ -2080,6 +2082,40 @@ class BlockManager:
         old, grown = fast
         self._debug_check()
         return old, grown.copy(), self._copies_since(copies_before)
+
+    def _decode_rows_groups(self, rows: np.ndarray, n_new: int, lookahead: int, hashes, counts):
+        """``decode_rows`` of a pool of several KV-cache groups or a sliding window: ``hashes`` and
+        ``counts`` one array per group (or None), the rows whose tables changed (grown, copied on
+        write, a block slid out of a window) come back. Registration is not deferred here: the
+        deferred work runs first, as the general path runs it."""
+        G = len(self.groups)
+        hash_lists, count_lists = self._no_hashes, None
+        if G == 1 and type(hashes) is np.ndarray:  # (one window group: its arrays as they come)
+            hashes, counts = (hashes,), (counts,)
+        if hashes is not None:
+            if not (type(hashes) in (tuple, list) and type(counts) in (tuple, list) and len(hashes) == len(counts) == G):
+                return None
+            hash_lists, count_lists = [], []
+            for h, c in zip(hashes, counts):
+                if not (type(h) is np.ndarray and h.dtype == self.hash_dtype and h.ndim == 1
+                        and type(c) is np.ndarray and c.dtype == np.int32 and c.shape == rows.shape):
+                    return None
+                wide, total = rowloops.widened_counts(c)
+                if total != h.size:
+                    return None
+                hash_lists.append(h)
+                count_lists.append(wide)
+        if self._deferred or self._waiting:
+            self.flush_deferred()
+        copies_before = len(self._copies)
+        self.tick += 1
+        fast = self._append_fast_groups(rows, n_new, hash_lists, count_lists, lookahead)
+        if fast is None:
+            self.tick -= 1
+            return None
+        old, changed = fast
+        self._debug_check()
+        return old, changed, self._copies_since(copies_before)
 
     def _step_append_sizes(self, batch: StepBatch):
         """Validated append inputs, before anything is applied: (token counts: one int for all or

@@ -420,11 +420,12 @@ def pop_queue(buf, head, queue_pos, evict_prio, prio, k, out, o):
 
 @_jit
 def sync_appended_rows(mrows, owner_sid, owner_srow, sid, table, counts, last_block, out_table, out_counts,
-                       dirty_start, dirty_end, srows_out):
+                       dirty_start, dirty_end, srows_out, whole=False):
     """Publish rows after appends without copy-on-write to a group without a sliding window (its
     tables only grow at their ends): for each of ``mrows`` that session ``sid`` owns, copy the
     entries from its published count to its new one into its session row of ``out_table``, and the
-    count. A row that grew by one block publishes it from ``last_block`` (the group's dense array),
+    count. ``whole``: every entry up to the new count (a sliding window's group, whose released
+    entries at the front became NULL_BLOCK). A row that grew by one block publishes it from ``last_block`` (the group's dense array),
     not from its table row: at 4,096 requests every row grows on the same step, and each table row
     is a cache line (and often a page) of its own. ``dirty_start``/``dirty_end`` (empty: none) widen
     each session row's range of entries changed (a GPU mirror's tracker). Returns how many rows it
@@ -438,7 +439,7 @@ def sync_appended_rows(mrows, owner_sid, owner_srow, sid, table, counts, last_bl
         s = owner_srow[m]
         new = counts[m]
         old = out_counts[s]
-        lo = old if new >= old else 0  # a row that shrank (not expected here) is copied whole
+        lo = old if new >= old and not whole else 0  # a row that shrank (not expected here) is copied whole
         if new == lo + 1:
             out_table[s, lo] = last_block[m]
         else:
@@ -694,7 +695,9 @@ def warm_up() -> None:
     drop_refs(i32[:0], i32, flags.copy())
     drop_row_refs(table, i32, i32, i32, i32.copy(), i32.copy(), i32.copy(), 0)
     park_blocks(i32[:0], np.zeros(1, np.uint16), 0, i32.copy(), 0, i32.copy(), 0, i32.copy(), np.zeros(1, np.uint8), 1)
-    sync_appended_rows(i32, i64, i32, 1, table, i32, i32, table.copy(), i32.copy(), i32[:0], i32[:0], i32.copy())
+    for whole in (False, True):
+        sync_appended_rows(i32, i64, i32, 1, table, i32, i32, table.copy(), i32.copy(), i32[:0], i32[:0], i32.copy(),
+                           whole)
     range_slots(table, i32, i32, 1, i32, i32, i32, -1, 1, i64.copy())
     slot_inputs(i32, i32, i32, i32.copy(), np.zeros(2, np.int32), i32.copy())
     stage_changes(i32.copy(), i32.copy(), 0, table, i32.copy(), i32.copy(), i32.copy(), i32.copy(), i32.copy(), 0, 0, 1)

@@ -248,7 +248,7 @@ class Daemon:
         self.owner_srow = np.full(n, -1, np.int32)  # manager row -> session row
         # Steps publish rows and slots through compiled loops (kvd.rowloops) with one group without
         # a window; the numpy path does the rest, and everything without numba.
-        self._compiled_publish = rowloops.HAVE_NUMBA and self.G == 1 and not self.windowed[0]
+        self._compiled_publish = rowloops.HAVE_NUMBA  # tables and slot mappings by compiled loops, every group
         self._srows_buf = np.empty(self.max_reqs, np.int32)
         # the largest value of each admission column (kvd.protocol ADMIT_COLS): row, tokens, lookahead,
         # priority, encoder tokens, max new tokens
@@ -513,11 +513,20 @@ class Daemon:
         return srows
 
     def _sync_appended(self, sess: Session, mrows: np.ndarray) -> np.ndarray:
-        """``_sync_rows(full=False)`` for the one group, in one compiled call."""
-        table, counts, start, end = self._segment_arrays(sess)
+        """``_sync_rows(full=False)``, one compiled call per group (a window's group: whole rows)."""
         m = self.manager
-        k = rowloops.sync_appended_rows(mrows, self.owner_sid, self.owner_srow, sess.sid, m.tables[0],
-                                        m.num_blocks[0], m.last_blocks[0], table, counts, start, end, self._srows_buf)
+        if self.G == 1:
+            table, counts, start, end = self._segment_arrays(sess)
+            groups = [(table, counts, start, end)]
+        else:
+            shm, tr = sess.shm, sess.gpu.tracker if sess.gpu is not None else None
+            groups = [(shm.tables[g], shm.counts[g], tr.st[g] if tr is not None else _EMPTY_I32,
+                       tr.en[g] if tr is not None else _EMPTY_I32) for g in range(self.G)]
+        k = 0
+        for g, (table, counts, start, end) in enumerate(groups):
+            k = rowloops.sync_appended_rows(mrows, self.owner_sid, self.owner_srow, sess.sid, m.tables[g],
+                                            m.num_blocks[g], m.last_blocks[g], table, counts, start, end,
+                                            self._srows_buf, self.windowed[g])
         return self._counts_changed(sess, self._srows_buf[:k].copy())
 
     @staticmethod
@@ -544,8 +553,8 @@ class Daemon:
         """The session's segment as the mirror of a decode step's session rows ``srows``
         (``rowloops.mirror_appends``' first five arguments): the manager writes the entries it
         appends there too (the rows are the session's own, ``_mapped_rows`` checked them)."""
-        if self.G != 1:
-            return None  # (the manager's decode_rows declines such a pool anyway)
+        if self.G != 1 or self.windowed[0]:
+            return None  # (several groups or a window: the daemon publishes what decode_rows changed)
         table, counts, start, end = self._segment_arrays(sess)
         return table, counts, srows, start, end
 
@@ -582,8 +591,9 @@ class Daemon:
             sess.gpu.stage_slots(self.owner_srow[rows], start, lens)
         total = rows.shape[0] if uniform == 1 else int(lens.sum())
         if self._compiled_publish and total <= self.max_tokens:
-            rowloops.range_slots(m.tables[0], m.num_blocks[0], m.last_blocks[0], self.block_sizes[0], rows, start,
-                                 lens, PAD_SLOT_ID, max(total, sess.slots_written[0]), shm.slot_array[0])
+            for g in range(self.G):
+                rowloops.range_slots(m.tables[g], m.num_blocks[g], m.last_blocks[g], self.block_sizes[g], rows, start,
+                                     lens, PAD_SLOT_ID, max(total, sess.slots_written[g]), shm.slot_array[g])
         elif total <= self.max_tokens:
             slot_mapping_from_ranges_ref(m.tables, self.block_sizes, rows, start, 1 if uniform == 1 else lens,
                                          shm.slot_array, prev_tokens=max(sess.slots_written))
@@ -996,12 +1006,13 @@ class Daemon:
             if confirm is not None:
                 m.mark_computed(sess.writer, confirm)
                 confirm = None
-            fast = m.decode_rows(mrows, an, la, hs, cnt, self._mirror(sess, srows))
+            mirror = self._mirror(sess, srows)
+            fast = m.decode_rows(mrows, an, la, hs, cnt, mirror)
         if fast is not None:  # the usual step: every request appended, its tables published
             old, grown, copies = fast
             tick, status_b, sched_rows, lens = m.tick, bytes(2 * na), mrows, np.full(na, an, np.int32)
             sched_start = old.astype(np.int32)
-            changed = self._mirrored(sess, grown)
+            changed = self._mirrored(sess, grown) if mirror is not None else self._sync_rows(sess, grown, full=copies.size > 0)
         else:  # declined (or token ids for KV events): the manager decides request by request
             batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la,
                               computed_through=confirm)

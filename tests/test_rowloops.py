@@ -222,6 +222,21 @@ def test_sync_appended_rows_takes_a_one_block_growth_from_last_block_and_longer_
                                   [table[3, 0], table[3, 1], 0, 0, 0, 0]]
 
 
+def test_sync_appended_rows_copies_whole_rows_of_a_window_group():
+    """``whole``: a sliding window's rows are copied from entry 0 (the entries it released at the
+    front became null), whether or not the count grew."""
+    table = np.array([[0, 0, 3, 4], [0, 6, 7, 0]], np.int32)  # row 0 slid two blocks, row 1 one
+    counts = np.array([4, 3], np.int32)
+    out_table = np.array([[1, 2, 3, 4], [5, 6, 0, 0]], np.int32)
+    out_counts = np.array([4, 2], np.int32)
+    start, end = np.full(2, 1000, np.int32), np.zeros(2, np.int32)
+    k = rowloops.sync_appended_rows(np.arange(2, dtype=np.int32), np.full(2, 7, np.int64), np.arange(2, dtype=np.int32),
+                                    7, table, counts, table[np.arange(2), counts - 1], out_table, out_counts, start, end,
+                                    np.zeros(2, np.int32), True)
+    assert k == 2 and out_table.tolist() == [[0, 0, 3, 4], [0, 6, 7, 0]] and out_counts.tolist() == [4, 3]
+    assert start.tolist() == [0, 0] and end.tolist() == [4, 3]
+
+
 def test_confirm_in_place_confirms_only_blocks_still_held_by_their_registration_or_declines():
     block_reg = np.array([0, 5, 5, 6, 5, 7], np.int64)  # block -> its latest registration
     unconfirmed_by = np.array([0, 2, 2, 2, 3, 2], np.uint16)
