@@ -189,8 +189,8 @@ def _row_blocks(table: np.ndarray, rows: np.ndarray, starts: np.ndarray, stops: 
 #: (tests switch it off to compare with the general path).
 _LONE_ADMISSION_PATH = True
 
-#: ``_append_rows`` of a pool of several groups or a sliding window takes ``_append_fast_groups``
-#: (tests switch it off to compare with the request-by-request path).
+#: ``_append_rows`` and ``decode_rows`` of a pool of several groups or a sliding window take
+#: ``_append_fast_groups`` (tests and scripts/bench_groups.py switch it off: the request-by-request path).
 _GROUPS_FAST_PATH = True
 
 
@@ -2060,7 +2060,7 @@ class BlockManager:
         if not rows.size or type(n_new) is not int or type(lookahead) is not int:
             return None
         if not self._simple:
-            return self._decode_rows_groups(rows, n_new, lookahead, hashes, counts)
+            return self._decode_rows_groups(rows, n_new, lookahead, hashes, counts) if _GROUPS_FAST_PATH else None
         if hashes is None:
             hashes, counts = self._empty_hashes, None
         elif not (type(hashes) is np.ndarray and hashes.dtype == self.hash_dtype and hashes.ndim == 1
