@@ -137,8 +137,11 @@ def _inproc_client(d, **opts):
     from kvd_client.client import Client, _Core
 
     class InProc(_Core):
+        last_op = None
+
         def _call(self, op, fields, frames, sid=None):
             seq = self._next_seq()
+            self.last_op = op
             rep = d.handle([b"id", self._header(op, self.sid if sid is None else sid, seq, fields), *frames])
             h = P.parse_reply(rep[0])
             assert self._check(h, seq)
@@ -218,7 +221,7 @@ def test_daemon_gpu_path_emulated(monkeypatch, groups):
         assert (np.asarray(res.admit_status) == 0).all()
         check("admit")
         live = list(prompts)
-        for k in range(12):
+        for k in range(16):
             if k == 3:
                 step(StepBatch(append_ids=live[1:], free=[live[0]], forks=[(live[1], "f")],
                                admit=[AdmitRequest("n", 9)]))
@@ -236,6 +239,9 @@ def test_daemon_gpu_path_emulated(monkeypatch, groups):
                 check("free")
                 step(StepBatch(append_ids=live + ["solo2"]))
                 live.append("solo2")
+            elif k % 2:  # by rows: the decode op (its own publishing of every group; windows slide)
+                res = step(StepBatch(append_rows=c.rows_of(live), append_num_tokens=3))
+                assert c.last_op == "decode" and not res.append_status.any()
             else:
                 step(StepBatch(append_ids=live))
             check(f"step{k}")
