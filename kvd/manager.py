@@ -856,11 +856,13 @@ class BlockManager:
         self.num_tokens[row] = num_tokens
         self.priority[row] = req.priority
         self.namespace[row] = space
+        # every group's hits first: one group's fresh blocks may not evict a block another hits
+        for hit in hits:
+            if hit.size:
+                self.pool.touch(hit)
         out = []
         for gi, g in enumerate(self.groups):
             hit = hits[gi]
-            if hit.size:
-                self.pool.touch(hit)
             skip = int(g.skip_for(cached))
             end = cached // g.block_size
             fresh = self.pool.take(new[gi])
@@ -2288,9 +2290,13 @@ class BlockManager:
             return
         assert len(self._row_of) + len(self._free_rows) == self.num_tokens.size
         expected = np.zeros(self.pool.num_blocks, np.int64)
+        owner = np.full(self.pool.num_blocks, -1, np.int64)  # the one group that holds each block
         resident = np.flatnonzero(self.active & ~self.swapped)
-        for g in self.groups:
+        for gi, g in enumerate(self.groups):
             blocks, _ = _row_blocks(g.table, resident, g.num_skipped[resident], g.num_blocks[resident], False)
+            held = blocks[blocks != NULL_BLOCK]
+            assert np.all((owner[held] == -1) | (owner[held] == gi)), "a block held by two KV-cache groups"
+            owner[held] = gi
             assert np.all(g.table[resident[:, None], np.arange(g.table.shape[1])[None, :]][
                 np.arange(g.table.shape[1])[None, :] < g.num_skipped[resident][:, None]] == NULL_BLOCK)
             np.add.at(expected, blocks[blocks != NULL_BLOCK], 1)

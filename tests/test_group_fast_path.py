@@ -177,6 +177,7 @@ def test_the_several_groups_path_does_what_the_request_by_request_path_does(name
     ops = [run.admit, run.admit, run.fork, run.confirm, run.decode, run.decode, run.decode, run.decode]
     for _ in range(90):
         ops[int(run.rng.integers(0, len(ops)))]()
+        run.fast.check_invariants(heavy=True)
         assert _state(run.fast) == _state(run.slow)
     for m in (run.fast, run.slow):
         m.check_invariants(heavy=True)
