@@ -1104,13 +1104,14 @@ class BlockManager:
         if hashes.size:
             if defer:  # the whole registration after the reply (the tables do not change before)
                 kept_counts = counts if own_counts else _kept(counts)  # own: decode_rows widened them
-                self._deferred.append((_APPENDS, rows.copy(), _kept(hashes), kept_counts, self.tick, tokens))
+                self._deferred.append((_APPENDS, rows.copy(), _kept(hashes), kept_counts, self.tick, tokens, 0))
             else:
                 self._register_appends(rows, np.zeros(n, np.int16), [hashes], [counts],
                                        token_lists=None if tokens is None else [tokens])
         return old, self._changed_buf[:n_changed]  # views of scratch: valid until the next append
 
-    def _append_fast_groups(self, rows, n_new, hash_lists, hash_counts, lookahead, token_lists=None):
+    def _append_fast_groups(self, rows, n_new, hash_lists, hash_counts, lookahead, token_lists=None,
+                            defer: bool = False):
         """``_append_fast`` for a pool of several KV-cache groups or a sliding window: each group's
         plan in a compiled loop (``rowloops.plan_appends``), all of them applied or none, then the
         general path's registration and window release; the same blocks, references, free queue and
@@ -1118,7 +1119,9 @@ class BlockManager:
         Returns (the tokens each request had before, a view of scratch; the rows whose tables
         changed: grown, copied on write, or a block slid out of a window) or None, having changed
         nothing, whenever anything is unusual (misuse, no space): the general path decides then.
-        The caller ran the deferred prefix-cache work: registration here is not deferred."""
+        ``defer``: each group's registration queues behind the deferred work (one item per group)
+        instead of running now. Either way the deferred work runs before blocks are evicted or
+        slide out of a window: what both do depends on it (the general path runs it first)."""
         n = rows.size
         if rows.dtype != np.int32 or n > self.num_tokens.size or not 0 <= lookahead <= self.max_lookahead:
             return None
@@ -1137,8 +1140,11 @@ class BlockManager:
             if need < 0:
                 return None
             needs.append(need)
-        if sum(needs) > pool.num_free:
+        total = sum(needs)
+        if total > pool.num_free:
             return None
+        if total > pool.num_fresh and (self._deferred or self._waiting):
+            self.flush_deferred()  # which blocks are evicted depends on the cache's state
         old = old.copy()  # (apply_appends writes num_tokens from it; the scratch is shared with _append_fast)
         changed = np.zeros(n, bool)
         for gi, g in enumerate(self.groups):
@@ -1149,7 +1155,11 @@ class BlockManager:
             self._record_copies(n_copies)
             if needs[gi]:
                 changed |= (grow > 0) | cow
-        if hash_counts is not None:
+        if hash_counts is not None and defer:  # (decode_rows: no token ids)
+            for gi, (hashes, counts) in enumerate(zip(hash_lists, hash_counts)):
+                if hashes.size:
+                    self._deferred.append((_APPENDS, rows.copy(), _kept(hashes), _kept(counts), self.tick, None, gi))
+        elif hash_counts is not None:
             self._register_appends(rows, np.zeros(n, np.int16), hash_lists, hash_counts, token_lists=token_lists)
         grew = None if scalar else np.flatnonzero(n_array > 0)  # a 0-token append releases nothing
         for g in self.groups:
@@ -1283,9 +1293,9 @@ class BlockManager:
     def _register_head(self, item: tuple, k: int) -> tuple | None:
         """Register the first ``k`` requests of a deferred registration; returns the rest of it
         (None when nothing is left)."""
-        _, rows, hashes, counts, tick, _ = item
+        _, rows, hashes, counts, tick, _, gi = item
         if (self._tails is None and self.config.enable_prefix_caching
-                and self._register_decode_blocks(0, rows, hashes, counts, tick, min(k, rows.size)) != rowloops.DECLINED):
+                and self._register_decode_blocks(gi, rows, hashes, counts, tick, min(k, rows.size)) != rowloops.DECLINED):
             return None if k >= rows.size else _split_appends(item, k)[1]
         if k >= rows.size:
             self._register_deferred(item)
@@ -1350,6 +1360,8 @@ class BlockManager:
         total = rowloops.window_slides(rows, num_computed, g.window, g.block_size, g.num_blocks, g.num_skipped)
         if not total:
             return None
+        if self._deferred or self._waiting:
+            self.flush_deferred()  # a released block's registration first (it parks as cached), as if never deferred
         freed, rep, moved = np.empty(total, np.int32), np.empty(total, np.int32), np.empty(rows.size, np.int32)
         n, m = rowloops.slide_windows(rows, num_computed, g.window, g.block_size, g.table, g.num_blocks, g.num_skipped,
                                       self.pool.ref_cnt, freed, rep, moved)
@@ -1549,9 +1561,12 @@ class BlockManager:
         waiting[writer] = max(waiting.get(writer, through), through)
 
     def _register_deferred(self, item: tuple) -> None:
-        _, rows, hashes, counts, tick, tokens = item
-        self._register_appends(rows, np.zeros(rows.size, np.int16), [hashes], [counts], tick,
-                               None if tokens is None else [tokens])
+        _, rows, hashes, counts, tick, tokens, gi = item
+        G = len(self.groups)
+        hash_lists, count_lists, token_lists = [self._empty_hashes] * G, [None] * G, [None] * G
+        hash_lists[gi], count_lists[gi], token_lists[gi] = hashes, counts, tokens
+        self._register_appends(rows, np.zeros(rows.size, np.int16), hash_lists, count_lists, tick,
+                               None if tokens is None else token_lists)
 
     def take_copies(self) -> np.ndarray:
         """Copy-on-write ``(src, dst)`` pairs since the last call; the KV owner performs them
@@ -2088,8 +2103,8 @@ class BlockManager:
     def _decode_rows_groups(self, rows: np.ndarray, n_new: int, lookahead: int, hashes, counts):
         """``decode_rows`` of a pool of several KV-cache groups or a sliding window: ``hashes`` and
         ``counts`` one array per group (or None), the rows whose tables changed (grown, copied on
-        write, a block slid out of a window) come back. Registration is not deferred here: the
-        deferred work runs first, as the general path runs it."""
+        write, a block slid out of a window) come back; registration is deferred as a decode
+        step's of one group is (``_append_fast_groups``)."""
         G = len(self.groups)
         hash_lists, count_lists = self._no_hashes, None
         if G == 1 and type(hashes) is np.ndarray:  # (one window group: its arrays as they come)
@@ -2107,11 +2122,12 @@ class BlockManager:
                     return None
                 hash_lists.append(h)
                 count_lists.append(wide)
-        if self._deferred or self._waiting:
-            self.flush_deferred()
+        defer = self.config.defer_cache_registration
+        if hashes is not None and not defer and (self._deferred or self._waiting):
+            self.flush_deferred()  # registered now: after the work deferred before it
         copies_before = len(self._copies)
-        self.tick += 1
-        fast = self._append_fast_groups(rows, n_new, hash_lists, count_lists, lookahead)
+        self.tick += 1  # a deferred registration carries the step's tick
+        fast = self._append_fast_groups(rows, n_new, hash_lists, count_lists, lookahead, defer=defer)
         if fast is None:
             self.tick -= 1
             return None
@@ -2318,7 +2334,7 @@ class BlockManager:
 
 _MAX_TOKEN_ID = (1 << 31) - 1  # token ids travel as int32
 _CONFIRM = object()  # a deferred confirmation in ``_deferred``: (_CONFIRM, writer, through_tick)
-_APPENDS = object()  # a decode step's deferred registration: (_APPENDS, rows, hashes, counts, tick, tokens)
+_APPENDS = object()  # a decode step's deferred registration: (_APPENDS, rows, hashes, counts, tick, tokens, group)
 # a lone admission's deferred registration: (_ADMITTED, row, hash lists, num_tokens, token lists, tick)
 _ADMITTED = object()
 # Blocks a daemon's flush promotes at most: a confirmation of a whole admission wave (tens of
@@ -2344,10 +2360,10 @@ def _kept(arr: np.ndarray | None) -> np.ndarray | None:
 def _split_appends(item: tuple, k: int) -> tuple[tuple, tuple]:
     """A deferred registration of appends split after its first ``k`` requests (each request's
     hashes, and token ids, stay together and in order)."""
-    kind, rows, hashes, counts, tick, tokens = item
+    kind, rows, hashes, counts, tick, tokens, gi = item
     h = int(counts[:k].sum())
-    head = (kind, rows[:k], hashes[:h], counts[:k], tick, None if tokens is None else tokens[:h])
-    rest = (kind, rows[k:], hashes[h:], counts[k:], tick, None if tokens is None else tokens[h:])
+    head = (kind, rows[:k], hashes[:h], counts[:k], tick, None if tokens is None else tokens[:h], gi)
+    rest = (kind, rows[k:], hashes[h:], counts[k:], tick, None if tokens is None else tokens[h:], gi)
     return head, rest
 
 

@@ -38,8 +38,10 @@ def _request_by_request():
         M._GROUPS_FAST_PATH = True
 
 
-def _manager(groups, blocks: int) -> BlockManager:
-    return BlockManager(ManagerConfig(num_gpu_blocks=blocks, groups=groups, max_model_len=96, max_num_reqs=12))
+def _manager(groups, blocks: int, defer: bool = False) -> BlockManager:
+    return BlockManager(ManagerConfig(num_gpu_blocks=blocks, groups=groups, max_model_len=96, max_num_reqs=12,
+                                      defer_cache_registration=defer))
+
 
 
 def _state(m: BlockManager):
@@ -55,15 +57,22 @@ _RESULT_FIELDS = ("free_status", "fork_status", "append_status", "admit_status",
 
 
 class _Run:
-    def __init__(self, seed: int, groups, blocks: int):
+    """``entry``: "step" (both managers step; the fast one takes the several-groups path inside the
+    general step) or "decode_rows" (the fast one's decode steps go to ``decode_rows`` first, which
+    defers registration, as the daemon does; it declines to ``step``)."""
+
+    def __init__(self, seed: int, groups, blocks: int, entry: str = "step"):
         self.rng = np.random.default_rng(seed)
         self.groups = groups
-        self.fast, self.slow = _manager(groups, blocks), _manager(groups, blocks)
+        self.entry = entry
+        defer = entry == "decode_rows"
+        self.fast, self.slow = _manager(groups, blocks, defer), _manager(groups, blocks, defer)
         self.prefix = self.rng.integers(1, 300, 24).astype(np.int32)
         self.tokens: dict[str, np.ndarray] = {}
         self.registered: dict[str, list[int]] = {}
         self.n = 0
         self.taken = 0  # steps whose appends the several-groups path took whole
+        self.pending = 0  # decode_rows calls made while deferred work waited
 
         real = self.fast._append_fast_groups
 
@@ -79,7 +88,7 @@ class _Run:
     def step(self, batch: StepBatch):
         """The step on both managers: the same result, or the same error."""
         try:
-            a = self.fast.step(batch)
+            a = self._fast_step(batch)
         except errors.KvdError as e:
             a = e
         with _request_by_request():
@@ -94,6 +103,23 @@ class _Run:
         for f in _RESULT_FIELDS:
             assert np.array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(b, f))), f
         return a
+
+    def _fast_step(self, batch: StepBatch):
+        m = self.fast
+        rows, n_new = batch.append_rows, batch.append_num_tokens
+        if self.entry == "decode_rows" and rows is not None and not len(batch.free) and type(n_new) is int:
+            self.pending += bool(m.num_deferred)  # it goes on top of deferred work
+            hashes = (tuple(batch.append_hashes), tuple(batch.append_hash_counts)) if len(batch.append_hashes) else (None, None)
+            out = m.decode_rows(rows, n_new, batch.num_lookahead_tokens, *hashes)
+            if out is not None:
+                old, changed, copies = out
+                return M.StepResult(free_status=M._EMPTY_I16, fork_status=M._EMPTY_I16,
+                                    append_status=np.zeros(rows.size, np.int16), admit_status=M._EMPTY_I16,
+                                    admit_rows=M._EMPTY_I32, admit_cached_tokens=M._EMPTY_I64, copies=copies,
+                                    changed_rows=rows, sched_rows=rows, sched_start=old.astype(np.int32),
+                                    sched_len=np.full(rows.size, n_new, np.int32), freed_rows=M._EMPTY_I32,
+                                    tick=m.tick)
+        return m.step(batch)
 
     def admit(self) -> None:
         reqs = []
@@ -170,16 +196,54 @@ class _Run:
                     self.registered[r] = [reg + c[i] for reg, c in zip(self.registered[r], counts)]
 
 
+@pytest.mark.parametrize("entry", ["step", "decode_rows"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("seed", range(6))
-def test_the_several_groups_path_does_what_the_request_by_request_path_does(name, seed):
-    run = _Run(seed, CONFIGS[name], blocks=40)
-    ops = [run.admit, run.admit, run.fork, run.confirm, run.decode, run.decode, run.decode, run.decode]
-    for _ in range(90):
+def test_the_several_groups_path_does_what_the_request_by_request_path_does(name, seed, entry):
+    run = _Run(seed, CONFIGS[name], blocks=40 if entry == "step" else 64, entry=entry)
+    ops = [run.admit, run.admit, run.fork, run.confirm, *[run.decode] * (4 if entry == "step" else 8)]
+    for _ in range(90 if entry == "step" else 120):
         ops[int(run.rng.integers(0, len(ops)))]()
         run.fast.check_invariants(heavy=True)
+        if entry == "decode_rows":  # now and then the deferred work runs (between, it piles up)
+            if run.rng.random() > 0.2:
+                continue
+            for m in (run.fast, run.slow):
+                m.flush_deferred()
         assert _state(run.fast) == _state(run.slow)
     for m in (run.fast, run.slow):
+        m.flush_deferred()
         m.check_invariants(heavy=True)
+    assert _state(run.fast) == _state(run.slow)
     assert run.taken >= 5, run.taken
     assert run.fast.pool.num_evictions, "the pool never evicted: a run too small to test the order of takes"
+
+
+def test_a_deferred_registration_runs_before_its_block_slides_out_of_the_window():
+    """decode_rows defers a step's registration; a later decode_rows whose window releases that
+    block runs it first, so the block parks as cached, as on the general path (which registers at
+    once). Both managers' state after every step, without flushing the deferring one."""
+    groups = (GroupSpec(4), GroupSpec(4, sliding_window=4))  # a one-block window: it slides every block
+    fast, slow = _manager(groups, 32, defer=True), _manager(groups, 32, defer=True)
+    prompt = np.arange(1, 4, dtype=np.int32)
+    for m in (fast, slow):
+        assert m.step(StepBatch(admit=[AdmitRequest("r", 3, [np.empty(0, "S16")] * 2)])).admit_status.tolist() == [0]
+        m.flush_deferred()  # (the admission's own)
+    rows = fast.rows_of(["r"])
+    tokens = prompt
+    for k in range(6):
+        tokens = np.append(tokens, 10 + k).astype(np.int32)
+        filled = tokens.size % 4 == 0
+        hs = tuple(hash_prompt(tokens, 4)[-1:] if filled else np.empty(0, "S16") for _ in groups)
+        cnt = tuple(np.array([int(filled)], np.int32) for _ in groups)
+        out = fast.decode_rows(rows, 1, 0, hs, cnt)
+        assert out is not None
+        with _request_by_request():
+            slow.step(StepBatch(append_rows=rows, append_num_tokens=1, append_hashes=hs, append_hash_counts=cnt))
+        if k == 0:  # block 0 filled: its registration waits
+            assert fast.num_deferred == 2  # one item per group
+        if k < 4:
+            continue
+        # (k = 4: block 0 slid out of the window, its deferred registration ran first)
+        assert fast.num_deferred == 0 and _state(fast) == _state(slow)
+    assert int(fast.groups[1].num_skipped[rows[0]]) >= 1
