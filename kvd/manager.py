@@ -1357,11 +1357,14 @@ class BlockManager:
         are computed (``rowloops.slide_windows``); returns the indices into ``rows`` of those whose
         tables changed (None: none)."""
         num_computed = np.asarray(num_computed, np.int64)
-        total = rowloops.window_slides(rows, num_computed, g.window, g.block_size, g.num_blocks, g.num_skipped)
+        total, waits = rowloops.window_slides(rows, num_computed, g.window, g.block_size, g.num_blocks, g.num_skipped,
+                                              g.table, g.num_registered, self.pool.unconfirmed_by)
         if not total:
             return None
-        if self._deferred or self._waiting:
-            self.flush_deferred()  # a released block's registration first (it parks as cached), as if never deferred
+        if waits and (self._deferred or self._waiting):
+            # a released block's registration or confirmation first (whether and where it parks
+            # as cached depends on them), as if never deferred
+            self.flush_deferred()
         freed, rep, moved = np.empty(total, np.int32), np.empty(total, np.int32), np.empty(rows.size, np.int32)
         n, m = rowloops.slide_windows(rows, num_computed, g.window, g.block_size, g.table, g.num_blocks, g.num_skipped,
                                       self.pool.ref_cnt, freed, rep, moved)

@@ -329,15 +329,29 @@ def _window_skip(num_computed, window, block_size, nb):
 
 
 @_jit
-def window_slides(rows, num_computed, window, block_size, num_blocks, num_skipped):
-    """How many table entries ``slide_windows`` would release (changes nothing)."""
+def window_slides(rows, num_computed, window, block_size, num_blocks, num_skipped, table, num_registered,
+                  unconfirmed_by):
+    """How many table entries ``slide_windows`` would release, and whether one of them is a block
+    whose registration or confirmation may still wait (past the row's registered blocks, or
+    unconfirmed). Changes nothing."""
     total = 0
+    waits = False
     for i in range(rows.size):
         row = rows[i]
         skip = _window_skip(num_computed[i], window, block_size, num_blocks[row])
-        if skip > num_skipped[row]:
-            total += skip - num_skipped[row]
-    return total
+        start = num_skipped[row]
+        if skip <= start:
+            continue
+        total += skip - start
+        if skip > num_registered[row]:
+            waits = True
+        elif not waits:
+            for j in range(start, skip):
+                b = table[row, j]
+                if b != NULL_BLOCK and unconfirmed_by[b] != 0:
+                    waits = True
+                    break
+    return total, waits
 
 
 @_jit
@@ -715,5 +729,5 @@ def warm_up() -> None:
     gather_rows(i32, ro, i32.copy())  # rows straight from a message frame (read-only)
     mirror_appends(table, i32, ro, i32[:0], i32[:0], i32, i64, i64, flags, table, i32, i32, 1)  # the daemon's
     widen_counts(ro, i64.copy())  # hash counts from a frame: compiled later, the first took ~2.7 ms
-    window_slides(i32, i64, 1, 1, i32, i32)
+    window_slides(i32, i64, 1, 1, i32, i32, table, i32, np.zeros(1, np.uint16))
     slide_windows(i32[:0], i64, 1, 1, table, i32, i32.copy(), i32.copy(), i32.copy(), i32.copy(), i32.copy())

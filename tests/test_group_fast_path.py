@@ -61,10 +61,11 @@ class _Run:
     general step) or "decode_rows" (the fast one's decode steps go to ``decode_rows`` first, which
     defers registration, as the daemon does; it declines to ``step``)."""
 
-    def __init__(self, seed: int, groups, blocks: int, entry: str = "step"):
+    def __init__(self, seed: int, groups, blocks: int, entry: str = "step", writer: int = 0):
         self.rng = np.random.default_rng(seed)
         self.groups = groups
         self.entry = entry
+        self.writer = writer  # not 0: its registrations wait for its confirmations (a daemon session's)
         defer = entry == "decode_rows"
         self.fast, self.slow = _manager(groups, blocks, defer), _manager(groups, blocks, defer)
         self.prefix = self.rng.integers(1, 300, 24).astype(np.int32)
@@ -93,7 +94,7 @@ class _Run:
             a = e
         with _request_by_request():
             try:
-                b = self.slow.step(batch)
+                b = self.slow.step(batch, writer=self.writer)
             except errors.KvdError as e:
                 b = e
         if isinstance(b, Exception):
@@ -119,7 +120,7 @@ class _Run:
                                     changed_rows=rows, sched_rows=rows, sched_start=old.astype(np.int32),
                                     sched_len=np.full(rows.size, n_new, np.int32), freed_rows=M._EMPTY_I32,
                                     tick=m.tick)
-        return m.step(batch)
+        return m.step(batch, writer=self.writer)
 
     def admit(self) -> None:
         reqs = []
@@ -154,8 +155,9 @@ class _Run:
         return [rid]
 
     def confirm(self) -> None:
-        self.fast.mark_computed(0, self.fast.tick)
-        self.slow.mark_computed(0, self.slow.tick)
+        tick = max(self.fast.tick - int(self.rng.integers(0, 3)), 0)  # the forward passes of a step or two run
+        self.fast.mark_computed(self.writer, tick)
+        self.slow.mark_computed(self.writer, tick)
 
     def decode(self) -> None:
         frees = self.free() if self.rng.random() < 0.2 else []
@@ -200,9 +202,10 @@ class _Run:
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("seed", range(6))
 def test_the_several_groups_path_does_what_the_request_by_request_path_does(name, seed, entry):
-    run = _Run(seed, CONFIGS[name], blocks=40 if entry == "step" else 64, entry=entry)
+    # (odd seeds step as writer 1: registrations unconfirmed until its confirmations, as a daemon's sessions)
+    run = _Run(seed, CONFIGS[name], blocks=48 if entry == "step" else 64, entry=entry, writer=seed % 2)
     ops = [run.admit, run.admit, run.fork, run.confirm, *[run.decode] * (4 if entry == "step" else 8)]
-    for _ in range(90 if entry == "step" else 120):
+    for _ in range(120):
         ops[int(run.rng.integers(0, len(ops)))]()
         run.fast.check_invariants(heavy=True)
         if entry == "decode_rows":  # now and then the deferred work runs (between, it piles up)
@@ -247,3 +250,31 @@ def test_a_deferred_registration_runs_before_its_block_slides_out_of_the_window(
         # (k = 4: block 0 slid out of the window, its deferred registration ran first)
         assert fast.num_deferred == 0 and _state(fast) == _state(slow)
     assert int(fast.groups[1].num_skipped[rows[0]]) >= 1
+
+
+def test_a_deferred_confirmation_runs_before_its_block_slides_out_of_the_window():
+    """A writer's registered block waits for its confirmation (deferred, as in a daemon) when the
+    window releases it: the confirmation runs first, as on the general path (the order the general
+    path has; the deferred work otherwise waits while only confirmed, registered blocks slide)."""
+    groups = (GroupSpec(4), GroupSpec(4, sliding_window=4))
+    fast, slow = _manager(groups, 32, defer=True), _manager(groups, 32, defer=True)
+    for m in (fast, slow):
+        m.step(StepBatch(admit=[AdmitRequest("r", 3, [np.empty(0, "S16")] * 2)]), writer=1)
+        m.flush_deferred()
+    rows = fast.rows_of(["r"])
+    tokens = np.arange(1, 4, dtype=np.int32)
+    for k in range(6):
+        tokens = np.append(tokens, 10 + k).astype(np.int32)
+        filled = tokens.size % 4 == 0
+        hs = tuple(hash_prompt(tokens, 4)[-1:] if filled else np.empty(0, "S16") for _ in groups)
+        cnt = tuple(np.array([int(filled)], np.int32) for _ in groups)
+        assert fast.decode_rows(rows, 1, 0, hs, cnt) is not None
+        with _request_by_request():
+            slow.step(StepBatch(append_rows=rows, append_num_tokens=1, append_hashes=hs, append_hash_counts=cnt))
+        if k == 0:  # block 0 registered (not yet confirmed: writer 1), then confirmed, deferred
+            for m in (fast, slow):
+                m.flush_deferred()
+                m.mark_computed(1, m.tick)
+            assert fast.num_deferred == 1 and fast.pool.unconfirmed_by[fast.groups[1].table[rows[0], 0]]
+        if k >= 4:  # (k = 4: block 0 slid out)
+            assert fast.num_deferred == 0 and _state(fast) == _state(slow)

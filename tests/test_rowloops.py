@@ -507,7 +507,7 @@ def test_slide_windows_releases_what_the_gathered_release_did(seed):
     expect = [a.copy() for a in (table, num_skipped, ref_cnt)]
     freed_ref, rows_ref, moved_ref = _slide_reference(rows, num_computed, window, bs, expect[0], num_blocks,
                                                       expect[1], expect[2])
-    total = rowloops.window_slides(rows, num_computed, window, bs, num_blocks, num_skipped)
+    total, _ = rowloops.window_slides(rows, num_computed, window, bs, num_blocks, num_skipped, table, num_blocks, np.zeros(B, np.uint16))
     assert total == int((expect[1] - before).sum())  # the entries released, null ones included
     freed, rep, moved = np.full(total, -9, np.int32), np.full(total, -9, np.int32), np.full(R, -9, np.int32)
     n, m = rowloops.slide_windows(rows, num_computed, window, bs, table, num_blocks, num_skipped, ref_cnt,
