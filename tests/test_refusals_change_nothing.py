@@ -162,10 +162,12 @@ class _Run:
         if kind == "decode":
             rows = np.asarray(c.rows_of(run), np.int32)
             k = int(rng.integers(0, len(run) + 1))
-            if k and rng.random() < 0.5:
+            if k and rng.random() < 0.5:  # every group's hashes of a filled block
                 cnt = np.zeros(len(run), np.int32)
                 cnt[:k] = 1
-                return c._req_decode(rows, 1, 0, None, (np.frombuffer(rng.bytes(16 * k), "S16"),), (cnt,))
+                G = len(c.block_sizes)
+                return c._req_decode(rows, 1, 0, None, tuple(np.frombuffer(rng.bytes(16 * k), "S16") for _ in range(G)),
+                                     (cnt,) * G, G)
             return c._req_decode(rows, int(rng.integers(0, 3)), 0)
         if kind == "decode_free":
             return DecodeWithFrees(c, self._decode_free(run), len(c.block_sizes)).spec()
