@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kvd.manager as M  # noqa: E402
-from bench_handle import _InProc  # noqa: E402
+from bench_handle import _InProc, restore_manager_entries, time_manager_entries  # noqa: E402
 from kvd import protocol as P  # noqa: E402
 from kvd.api import AdmitRequest, StepBatch  # noqa: E402
 from kvd.config import _parse_kv_groups  # noqa: E402
@@ -74,16 +74,6 @@ def _run_pool(args, groups) -> tuple[dict, dict]:
     sizes = [bs for bs, _ in groups]
     checks = {"statuses_ok": True, "op_steps_go_as_the_decode_op": True, "before_steps_go_as_json": True}
     manager_s: list[float] = []
-    real = {name: getattr(M.BlockManager, name) for name in ("step", "decode_rows")}
-
-    def timed(fn):
-        def call(self, *a, **k):
-            t0 = time.perf_counter()
-            out = fn(self, *a, **k)
-            manager_s.append(time.perf_counter() - t0)
-            return out
-        return call
-
     R, bs_max = args.requests, max(sizes)
     lengths = args.prompt + np.arange(R) % bs_max  # staggered: blocks fill on different steps
     # the hashes are unique 16-byte values (what they hash does not matter to the cost)
@@ -102,8 +92,7 @@ def _run_pool(args, groups) -> tuple[dict, dict]:
     rows = [c.rows_of(list(range(R))) for c in clients]
     times = {"op": [], "before": []}
     registered = 0
-    for name, fn in real.items():
-        setattr(M.BlockManager, name, timed(fn))
+    real = time_manager_entries(manager_s)
     try:
         for k in range(args.warmup + args.steps):
             n = lengths + 1
@@ -127,8 +116,7 @@ def _run_pool(args, groups) -> tuple[dict, dict]:
             lengths = n
     finally:
         M._GROUPS_FAST_PATH = True
-        for name, fn in real.items():
-            setattr(M.BlockManager, name, fn)
+        restore_manager_entries(real)
     for d in daemons:
         d.manager.flush_deferred()
     checks["same_state"] = _state(daemons[0]) == _state(daemons[1])

@@ -72,6 +72,29 @@ class _InProc(_Core):
     step = Client.step
 
 
+def time_manager_entries(times: list[float]) -> dict:
+    """Make BlockManager's two daemon entries (``step``, ``decode_rows``) append each call's seconds
+    to ``times``; returns the originals for ``restore_manager_entries``."""
+    real = {name: getattr(M.BlockManager, name) for name in ("step", "decode_rows")}
+
+    def timed(fn):
+        def call(self, *a, **k):
+            t0 = time.perf_counter()
+            out = fn(self, *a, **k)
+            times.append(time.perf_counter() - t0)
+            return out
+        return call
+
+    for name, fn in real.items():
+        setattr(M.BlockManager, name, timed(fn))
+    return real
+
+
+def restore_manager_entries(real: dict) -> None:
+    for name, fn in real.items():
+        setattr(M.BlockManager, name, fn)
+
+
 def _config(args):
     """A daemon whose pool and request length never refuse the run: a request lives through at most
     every step of the three kinds."""
@@ -95,19 +118,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rng = np.random.default_rng(args.seed)
     d = Daemon(_config(args))
-    manager_s = []
-    real = {name: getattr(M.BlockManager, name) for name in ("step", "decode_rows")}  # the daemon's two entries
-
-    def timed(fn):
-        def call(self, *a, **k):
-            t0 = time.perf_counter()
-            out = fn(self, *a, **k)
-            manager_s.append(time.perf_counter() - t0)
-            return out
-        return call
-
-    for name, fn in real.items():
-        setattr(M.BlockManager, name, timed(fn))
+    manager_s: list[float] = []
+    real = time_manager_entries(manager_s)  # the daemon's two entries
     c = _InProc(d)
     system = rng.integers(1, 32000, args.system)
     order: list[int] = []
@@ -198,8 +210,7 @@ def main(argv=None) -> int:
     checks["hits_cover_the_prefix"] = set(hit_tokens) == {args.prompt // args.block_size * args.block_size}
     for s in list(d.sessions.values()):
         d.end_session(s, "bench done")
-    for name, fn in real.items():
-        setattr(M.BlockManager, name, fn)
+    restore_manager_entries(real)
     print(f"R={args.requests} P={args.prompt} S={args.system}, median of {args.steps} steps (µs):")
     print(f"{'step':8s} {'client.step':>12s} {'handle':>8s} {'manager':>8s} {'daemon glue':>12s} {'client glue':>12s}")
     for kind, f in figures.items():
