@@ -21,6 +21,7 @@ from kvd.hashing import hash_prompt
 from kvd.server import Daemon
 from test_decode_op import Cfg, InProc
 from test_decode_op_random import FIELDS
+from test_decode_op_random import _Run as RandomRun
 from test_refusals_change_nothing import changed, state_of
 
 GROUPS = {"full+window": ((4, 0), (4, 8)), "two sizes": ((4, 0), (8, 16))}  # (block size, window) each
@@ -39,18 +40,13 @@ def _manager_state(d: Daemon):
             groups, m.num_tokens.tobytes(), m.tick, m.num_deferred)
 
 
-class _Run:
-    def __init__(self, seed: int, pair):
-        self.rng = np.random.default_rng(seed)
-        self.c = pair
-        self.sizes = pair[0].d.block_sizes
-        self.prefix = self.rng.integers(1, 300, 16).astype(np.int32)
-        self.tokens: dict[str, np.ndarray] = {}
-        self.registered: dict[str, list[int]] = {}
-        self.n = 0
+class _Run(RandomRun):
+    """test_decode_op_random's run on daemons of several groups, with frees beside decode steps;
+    its own check of a step (the op's changed rows, the deferred work run before comparing)."""
 
-    def hashes(self, tokens, start):
-        return [hash_prompt(tokens, bs)[s:] for bs, s in zip(self.sizes, start)]
+    FREES = True
+    PREFIX = 16
+    N_NEW = (0, 1, 1, 1, 2, 3, 5, 9)  # (9: two blocks of 8 at once; a step over the token budget is refused by both)
 
     def step(self, batch: StepBatch):
         """The step through both clients: the same results, or the same error."""
@@ -96,75 +92,6 @@ class _Run:
                 assert np.array_equal(c.shm.counts[g][srows], counts)
                 for sr, mr, n in zip(srows.tolist(), mrows.tolist(), counts.tolist()):
                     assert np.array_equal(c.shm.tables[g][sr, :n], c.d.manager.tables[g][mr, :n]), (g, sr, mr)
-
-    def admit(self) -> None:
-        reqs = []
-        for _ in range(int(self.rng.integers(1, 3))):
-            if len(self.tokens) + len(reqs) >= Cfg.max_reqs_per_session:
-                break
-            rid = f"r{self.n}"
-            self.n += 1
-            p = np.concatenate([self.prefix[: int(self.rng.integers(0, 17))],
-                                self.rng.integers(1, 300, int(self.rng.integers(1, 9))).astype(np.int32)])
-            self.tokens[rid], self.registered[rid] = p, [p.size // bs for bs in self.sizes]
-            reqs.append(AdmitRequest(rid, p.size, self.hashes(p, [0] * len(self.sizes))))
-        if not reqs:
-            return
-        res = self.step(StepBatch(admit=reqs))
-        for r, st in zip(reqs, res.admit_status.tolist() if res is not None else [1] * len(reqs)):
-            if st:
-                del self.tokens[r.req_id], self.registered[r.req_id]
-
-    def fork(self) -> None:
-        if not self.tokens or len(self.tokens) >= Cfg.max_reqs_per_session:
-            return
-        parent = list(self.tokens)[int(self.rng.integers(0, len(self.tokens)))]
-        child = f"r{self.n}"
-        self.n += 1
-        res = self.step(StepBatch(forks=[(parent, child)]))
-        if res is not None and res.fork_status.tolist() == [0]:
-            self.tokens[child], self.registered[child] = self.tokens[parent].copy(), list(self.registered[parent])
-
-    def _pick_free(self) -> list[str]:
-        if not self.tokens:
-            return []
-        rid = list(self.tokens)[int(self.rng.integers(0, len(self.tokens)))]
-        del self.tokens[rid], self.registered[rid]
-        return [rid]
-
-    def free(self) -> None:
-        frees = self._pick_free()
-        if frees:
-            self.step(StepBatch(free=frees))
-
-    def decode(self) -> None:
-        frees = self._pick_free() if self.rng.random() < 0.25 else []
-        rids = [r for r in self.tokens if self.rng.random() < 0.8]
-        if not rids:
-            return
-        n_new = int(self.rng.choice([0, 1, 1, 1, 2, 3, 5, 9]))  # (9: two blocks at once)
-        lookahead = int(self.rng.choice([0, 0, 1]))
-        new = {r: self.rng.integers(1, 300, n_new).astype(np.int32) for r in rids}
-        G = len(self.sizes)
-        hashes, counts = [[] for _ in range(G)], [[] for _ in range(G)]
-        for r in rids:
-            for g, h in enumerate(self.hashes(np.concatenate([self.tokens[r], new[r]]), self.registered[r])):
-                hashes[g].append(h)
-                counts[g].append(h.size)
-        rows = self.c[0].rows_of(rids)
-        with_hashes = sum(map(sum, counts)) > 0 and self.rng.random() < 0.8
-        batch = StepBatch(free=frees, append_rows=rows, append_num_tokens=n_new, num_lookahead_tokens=lookahead,
-                          append_hashes=tuple(np.concatenate(h) for h in hashes) if with_hashes else (),
-                          append_hash_counts=tuple(np.array(c, np.int32) for c in counts) if with_hashes else ())
-        res = self.step(batch)
-        if res is None:
-            return
-        for i, (r, st) in enumerate(zip(rids, res.append_status.tolist())):
-            if st == 0:
-                self.tokens[r] = np.concatenate([self.tokens[r], new[r]])
-                if with_hashes:
-                    self.registered[r] = [reg + c[i] for reg, c in zip(self.registered[r], counts)]
-
 
 class _JsonSteps(InProc):
     """Every step as the general JSON step message (what a client sent before the binary ops took

@@ -30,13 +30,28 @@ def _manager_state(d: Daemon):
 
 
 class _Run:
+    """A seeded run on a pair of clients, each to a daemon of its own, of any number of KV-cache
+    groups (each group's hashes of every prompt and filled block). ``FREES``: decode steps free a
+    request now and then (the decode_free op); ``PREFIX``: the shared prefix's tokens; ``N_NEW``: the
+    token counts a decode step draws from."""
+
+    FREES = False
+    PREFIX = 12
+    N_NEW = (0, 1, 1, 1, 2, 3, 5, 7)  # tokens a decode step appends to each (5 and 7: two blocks of 4 at once)
+
     def __init__(self, seed: int, pair):
         self.rng = np.random.default_rng(seed)
         self.c = pair
-        self.prefix = self.rng.integers(1, 300, 12).astype(np.int32)
+        self.sizes = list(pair[0].d.block_sizes)
+        self.prefix = self.rng.integers(1, 300, self.PREFIX).astype(np.int32)
         self.tokens: dict[str, np.ndarray] = {}
-        self.registered: dict[str, int] = {}
+        self.registered: dict[str, list[int]] = {}  # each group's registered blocks
         self.n = 0
+
+    def hashes(self, tokens, start):
+        """Each group's hashes of ``tokens``' full blocks from ``start[g]`` on (one array for one group)."""
+        hs = [hash_prompt(tokens, bs)[s:] for bs, s in zip(self.sizes, start)]
+        return hs[0] if len(hs) == 1 else hs
 
     def step(self, batch: StepBatch):
         res = [c.step(batch) for c in self.c]
@@ -64,14 +79,14 @@ class _Run:
                 break
             rid = f"r{self.n}"
             self.n += 1
-            p = np.concatenate([self.prefix[: int(self.rng.integers(0, 13))],
+            p = np.concatenate([self.prefix[: int(self.rng.integers(0, self.PREFIX + 1))],
                                 self.rng.integers(1, 300, int(self.rng.integers(1, 9))).astype(np.int32)])
-            self.tokens[rid], self.registered[rid] = p, p.size // BS
-            reqs.append(AdmitRequest(rid, p.size, hash_prompt(p, BS)))
+            self.tokens[rid], self.registered[rid] = p, [p.size // bs for bs in self.sizes]
+            reqs.append(AdmitRequest(rid, p.size, self.hashes(p, [0] * len(self.sizes))))
         if not reqs:
             return
         res = self.step(StepBatch(admit=reqs))
-        for r, st in zip(reqs, res.admit_status.tolist()):
+        for r, st in zip(reqs, res.admit_status.tolist() if res is not None else [1] * len(reqs)):
             if st:
                 del self.tokens[r.req_id], self.registered[r.req_id]
 
@@ -81,38 +96,51 @@ class _Run:
         parent = list(self.tokens)[int(self.rng.integers(0, len(self.tokens)))]
         child = f"r{self.n}"
         self.n += 1
-        if self.step(StepBatch(forks=[(parent, child)])).fork_status.tolist() == [0]:
-            self.tokens[child], self.registered[child] = self.tokens[parent].copy(), self.registered[parent]
+        res = self.step(StepBatch(forks=[(parent, child)]))
+        if res is not None and res.fork_status.tolist() == [0]:
+            self.tokens[child], self.registered[child] = self.tokens[parent].copy(), list(self.registered[parent])
+
+    def _pick_free(self) -> list[str]:
+        if not self.tokens:
+            return []
+        rid = list(self.tokens)[int(self.rng.integers(0, len(self.tokens)))]
+        del self.tokens[rid], self.registered[rid]
+        return [rid]
 
     def free(self) -> None:
-        if self.tokens:
-            rid = list(self.tokens)[int(self.rng.integers(0, len(self.tokens)))]
-            self.step(StepBatch(free=[rid]))
-            del self.tokens[rid], self.registered[rid]
+        frees = self._pick_free()
+        if frees:
+            self.step(StepBatch(free=frees))
 
     def decode(self) -> None:
+        frees = self._pick_free() if self.FREES and self.rng.random() < 0.25 else []
         rids = [r for r in self.tokens if self.rng.random() < 0.8]
         if not rids:
             return
-        n_new = int(self.rng.choice([0, 1, 1, 1, 2, 3, 5, 7]))  # (5 and 7: two blocks at once)
+        n_new = int(self.rng.choice(self.N_NEW))
         lookahead = int(self.rng.choice([0, 0, 1]))
         new = {r: self.rng.integers(1, 300, n_new).astype(np.int32) for r in rids}
-        hashes, counts = [], []
+        G = len(self.sizes)
+        hashes, counts = [[] for _ in range(G)], [[] for _ in range(G)]
         for r in rids:
-            h = hash_prompt(np.concatenate([self.tokens[r], new[r]]), BS)[self.registered[r]:]
-            hashes.append(h)
-            counts.append(h.size)
+            hs = self.hashes(np.concatenate([self.tokens[r], new[r]]), self.registered[r])
+            for g, h in enumerate([hs] if G == 1 else hs):
+                hashes[g].append(h)
+                counts[g].append(h.size)
         rows = self.c[0].rows_of(rids)
-        with_hashes = sum(counts) > 0 and self.rng.random() < 0.8
-        batch = StepBatch(append_rows=rows, append_num_tokens=n_new, num_lookahead_tokens=lookahead,
-                          append_hashes=(np.concatenate(hashes),) if with_hashes else (),
-                          append_hash_counts=(np.array(counts, np.int32),) if with_hashes else ())
+        with_hashes = sum(map(sum, counts)) > 0 and self.rng.random() < 0.8
+        batch = StepBatch(free=frees, append_rows=rows, append_num_tokens=n_new, num_lookahead_tokens=lookahead,
+                          append_hashes=tuple(np.concatenate(h) for h in hashes) if with_hashes else (),
+                          append_hash_counts=tuple(np.array(c, np.int32) for c in counts) if with_hashes else ())
         res = self.step(batch)
-        for r, st, k in zip(rids, res.append_status.tolist(), counts):
+        if res is None:
+            return
+        for i, (r, st) in enumerate(zip(rids, res.append_status.tolist())):
             if st == 0:
                 self.tokens[r] = np.concatenate([self.tokens[r], new[r]])
                 if with_hashes:
-                    self.registered[r] += k
+                    self.registered[r] = [reg + c[i] for reg, c in zip(self.registered[r], counts)]
+
 
 
 @pytest.mark.parametrize("seed", range(12))
