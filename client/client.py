@@ -738,10 +738,10 @@ class _Core:
     def _req_decode(self, rows, num_tokens: int, lookahead: int, computed_through: int | None = None,
                     hashes=(), counts=(), num_groups: int = 1, token_ids=()):
         """The decode fast path of ``step`` (the ``decode`` op, a binary header): appends by row,
-        one token count for all, and each KV-cache group's hashes of the blocks that filled
-        (with one group their token ids, sent only to a daemon that publishes KV events); one array copy each
-        way, no per-request Python. None when the batch needs the general message (token ids with
-        several groups, counts that do not fit the rows)."""
+        one token count for all, and each KV-cache group's hashes of the blocks that filled (with
+        one group their token ids, sent only to a daemon that publishes KV events); one array copy
+        each way, no per-request Python. None when the batch needs the general message (token ids
+        with several groups, counts that do not fit the rows)."""
         if type(rows) is not np.ndarray or rows.dtype != np.int32 or not rows.flags.c_contiguous:
             rows = int32_array(rows, "append_rows")  # InvalidArgument rather than a wrapped row
         na = rows.shape[0]

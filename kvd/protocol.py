@@ -170,7 +170,7 @@ decode_free
            with magic DECODE_FREE_MAGIC (b"kvF" + version byte), then
                nf     u32 free rows            nd   u32  admissions (one KV-cache group only)
            frames after it, without admissions: free rows int32[nf], append rows int32[na], then
-           the decode op's optional hash, count (per group) and token-id frames; with admissions exactly
+           the decode op's optional hash and count (per group) and token-id frames; with admissions exactly
            ``DECODE_FREE_ADMIT_FRAMES`` frames: free rows, append rows, append hashes S16[*] and
            counts int32[na] (both empty: none), admissions int64[nd, ADMIT_COLS], admit hashes
            S16[*] and admit hash counts int32[nd] (no token ids: such a step goes as ``step``).

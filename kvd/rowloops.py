@@ -362,9 +362,8 @@ def slide_windows(rows, num_computed, window, block_size, table, num_blocks, num
     down to its old one (tail first, row after row) become NULL_BLOCK and drop a reference, as
     ``BlockPool.release`` of those entries gathered would. A block whose count reaches zero goes to
     ``freed_out[n]`` (its row to ``rep_out[n]``), the index into ``rows`` of each row that moved to
-    ``moved_out[m]``. Returns
-    (n, m), or (DECLINED, 0) when a count would fall below zero or a row would skip its last block
-    (bugs: the state is then partly changed, and the caller asserts)."""
+    ``moved_out[m]``. Returns (n, m), or (DECLINED, 0) when a count would fall below zero or a row
+    would skip its last block (bugs: the state is then partly changed, and the caller asserts)."""
     n = 0
     m = 0
     for i in range(rows.size):

@@ -246,9 +246,9 @@ class Daemon:
         n = int(config.max_num_reqs)
         self.owner_sid = np.zeros(n, np.int64)  # manager row -> session id (0: none)
         self.owner_srow = np.full(n, -1, np.int32)  # manager row -> session row
-        # Steps publish rows and slots through compiled loops (kvd.rowloops) with one group without
-        # a window; the numpy path does the rest, and everything without numba.
-        self._compiled_publish = rowloops.HAVE_NUMBA  # tables and slot mappings by compiled loops, every group
+        # Steps publish rows and slots through compiled loops (kvd.rowloops), a loop per group; the
+        # numpy path does it without numba, and publishes rows that copy-on-write rewrote.
+        self._compiled_publish = rowloops.HAVE_NUMBA
         self._srows_buf = np.empty(self.max_reqs, np.int32)
         # the largest value of each admission column (kvd.protocol ADMIT_COLS): row, tokens, lookahead,
         # priority, encoder tokens, max new tokens
@@ -969,7 +969,7 @@ class Daemon:
                      admit_frames: list[bytes] | None = None, nd: int = 0,
                      group_frames: list[bytes] | None = None) -> list[bytes]:
         """The decode fast path: appends only, one token count for all; the hashes of blocks that
-        filled (if any, one group) are registered on the way, with their token ids if sent.
+        filled (if any) are registered on the way, with one group their token ids if sent.
         ``c``: the confirmation, or NO_CONFIRM. ``binary``: reply with a decode header (the decode
         op) or JSON (a step). ``free_b``: the decode_free op's ``nf`` free rows, freed first (the
         manager's step then decides request by request; the reply body starts with their status),
@@ -1012,7 +1012,10 @@ class Daemon:
             old, grown, copies = fast
             tick, status_b, sched_rows, lens = m.tick, bytes(2 * na), mrows, np.full(na, an, np.int32)
             sched_start = old.astype(np.int32)
-            changed = self._mirrored(sess, grown) if mirror is not None else self._sync_rows(sess, grown, full=copies.size > 0)
+            if mirror is not None:  # (the manager wrote the session's rows too)
+                changed = self._mirrored(sess, grown)
+            else:
+                changed = self._sync_rows(sess, grown, full=copies.size > 0)
         else:  # declined (or token ids for KV events): the manager decides request by request
             batch = StepBatch(append_rows=mrows, append_num_tokens=an, num_lookahead_tokens=la,
                               computed_through=confirm)
@@ -1059,8 +1062,8 @@ class Daemon:
             return None, None
         hs, cnt = [], []
         for g in range(self.G):
-            h = P.frame_hashes(frames[2 * g], f"append hashes[{g}]", na * (self.max_model_len // self.block_sizes[g] + 1),
-                               dtype=self.hash_dtype)
+            most = na * (self.max_model_len // self.block_sizes[g] + 1)
+            h = P.frame_hashes(frames[2 * g], f"append hashes[{g}]", most, dtype=self.hash_dtype)
             hs.append(h)
             cnt.append(_hash_counts(frames[2 * g + 1], na, h.shape[0]))
         return tuple(hs), tuple(cnt)
