@@ -2060,12 +2060,13 @@ class BlockManager:
             tick=self.tick,
         )
 
-    def decode_rows(self, rows: np.ndarray, n_new: int, lookahead: int = 0, hashes: np.ndarray | None = None,
-                    counts: np.ndarray | None = None, mirror: tuple | None = None):
+    def decode_rows(self, rows: np.ndarray, n_new: int, lookahead: int = 0, hashes=None, counts=None,
+                    mirror: tuple | None = None):
         """The daemon's decode step, without a ``StepBatch`` or a ``StepResult``: every request of
         ``rows`` (manager rows, int32) appends ``n_new`` tokens (an int) with ``lookahead`` slots,
-        and with ``hashes`` (the one group's, ``hash_dtype``) and ``counts`` (int32, one per row)
-        registers the blocks that filled, as a decode ``step`` does. Returns (their sizes before,
+        and with ``hashes`` (``hash_dtype``) and ``counts`` (int32, one per row) registers the
+        blocks that filled, as a decode ``step`` does: one array each with one group, a tuple of one
+        per group with several (``_decode_rows_groups``, which takes no ``mirror``). Returns (their sizes before,
         int64, a view of scratch valid until the next append; the rows whose tables changed, a new
         array; the copy-on-write copies), or None, having changed nothing (beyond running deferred
         prefix-cache work that was due anyway), whenever anything is unusual (misuse, no space,
