@@ -9,7 +9,8 @@ decode one token a step, ``--steps`` times after ``--warmup``:
 * kvd: ``decode_rows`` (the daemon's entry: appends by row, each group's hashes of the blocks that
   filled, computed beforehand as kvd's client sends them), the writer's confirmation of the step,
   its deferred prefix-cache work run after the timing (the daemon runs it after its reply);
-* vLLM: its ``Scheduler``'s calls (as ``kvd/bench/vllm_peer.py`` drives the one-group manager):
+* vLLM: its ``Scheduler``'s calls (``kvd/bench/vllm_peer.py``'s step, which drives the one-group
+  manager of the scaling table):
   the output phase, ``append_output_token_ids`` (which hashes a filled block), and the schedule
   phase, ``allocate_slots(req, 1)`` and the new block ids per request. The schedule phase is the
   figure to compare (kvd's time excludes hashing too).
@@ -102,6 +103,8 @@ def run_vllm(args, groups) -> dict:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
     from vllm.v1.request import Request, RequestStatus
 
+    from kvd.bench.vllm_peer import scheduler_step  # the Scheduler's calls of one decode step
+
     specs = []
     for i, (bs, w) in enumerate(groups):
         kw = dict(block_size=bs, num_kv_heads=1, head_size=1, dtype=torch.float32)
@@ -132,24 +135,11 @@ def run_vllm(args, groups) -> dict:
     step, sched = [], []
     try:
         for d in range(args.warmup + args.steps):
-            toks = rng.integers(0, 50_000, args.requests).tolist()
-            a = time.perf_counter_ns()
-            for r, t in zip(reqs, toks):
-                r.append_output_token_ids(t)
-            b = time.perf_counter_ns()
-            kv.new_step_starts()
-            for r in reqs:
-                new = kv.allocate_slots(r, 1)
-                if new is None:
-                    ok = False
-                    continue
-                new.get_block_ids(allow_none=True)
-                r.num_computed_tokens += 1
-            kv.take_new_block_ids()
-            c = time.perf_counter_ns()
+            step_ns, sched_ns, step_ok = scheduler_step(kv, reqs, rng.integers(0, 50_000, args.requests).tolist())
+            ok &= step_ok
             if d >= args.warmup:
-                step.append((c - a) / 1e3)
-                sched.append((c - b) / 1e3)
+                step.append(step_ns / 1e3)
+                sched.append(sched_ns / 1e3)
         held = free0 - kv.block_pool.get_num_free_blocks()
         for r in reqs:
             kv.free(r)

@@ -82,7 +82,7 @@ def _admit(kv, req) -> int | None:
     return hit
 
 
-def _step(kv, reqs, toks) -> tuple[int, int, bool]:
+def scheduler_step(kv, reqs, toks) -> tuple[int, int, bool]:
     """One decode step; (ns of the whole step, ns of the schedule phase, every allocation ok)."""
     ok = True
     a = time.perf_counter_ns()
@@ -109,7 +109,7 @@ def _warm_up(kv, spec: WorkloadSpec, steps: int, params, hasher) -> None:
     reqs = [Request(f"warm-{i}", [WARM_TOKEN] * (bs - 1), params, None, block_hasher=hasher) for i in range(R)]
     live = [r for r in reqs if _admit(kv, r) is not None]
     for _ in range(steps):
-        _step(kv, live, [WARM_TOKEN] * len(live))
+        scheduler_step(kv, live, [WARM_TOKEN] * len(live))
     for r in live:
         kv.free(r)
     kv.reset_prefix_cache()
@@ -147,7 +147,7 @@ def run_workload(spec: WorkloadSpec, num_blocks: int, warmup: int) -> dict:
         sched = np.empty(D, np.int64)
         allocs_ok = True
         for d in range(D):
-            step[d], sched[d], ok = _step(kv, live, decode[d][: len(live)])
+            step[d], sched[d], ok = scheduler_step(kv, live, decode[d][: len(live)])
             allocs_ok &= ok
         peak = free0 - kv.block_pool.get_num_free_blocks()
         t3 = time.perf_counter_ns()
