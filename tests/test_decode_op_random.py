@@ -16,7 +16,7 @@ from kvd import protocol as P
 from kvd.api import AdmitRequest, StepBatch
 from kvd.hashing import hash_prompt
 from kvd.server import Daemon
-from test_decode_op import BS, Cfg, InProc
+from test_decode_op import Cfg, InProc
 
 FIELDS = ("free_status", "fork_status", "append_status", "admit_status", "admit_rows", "admit_cached_tokens",
           "copies", "changed_rows", "sched_rows", "sched_start", "sched_len", "tick")
