@@ -998,23 +998,24 @@ class BlockManager:
         if lookahead < 0 or lookahead > self.max_lookahead:
             status[status == 0] = errors.InvalidArgument.code
 
-    def _append_rows(self, rows, n_new, hash_lists, hash_counts, lookahead, token_lists=None):
+    def _append_rows(self, rows, n_new, hash_lists, hash_counts, lookahead, token_lists=None, defer: bool = False):
         """Grow many requests at once (``n_new``: an int for all, or one each). Returns the int16
-        status per request, and the tokens each request had before when the fast path took the
-        whole batch (else None). ``token_lists``: per group the token ids of the hashed blocks
-        (events on), or None."""
+        status per request and, when the fast path took the whole batch, the tokens each request
+        had before and the rows whose tables changed (else None, None). ``token_lists``: per group
+        the token ids of the hashed blocks (events on), or None. ``defer``: the fast path's
+        registration may wait for ``flush_deferred`` (nothing later in the call reads the cache)."""
         n = rows.size
         if not n:
-            return _EMPTY_I16, None
+            return _EMPTY_I16, None, None
+        fast = None
         if self._simple:
-            fast = self._append_fast(rows, n_new, hash_lists[0], hash_counts and hash_counts[0], lookahead,
+            fast = self._append_fast(rows, n_new, hash_lists[0], hash_counts and hash_counts[0], lookahead, defer,
                                      tokens=token_lists and token_lists[0])
-            if fast is not None:
-                return np.zeros(n, np.int16), fast[0]
-        elif _GROUPS_FAST_PATH:
-            fast = self._append_fast_groups(rows, n_new, hash_lists, hash_counts, lookahead, token_lists)
-            if fast is not None:
-                return np.zeros(n, np.int16), fast[0]
+        elif _GROUPS_FAST_PATH:  # (token ids register now: the deferred item of several groups has none)
+            fast = self._append_fast_groups(rows, n_new, hash_lists, hash_counts, lookahead, token_lists,
+                                            defer=defer and token_lists is None)
+        if fast is not None:
+            return np.zeros(n, np.int16), fast[0], fast[1].copy()
         if not isinstance(n_new, np.ndarray):
             n_new = np.full(n, n_new, np.int64)
         if hash_counts is None:
@@ -1051,7 +1052,7 @@ class BlockManager:
         vstatus = np.where(ok, STATUS_OK, STATUS_NO_SPACE).astype(np.int16)
         status[valid] = vstatus
         if not ok.any():
-            return status, None
+            return status, None, None
         orows, oold, onew = vrows[ok], old[ok], new[ok]
         no_copy = np.zeros(orows.size, bool)
         for gi, g in enumerate(self.groups):
@@ -1062,7 +1063,7 @@ class BlockManager:
         for g in self.groups:
             if g.window:
                 self._release_out_of_window(g, orows[grew], oold[grew])
-        return status, None
+        return status, None, None
 
     def _append_fast(self, rows, n_new, hashes, counts, lookahead, defer: bool = False, tokens=None,
                      own_counts: bool = False, mirror: tuple | None = None):
@@ -1871,7 +1872,9 @@ class BlockManager:
         fork_status, child_rows = self._step_forks(batch.forks) if len(batch.forks) else (_EMPTY_I16, _EMPTY_I32)
         rows = self._step_append_rows(batch, given_rows)  # after frees and forks: ids may name new children
         copies_before = len(self._copies)
-        append_status, old = self._append_rows(rows, n_new, hash_lists, hash_counts, la, tokens)
+        # the appends' registration waits when nothing after them in the step reads the cache
+        defer = self.config.defer_cache_registration and not len(batch.admit)
+        append_status, old, appended = self._append_rows(rows, n_new, hash_lists, hash_counts, la, tokens, defer)
         admit_status, admit_rows, admit_cached = (
             self._step_admits(batch.admit, space) if len(batch.admit) else (_EMPTY_I16, _EMPTY_I32, _EMPTY_I64)
         )
@@ -1889,13 +1892,23 @@ class BlockManager:
             admit_rows=admit_rows,
             admit_cached_tokens=admit_cached,
             copies=copies,
-            changed_rows=np.concatenate([sched_rows, child_rows]) if child_rows.size else sched_rows,
+            changed_rows=self._changed_rows(sched_rows, child_rows, appended, rows.size),
             sched_rows=sched_rows,
             sched_start=sched_start,
             sched_len=sched_len,
             freed_rows=freed_rows,
             tick=self.tick,
         )
+
+    @staticmethod
+    def _changed_rows(sched_rows, child_rows, appended, num_appends: int) -> np.ndarray:
+        """A step's rows whose tables changed: the appends' (``appended``, when the fast path took
+        them all: the rows it grew, copied on write or slid; else every appended row scheduled),
+        the admissions' and the forks' children."""
+        parts = [sched_rows] if appended is None else [appended, sched_rows[num_appends:]]
+        if child_rows.size:
+            parts.append(child_rows)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _lone_admission_step(self, req: AdmitRequest, space: int) -> StepResult:
         """``step`` of one admission and nothing else (a new request's first step: its time to first

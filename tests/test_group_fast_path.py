@@ -53,7 +53,19 @@ def _state(m: BlockManager):
 
 
 _RESULT_FIELDS = ("free_status", "fork_status", "append_status", "admit_status", "admit_rows", "admit_cached_tokens",
-                  "copies", "changed_rows", "sched_rows", "sched_start", "sched_len", "freed_rows", "tick")
+                  "copies", "sched_rows", "sched_start", "sched_len", "freed_rows", "tick")
+
+
+def _tables(m: BlockManager) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [(g.table.copy(), g.num_blocks.copy()) for g in m.groups]
+
+
+def _rows_changed(m: BlockManager, before) -> set[int]:
+    """The live rows whose table or block count (any group) differs from ``before``."""
+    moved = np.zeros(m.num_tokens.size, bool)
+    for (t, n), g in zip(before, m.groups):
+        moved |= (t != g.table).any(axis=1) | (n != g.num_blocks)
+    return set(np.flatnonzero(moved & m.active).tolist())
 
 
 class _Run:
@@ -87,7 +99,10 @@ class _Run:
         return [hash_prompt(tokens, g.block_size)[s:] for g, s in zip(self.groups, start)]
 
     def step(self, batch: StepBatch):
-        """The step on both managers: the same result, or the same error."""
+        """The step on both managers: the same result, or the same error. Changed rows: the
+        request-by-request path names every row it scheduled, the fast one the rows whose tables
+        changed (grown, copied on write, slid), which must be every one whose table did."""
+        before = _tables(self.fast)
         try:
             a = self._fast_step(batch)
         except errors.KvdError as e:
@@ -103,6 +118,8 @@ class _Run:
         assert not isinstance(a, Exception), a
         for f in _RESULT_FIELDS:
             assert np.array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(b, f))), f
+        changed = set(np.asarray(a.changed_rows).tolist())
+        assert _rows_changed(self.fast, before) <= changed <= set(np.asarray(b.changed_rows).tolist())
         return a
 
     def _fast_step(self, batch: StepBatch):
@@ -117,7 +134,7 @@ class _Run:
                 return M.StepResult(free_status=M._EMPTY_I16, fork_status=M._EMPTY_I16,
                                     append_status=np.zeros(rows.size, np.int16), admit_status=M._EMPTY_I16,
                                     admit_rows=M._EMPTY_I32, admit_cached_tokens=M._EMPTY_I64, copies=copies,
-                                    changed_rows=rows, sched_rows=rows, sched_start=old.astype(np.int32),
+                                    changed_rows=changed, sched_rows=rows, sched_start=old.astype(np.int32),
                                     sched_len=np.full(rows.size, n_new, np.int32), freed_rows=M._EMPTY_I32,
                                     tick=m.tick)
         return m.step(batch, writer=self.writer)
