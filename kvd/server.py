@@ -122,7 +122,7 @@ class Session:
         self.base = sid << SID_SHIFT
         self.gpu = None  # kvd.gpu_session.GpuSession with a GPU pool
         self.slot_mapping = True  # replies write the step's slot mapping (hello ``slots``)
-        self.mirror: tuple | None = None  # Daemon._segment_arrays, made when first needed
+        self.mirror: list[tuple] | None = None  # Daemon._segment_arrays, made when first needed
 
 
 def _peer(identity_frame: Any) -> Peer | None:
@@ -515,15 +515,8 @@ class Daemon:
     def _sync_appended(self, sess: Session, mrows: np.ndarray) -> np.ndarray:
         """``_sync_rows(full=False)``, one compiled call per group (a window's group: whole rows)."""
         m = self.manager
-        if self.G == 1:
-            table, counts, start, end = self._segment_arrays(sess)
-            groups = [(table, counts, start, end)]
-        else:
-            shm, tr = sess.shm, sess.gpu.tracker if sess.gpu is not None else None
-            groups = [(shm.tables[g], shm.counts[g], tr.st[g] if tr is not None else _EMPTY_I32,
-                       tr.en[g] if tr is not None else _EMPTY_I32) for g in range(self.G)]
         k = 0
-        for g, (table, counts, start, end) in enumerate(groups):
+        for g, (table, counts, start, end) in enumerate(self._segment_arrays(sess)):
             k = rowloops.sync_appended_rows(mrows, self.owner_sid, self.owner_srow, sess.sid, m.tables[g],
                                             m.num_blocks[g], m.last_blocks[g], table, counts, start, end,
                                             self._srows_buf, self.windowed[g])
@@ -539,14 +532,15 @@ class Daemon:
         return srows
 
     @staticmethod
-    def _segment_arrays(sess: Session) -> tuple:
-        """Group 0's table and counts in the session's segment, and its GPU tracker's ranges of
-        changed entries (empty: no GPU session): the session's for its life, looked up once."""
+    def _segment_arrays(sess: Session) -> list[tuple]:
+        """Per group, its table and counts in the session's segment and its GPU tracker's ranges
+        of changed entries (empty: no GPU session): the session's for its life, looked up once."""
         arrays = sess.mirror
         if arrays is None:
             tr = sess.gpu.tracker if sess.gpu is not None else None
-            arrays = sess.mirror = (sess.shm.tables[0], sess.shm.counts[0], tr.st[0] if tr is not None else _EMPTY_I32,
-                                    tr.en[0] if tr is not None else _EMPTY_I32)
+            arrays = sess.mirror = [(table, counts, tr.st[g] if tr is not None else _EMPTY_I32,
+                                     tr.en[g] if tr is not None else _EMPTY_I32)
+                                    for g, (table, counts) in enumerate(zip(sess.shm.tables, sess.shm.counts))]
         return arrays
 
     def _mirror(self, sess: Session, srows: np.ndarray) -> tuple | None:
@@ -555,7 +549,7 @@ class Daemon:
         appends there too (the rows are the session's own, ``_mapped_rows`` checked them)."""
         if self.G != 1 or self.windowed[0]:
             return None  # (several groups or a window: the daemon publishes what decode_rows changed)
-        table, counts, start, end = self._segment_arrays(sess)
+        table, counts, start, end = self._segment_arrays(sess)[0]
         return table, counts, srows, start, end
 
     def _mirrored(self, sess: Session, grown: np.ndarray) -> np.ndarray:
