@@ -423,6 +423,12 @@ class _Core:
         return tuple(self.info.get("block_sizes", ()))
 
     @property
+    def sliding_windows(self) -> tuple[int, ...]:
+        """Each KV-cache group's sliding window in tokens (0: full attention): a window group's
+        blocks before a request's last ``window`` tokens go back to the pool as it decodes."""
+        return tuple(self.info.get("windows", ()))
+
+    @property
     def kv_cache(self):
         """The KV cache the daemon owns (``kv_cache`` config), shared by every engine:
         ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``, a numpy array over shared memory

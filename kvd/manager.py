@@ -222,6 +222,7 @@ class BlockManager:
             for g in config.groups
         ]
         self.block_sizes = tuple(g.block_size for g in self.groups)
+        self.sliding_windows = tuple(g.window for g in self.groups)  # tokens per group; 0: full attention
         self.tables = tuple(g.table for g in self.groups)
         self.num_blocks = tuple(g.num_blocks for g in self.groups)
         self.last_blocks = tuple(g.last_block for g in self.groups)

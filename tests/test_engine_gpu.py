@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.conftest_daemon import daemon_factory, short_tmp  # noqa: F401
-from tests.engine_common import BLOCK, DAEMON, LLAMA, assert_matches_hf, model_of
+from tests.engine_common import BLOCK, DAEMON, HYBRID, LLAMA, assert_matches_hf, model_of
 
 import torch  # noqa: E402
 
@@ -77,6 +77,50 @@ def test_graphs_through_a_gpu_daemon_match_hf(daemon_factory, overlap, slot_mapp
             for rid, p in prompts.items():
                 seq = np.array(p + eng.reqs[rid].output[:-1])
                 assert rd.lookup(c.hash_prompt(seq)) == len(seq) // BLOCK, rid
+
+
+@pytest.mark.parametrize("per_message", [1, 4], ids=["overlap", "windows-of-4"])
+def test_hybrid_graphs_overlapped_through_a_gpu_daemon_match_hf(daemon_factory, per_message):
+    """A full + sliding-window model (two KV-cache groups) on the graphs, overlap and multi-step
+    windows, kvd's window two tokens longer than the model's (``Engine._check_windows``): HF's
+    tokens, the window group's leading blocks released as the requests decode."""
+    _cuda()
+    W = HYBRID["window"]
+    d = daemon_factory(wait=False, device="cuda:0", kv_groups=f"{BLOCK},{BLOCK}:{W + 2}", **DAEMON)
+    d.wait_ready(300)
+    model = model_of(HYBRID).to("cuda")
+    prompts = _prompts(15)
+    with Client(d.endpoint, name="gpu-hybrid", steps_in_flight=1, timeout_s=300.0, slot_mapping=False) as c:
+        eng = Engine(c, model, device="cuda", max_tokens=48, graph_tokens=16, overlap=True, prestage=True,
+                     steps_per_message=per_message)
+        released = []
+        real = eng._took_reply
+
+        def took(res):  # every running request's window blocks released so far
+            real(res)
+            released.append(sum(int((c.block_table(rid, 1) == 0).sum()) for rid in eng.order))
+
+        eng._took_reply = took
+        _drive(eng, prompts, 12)
+        g = eng.graphs
+        assert 0 < g.replays < eng.forwards and g.captures == len(g.buckets)
+        assert eng.ahead_steps > 0 and eng.steady_steps > 0 and eng.prestaged_replays > 0
+        assert max(released) > 0
+        assert_matches_hf(model, eng, prompts, 12)
+        assert c.stats()["num_requests"] == 0
+
+
+def test_hybrid_graphs_with_host_tables_match_hf():
+    _cuda()
+    W = HYBRID["window"]
+    model = model_of(HYBRID).to("cuda")
+    prompts = _prompts(16)
+    c = InProcClient(400, BLOCK, window=W + 1, max_num_reqs=32)
+    eng = Engine(c, model, kv=OwnedKv(2, 400, BLOCK, 2, 16, torch.float32, "cuda"), device="cuda", max_tokens=48,
+                 graph_tokens=64, overlap=True, prestage=True)
+    _drive(eng, prompts, 12)
+    assert eng.graphs.replays == eng.forwards and eng.ahead_steps > 0 and eng.steady_steps > 0
+    assert_matches_hf(model, eng, prompts, 12)
 
 
 def test_graphs_with_the_daemons_host_tables_match_hf(daemon_factory):

@@ -33,7 +33,7 @@ from .forward import ForwardMixin
 from .fused import install as install_fused
 from .graphs import GraphRunner
 from .inputs import Staging
-from .model import layer_groups
+from .model import layer_groups, window_of
 from .overlap import OverlapMixin
 from .state import DONE, PREFILL, RUNNING, SWAPPED, WAITING, OwnedKv, Request, daemon_kv
 from .steady import SteadyBatch
@@ -55,9 +55,9 @@ class Engine(ForwardMixin, OverlapMixin):
         ``graph_tokens``: on CUDA, steps of at most that many tokens replay CUDA graphs
         (``graphs.GraphRunner``); 0: every forward is eager. ``overlap``: in steady decode (every
         running request decoding, nothing waiting), send the next step's round trip while this
-        step's forward runs (async scheduling). Needs one full-attention KV-cache group (a window's
-        releases, or a fork's copy-on-write, would change blocks the running forward reads), no
-        forks, and a client that confirms a step only once a later one is sent (``steps_in_flight``
+        step's forward runs (async scheduling). Needs kvd's sliding windows to run that far ahead of
+        the model's (``_check_windows``), no forks (a fork's copy-on-write would change blocks the
+        running forward reads), and a client that confirms a step only once a later one is sent (``steps_in_flight``
         >= 1); slots then come from the block tables (kvd rewrites its slot buffer for the next step
         while this forward may still read it). ``prestage``: with graphs and overlap, a steady decode
         step replays the inputs the previous step's graph advanced on the device
@@ -119,11 +119,12 @@ class Engine(ForwardMixin, OverlapMixin):
         self.freed_since_preempt = True
         self.keep_logits = keep_logits
         ticks = getattr(client, "_step_ticks", None)
-        if overlap and (self.num_groups != 1 or max(self.groups) > 0 or (ticks is not None and ticks.maxlen < 2)):
-            raise ValueError("overlap needs one full-attention KV-cache group and a client with steps_in_flight >= 1")
+        if overlap and ticks is not None and ticks.maxlen < 2:
+            raise ValueError("overlap needs a client with steps_in_flight >= 1")
         self.overlap = overlap
         if type(steps_per_message) is not int or steps_per_message < 1 or (steps_per_message > 1 and not overlap):
             raise ValueError("steps_per_message must be an integer >= 1; more than 1 needs overlap")
+        self._check_windows(window_of(model.config), (2 if steps_per_message > 1 else 1) if overlap else 0)
         self.per_message = steps_per_message
         # a window's message carries K tokens a request: at most the daemon's max_num_batched_tokens
         self._message_tokens = int(getattr(client, "info", {}).get("max_tokens", 0))
@@ -157,6 +158,29 @@ class Engine(ForwardMixin, OverlapMixin):
         self.kvd_slot_steps = 0  # forwards that used kvd's own slot mapping (not one from the tables)
         self.check_slots = False  # tests: compare kvd's slot mapping with the one from the tables
         self.after_reply = None  # hook(engine, StepResult) between kvd's reply and the forward (tests)
+
+    def _check_windows(self, window: int, ahead: int) -> None:
+        """kvd must keep every block a forward reads. Full-attention layers read their group's whole
+        tables: no window there. The sliding-window layers read a request's last ``window`` tokens
+        (the model's): their group's window in kvd is none or at least that plus ``ahead``, the
+        tokens by which kvd's messages run ahead of the forwards reading those blocks. A window
+        releases what the first token an append adds no longer reads; with overlap that append goes
+        out during the forward of the token before it (1 ahead), a multi-step window's next message
+        during the window's next-to-last forward (2 ahead). Released sooner, a block could go to
+        another engine and be rewritten while this engine's forward still reads it."""
+        kvd = getattr(self.c, "sliding_windows", None)
+        if kvd is None:  # (a client that does not say: test doubles)
+            return
+        for g, w in enumerate(kvd):
+            if not w or g not in self.groups:
+                continue
+            if g == 0:  # (layer_groups: group 0 the full-attention layers, 1 the window's)
+                raise ValueError(f"kvd's KV-cache group {g} has a sliding window of {w} tokens, but the model's "
+                                 "full-attention layers use it")
+            if w < window + ahead:
+                raise ValueError(f"kvd's KV-cache group {g} has a sliding window of {w} tokens: the model's window "
+                                 f"is {window}" + (f" and this engine's messages run {ahead} token(s) ahead of its "
+                                                   "forwards" if ahead else "") + f"; it needs >= {window + ahead}")
 
     # ---- requests ------------------------------------------------------------------------------------
     def add(self, rid: str, prompt, max_new_tokens: int, forced: dict[int, int] | None = None) -> None:

@@ -33,6 +33,10 @@ class InProcClient:
         return self.m.block_sizes
 
     @property
+    def sliding_windows(self) -> tuple[int, ...]:
+        return self.m.sliding_windows
+
+    @property
     def tables(self) -> tuple[np.ndarray, ...]:
         return self.m.tables
 

@@ -7,9 +7,10 @@ for every request this forward does not finish. What it cannot carry yet waits o
 of a block the next token fills (its token is sampled by this forward), the frees of requests this
 forward finishes (their blocks are read until it ends); a finishing request registers its last
 written blocks with a 0-token append. Safe only where no message rewrites what the running forward
-reads: one full-attention KV-cache group (a window's release would null a block the forward still
-reads), no forks (copy-on-write replaces a table entry), slots from the tables (kvd rewrites its slot
-buffer for the next step); ``Engine`` refuses the rest.
+reads: no forks (copy-on-write replaces a table entry), slots from the tables (kvd rewrites its slot
+buffer for the next step), and a sliding-window group's window in kvd longer than the model's by the
+tokens the messages run ahead (a window's release would otherwise give back a block the running
+forward still reads: ``Engine._check_windows``); ``Engine`` refuses the rest.
 
 Multi-step windows (``Engine(steps_per_message=k)``): a steady batch's message appends ``k`` tokens
 per request (fewer where a request has fewer left), and the ``k`` steps it grants run without

@@ -1,0 +1,134 @@
+"""A hybrid model (full attention + a sliding window: two KV-cache groups) on the engine's overlapped
+and multi-step-window paths, and the engine's check that kvd's windows keep every block its forwards
+read (``Engine._check_windows``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.conftest_daemon import daemon_factory, short_tmp  # noqa: F401
+from tests.engine_common import BLOCK, DAEMON, HYBRID, LLAMA, assert_matches_hf, model_of
+
+from kvd_client import Client  # noqa: E402
+import torch  # noqa: E402
+
+from kvd_engine import Engine, InProcClient, OwnedKv  # noqa: E402
+
+W = HYBRID["window"]
+
+
+def _groups(kvd_window: int) -> str:
+    return f"{BLOCK},{BLOCK}:{kvd_window}"
+
+
+def _prompts(seed: int, n: int = 5):
+    rng = np.random.default_rng(seed)
+    # longer than the window (and some than a block past it): blocks slide out while they decode
+    return {f"r{i}": rng.integers(0, 512, int(rng.integers(W + 2, 4 * W))).tolist() for i in range(n)}
+
+
+@pytest.mark.parametrize("per_message", [1, 3])
+def test_hybrid_overlap_and_windows_match_hf_and_release_the_window(daemon_factory, per_message):
+    """Overlap (and multi-step windows of 3) on a hybrid model: tokens and logits equal HF's, the
+    steps ran on the steady batch with messages sent during forwards, kvd released the window
+    group's blocks as the requests decoded, and the pool is empty at the end."""
+    ahead = 2 if per_message > 1 else 1
+    d = daemon_factory(**DAEMON, kv_groups=_groups(W + ahead))
+    model = model_of(HYBRID)
+    prompts = _prompts(7)
+    with Client(d.endpoint, name="e", steps_in_flight=1) as c:
+        assert c.sliding_windows == (0, W + ahead)
+        eng = Engine(c, model, overlap=True, steps_per_message=per_message)
+        for rid, p in prompts.items():
+            eng.add(rid, p, 24)
+        released = []
+        while eng.busy:
+            eng.step()
+            r = eng.reqs["r0"]
+            if r.state == "running" and c.row_of("r0") is not None:
+                released.append(int((c.block_table("r0", 1) == 0).sum()))
+        assert_matches_hf(model, eng, prompts, 24)
+        assert eng.steady_steps > 0 and eng.ahead_steps > 0
+        if per_message > 1:
+            assert eng.early_messages > 0
+        assert max(released) >= 2  # r0's window group dropped its leading blocks
+        c.mark_computed()
+        assert c.stats()["num_requests"] == 0
+
+
+def test_hybrid_overlap_gives_the_same_tokens_as_the_synchronous_engine(daemon_factory):
+    """The same prompts through a synchronous engine and an overlapped one with windows of 4, each on
+    its own daemon: identical tokens (both equal HF's: see above), both pools empty after."""
+    model = model_of(HYBRID)
+    prompts = _prompts(11, 6)
+    out = {}
+    for overlap, per_message in ((False, 1), (True, 4)):
+        d = daemon_factory(**DAEMON, kv_groups=_groups(W + 2))
+        with Client(d.endpoint, name="e", steps_in_flight=1) as c:
+            eng = Engine(c, model, overlap=overlap, steps_per_message=per_message, keep_logits=False)
+            for rid, p in prompts.items():
+                eng.add(rid, p, 20)
+            eng.run()
+            out[overlap] = {rid: r.output for rid, r in eng.reqs.items()}
+            c.mark_computed()
+            assert c.stats()["num_requests"] == 0 and c.stats()["num_used_blocks"] == 0
+    assert out[True] == out[False]
+
+
+def test_a_kvd_window_one_token_short_changes_the_tokens(daemon_factory, monkeypatch):
+    """Why the check: with kvd's window one token shorter than the model's, a block the model's
+    window still reads goes back to the pool, the forward reads it as the null block, and the
+    logits leave HF's (the check bypassed here). With the model's window exactly, they match."""
+    model = model_of(HYBRID)
+    prompts = _prompts(3, 4)
+    monkeypatch.setattr(Engine, "_check_windows", lambda self, window, ahead: None)
+    for kvd_window, same in ((W, True), (W - 1, False)):
+        d = daemon_factory(**DAEMON, kv_groups=_groups(kvd_window))
+        with Client(d.endpoint, name="e") as c:
+            eng = Engine(c, model)
+            for rid, p in prompts.items():
+                eng.add(rid, p, 16)
+            eng.run()
+            if same:
+                assert_matches_hf(model, eng, prompts, 16)
+            else:
+                with pytest.raises(AssertionError):
+                    assert_matches_hf(model, eng, prompts, 16)
+
+
+@pytest.mark.parametrize("kvd_window, overlap, per_message, needs", [
+    (W - 1, False, 1, W),       # shorter than the model's: blocks it reads would be released
+    (W, True, 1, W + 1),        # overlap: the next step's release counts from one token on
+    (W + 1, True, 3, W + 2),    # windows: the next window's message goes out a step early
+])
+def test_the_engine_refuses_a_kvd_window_its_forwards_outrun(daemon_factory, kvd_window, overlap, per_message, needs):
+    d = daemon_factory(**DAEMON, kv_groups=_groups(kvd_window))
+    model = model_of(HYBRID)
+    with Client(d.endpoint, name="e", steps_in_flight=1) as c:
+        with pytest.raises(ValueError, match=f"group 1 has a sliding window of {kvd_window} tokens.*needs >= {needs}"):
+            Engine(c, model, overlap=overlap, steps_per_message=per_message)
+        Engine(c, model, overlap=overlap, steps_per_message=per_message) if kvd_window >= needs else None
+    # enough: accepted
+    d2 = daemon_factory(**DAEMON, kv_groups=_groups(needs))
+    with Client(d2.endpoint, name="e", steps_in_flight=1) as c:
+        Engine(c, model, overlap=overlap, steps_per_message=per_message)
+
+
+def test_the_engine_refuses_a_window_on_full_attention_layers(daemon_factory):
+    d = daemon_factory(**DAEMON, kv_groups=f"{BLOCK}:{W},{BLOCK}")
+    with Client(d.endpoint, name="e") as c:
+        assert c.sliding_windows == (W, 0)
+        with pytest.raises(ValueError, match="group 0 has a sliding window of 12 tokens, but the model's full-attention"):
+            Engine(c, model_of(HYBRID))
+        with pytest.raises(ValueError, match="group 0 has a sliding window"):
+            Engine(c, model_of(LLAMA))
+
+
+def test_the_in_process_client_says_its_windows():
+    assert InProcClient(16, BLOCK, window=W).sliding_windows == (0, W)
+    assert InProcClient(16, BLOCK).sliding_windows == (0,)
+    with pytest.raises(ValueError, match="needs >= 13"):
+        Engine(InProcClient(16, BLOCK, window=W), model_of(HYBRID), overlap=True,
+               kv=OwnedKv(2, 16, BLOCK, 2, 16, torch.float32, "cpu"))
+
