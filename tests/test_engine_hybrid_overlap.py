@@ -132,3 +132,21 @@ def test_the_in_process_client_says_its_windows():
         Engine(InProcClient(16, BLOCK, window=W), model_of(HYBRID), overlap=True,
                kv=OwnedKv(2, 16, BLOCK, 2, 16, torch.float32, "cpu"))
 
+
+@pytest.mark.parametrize("kind", ["llama", "hybrid"])
+def test_windows_with_a_prompt_shorter_than_a_block(daemon_factory, kind):
+    """A request whose first block fills during the steady batch has no parent hash for the batch's
+    chained hashing: the engine sends that request's steps one message each (the generic hashing)
+    until its first block has a hash, then windows again. Tokens equal HF's."""
+    d = daemon_factory(**DAEMON, kv_groups=_groups(W + 2))
+    model = model_of(HYBRID if kind == "hybrid" else LLAMA)
+    rng = np.random.default_rng(2)
+    prompts = {"short": rng.integers(0, 512, 3).tolist(), "long": rng.integers(0, 512, 30).tolist(),
+               "mid": rng.integers(0, 512, 13).tolist()}
+    with Client(d.endpoint, name="e", steps_in_flight=1) as c:
+        eng = Engine(c, model, overlap=True, steps_per_message=3)
+        for rid, p in prompts.items():
+            eng.add(rid, p, 24)
+        eng.run()
+        assert_matches_hf(model, eng, prompts, 24)
+        assert eng.early_messages > 0

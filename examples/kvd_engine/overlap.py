@@ -155,7 +155,10 @@ class OverlapMixin:
         if not n_next and not fin.any():
             return None
         k = 1
-        if n_next:  # the next window: as many steps as every continuing request has tokens left
+        # the next window: as many steps as every continuing request has tokens left, and one step
+        # while a request has no block hash yet (its first block, filled in a window, would have no
+        # parent for the batch's chained hashing: its steps go one message each until it has one)
+        if n_next and (batch.nh[nxt] > 0).all():
             k = min(self.per_message, int(batch.left[nxt].min()) - 1 - early)
             if self._message_tokens:  # and as the daemon takes in one message
                 k = max(1, min(k, self._message_tokens // n_next))
