@@ -4,6 +4,7 @@ with a cross-engine prefix hit.
 
     python scripts/bench_engine.py                # GPU: 8 layers, hidden 2048, 16/4 heads, bf16
     python scripts/bench_engine.py --tiny         # CPU: tiny float32 model (a test runs this)
+    python scripts/bench_engine.py --window 64    # the hybrid model: full + 64-token sliding window
 
 For each batch size N (64 and 256; --tiny: 8 and 16) and backend -- (a) the kvd daemon (daemon-owned
 KV cache: shm on CPU, CUDA IPC on GPU), (b) kvd's in-process BlockManager (engine-owned KV), (c) HF
@@ -66,6 +67,9 @@ GPU = dict(layers=8, hidden=2048, heads=16, kv_heads=4, vocab=32000, dtype="bflo
            prompt=128, steps=32, prefix=1024, block=16, agree=16)
 TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, dtype="float32", batches=(8, 16),
             prompt=16, steps=4, prefix=64, block=8, agree=16)
+# with overlap and multi-step windows a message runs up to 2 tokens ahead of the forwards that read
+# what its window releases: kvd's window for the hybrid model is the model's plus that
+WINDOW_REACH = 2
 
 
 def _sync(dev):
@@ -220,6 +224,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny float32 model on the CPU")
     ap.add_argument("--device", default=None, help="default: cuda:0 unless --tiny")
+    ap.add_argument("--window", type=int, default=0,
+                    help="a hybrid model (Qwen2: even layers a sliding window of this many tokens, odd ones full "
+                         "attention) on two KV-cache groups, kvd's window %d tokens longer (the engines' reach "
+                         "ahead, Engine._check_windows); 0: the Llama model" % WINDOW_REACH)
     ap.add_argument("--dtype", default=None, help="override the model dtype (float32 for the identity check)")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
     ap.add_argument("--steps", type=int, default=None)
@@ -283,20 +291,26 @@ def main(argv=None) -> int:
     eng_opts = dict(keep_logits=False, graph_tokens=gt, overlap=not args.no_overlap, prestage=not args.no_prestage,
                     fused=not args.no_fused)
     torch.set_num_threads(1 if args.tiny else torch.get_num_threads())
-    model = build_model(tiny_config("llama", layers=cfg["layers"], hidden=cfg["hidden"], heads=cfg["heads"],
-                                    kv_heads=cfg["kv_heads"], vocab=cfg["vocab"], max_pos=4096),
+    kind = "hybrid" if args.window else "llama"
+    model = build_model(tiny_config(kind, layers=cfg["layers"], hidden=cfg["hidden"], heads=cfg["heads"],
+                                    kv_heads=cfg["kv_heads"], vocab=cfg["vocab"], max_pos=4096, window=args.window),
                         seed=args.seed, dtype=dtype, device=dev)
+    kvd_window = args.window + WINDOW_REACH if args.window else 0
     gcheap.freeze()  # torch, transformers and the model: ~440,000 objects no collection needs to walk
     head_dim = cfg["hidden"] // cfg["heads"]
     max_n = max(cfg["batches"])
     per_req = -(-(cfg["prompt"] + cfg["steps"] + 4) // cfg["block"])
     num_blocks = max_n * per_req + 4 * -(-(cfg["prefix"] + 64) // cfg["block"]) + 16
+    if kvd_window:  # the window group's blocks come from the same pool (at most as many again)
+        num_blocks *= 2
     opts = dict(num_gpu_blocks=num_blocks, block_size=cfg["block"], max_num_reqs=max_n + 8,
                 max_reqs_per_session=max_n + 4, max_sessions=8, max_num_batched_tokens=max(4096, max_n * cfg["prompt"]),
                 max_model_len=4096, kv_cache=f"{cfg['layers']},{cfg['kv_heads']},{head_dim},{cfg['dtype']}",
                 busy_poll_us=args.daemon_busy_poll_us, warm_every_us=args.daemon_warm_every_us)
     if dev.type == "cuda":
         opts["device"] = str(dev)
+    if kvd_window:
+        opts["kv_groups"] = f"{cfg['block']},{cfg['block']}:{kvd_window}"
     if pin:
         opts["pin_cpu"] = daemon_cpu
     # An engine pinned to a CPU of its own (the daemon has another) waits for replies by polling:
@@ -321,7 +335,7 @@ def main(argv=None) -> int:
         warm = {f"w{i}": rng.integers(1, cfg["vocab"], cfg["prompt"]).tolist() for i in range(2)}
         with Client(d.endpoint, name="bench", slot_mapping=args.kvd_slots, **io) as c:  # numba compiles, CUDA contexts
             _decode_run(Engine(c, model, device=dev, **eng_opts), warm, 2, dev)
-        _decode_run(Engine(InProcClient(num_blocks, cfg["block"]), model, device=dev, **eng_opts, kv=OwnedKv(
+        _decode_run(Engine(InProcClient(num_blocks, cfg["block"], window=kvd_window), model, device=dev, **eng_opts, kv=OwnedKv(
             cfg["layers"], num_blocks + 1, cfg["block"], cfg["kv_heads"], head_dim, dtype, dev)), warm, 2, dev)
         for n in cfg["batches"]:
             prompts = {f"r{i}": rng.integers(1, cfg["vocab"], cfg["prompt"]).tolist() for i in range(n)}
@@ -339,7 +353,7 @@ def main(argv=None) -> int:
                     w["messages"], w["early_messages"] = weng.ahead_steps, weng.early_messages
                     checks[f"pool_empty_after_{n}_windows_{k}"] = c.stats()["num_used_blocks"] == 0
                 same_windows &= all(weng.reqs[r].output == eng.reqs[r].output for r in prompts)
-            inproc_c = InProcClient(num_blocks, cfg["block"], max_num_reqs=n + 8)
+            inproc_c = InProcClient(num_blocks, cfg["block"], window=kvd_window, max_num_reqs=n + 8)
             kv = OwnedKv(cfg["layers"], num_blocks + 1, cfg["block"], cfg["kv_heads"], head_dim, dtype, dev)
             ieng = Engine(inproc_c, model, kv=kv, device=dev, max_tokens=max(4096, n * cfg["prompt"]), max_running=n,
                           **eng_opts)
@@ -398,7 +412,8 @@ def main(argv=None) -> int:
         print(f"  every step graphed (honesty): cold {ttft_all['ttft_cold_ms']:.1f} ms, hit {ttft_all['ttft_hit_ms']:.1f} "
               f"ms ({ttft_all['ttft_hit_ms'] / ttft_all['ttft_cold_ms']:.3f}x)")
     out = {"device": str(dev), "host_cpu": _host_cpu(), "torch_threads": torch.get_num_threads(),
-           "dtype": cfg["dtype"], "layers": cfg["layers"], "hidden": cfg["hidden"],
+           "dtype": cfg["dtype"], "model": kind, "window": args.window, "kvd_window": kvd_window,
+           "layers": cfg["layers"], "hidden": cfg["hidden"],
            "heads": [cfg["heads"], cfg["kv_heads"]], "prompt": cfg["prompt"], "decode_steps": cfg["steps"],
            "graph_tokens": gt, "overlap": not args.no_overlap, "prestage": not args.no_prestage, "kvd_slots": args.kvd_slots,
            "fused": not args.no_fused and dev.type == "cuda",

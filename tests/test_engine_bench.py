@@ -85,3 +85,19 @@ def test_decode_run_counts_only_the_timed_steps():
     assert out["ahead_messages_timed"] == 4
     assert out["ahead_send_us_p50_max"] == [45.0, 60.0] and out["ahead_take_us_p50_max"] == [40.0, 40.0]
     assert out["overlap_exposed_ms_p50_p99_max"] == [0.2, 0.2, 0.2]
+
+
+def test_tiny_bench_of_the_hybrid_model():
+    """--window: the hybrid model (a sliding window on even layers) on two KV-cache groups, kvd's
+    window 2 tokens longer; its decode runs past the window (16-token prompts + 9 tokens > 8), with
+    a message per step and windows of 3: HF's tokens, the same tokens from every engine, pools empty."""
+    p = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_engine.py"), "--tiny", "--window", "8",
+                        "--batches", "4", "--steps", "6", "--steps-per-message", "3", "--no-pin"], cwd=str(REPO),
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["ok"] and (out["model"], out["window"], out["kvd_window"]) == ("hybrid", 8, 10)
+    assert out["checks"]["float32_tokens_identical"] and out["checks"]["windows_equal_daemon"]
+    run = out["batches"]["4"]
+    assert run["identical_requests"] == "4/4" and run["daemon"]["steady_steps"] == 6
+    assert run["daemon_windows"]["3"]["messages"] < run["daemon"]["steps_sent_ahead"]
