@@ -9,7 +9,7 @@ with a cross-engine prefix hit.
 For each batch size N (64 and 256; --tiny: 8 and 16) and backend -- (a) the kvd daemon (daemon-owned
 KV cache: shm on CPU, CUDA IPC on GPU), (b) kvd's in-process BlockManager (engine-owned KV), (c) HF
 ``generate`` with its contiguous DynamicCache (batched, equal prompt lengths, no padding) -- it
-prefills N prompts, runs two untimed decode steps (the first captures the CUDA graph, the second
+prefills N prompts (the daemon's prefix cache reset first: every run prefills cold), runs two untimed decode steps (the first captures the CUDA graph, the second
 pays the wake-ups after that pause), then times ``--steps`` decode steps. The engines (a) and (b)
 replay CUDA graphs for steps of at most ``--graph-tokens`` tokens and send each steady decode step's
 round trip while the previous forward runs (``--no-overlap``: they wait for it), taking its reply
@@ -340,6 +340,7 @@ def main(argv=None) -> int:
         for n in cfg["batches"]:
             prompts = {f"r{i}": rng.integers(1, cfg["vocab"], cfg["prompt"]).tolist() for i in range(n)}
             with Client(d.endpoint, name="bench", slot_mapping=args.kvd_slots, **io) as c:
+                checks[f"cold_cache_{n}"] = c.reset_prefix_cache()  # every run prefills the same way
                 eng = Engine(c, model, device=dev, max_tokens=max(4096, n * cfg["prompt"]), max_running=n,
                              **eng_opts)
                 daemon = _decode_run(eng, prompts, cfg["steps"], dev)
@@ -347,6 +348,9 @@ def main(argv=None) -> int:
             windows, same_windows = {}, True
             for k in per_message:
                 with Client(d.endpoint, name="bench", slot_mapping=args.kvd_slots, **io) as c:
+                    # a prefill over the last run's cached prompt blocks sums a sliding window's
+                    # attention in other chunks than a whole one (bf16 tokens then differ): cold too
+                    checks[f"cold_cache_{n}_windows_{k}"] = c.reset_prefix_cache()
                     weng = Engine(c, model, device=dev, max_tokens=max(4096, n * cfg["prompt"]), max_running=n,
                                   steps_per_message=k, **eng_opts)
                     windows[str(k)] = w = _decode_run(weng, prompts, cfg["steps"], dev)
