@@ -67,7 +67,9 @@ hello      hdr: tenant (str, <= 256 chars; "" = the peer's own, see kvd.tenancy)
            shared one; false: a namespace of its own), topic (of its KV events: the tenant, or
            "tenant#N" for a namespace of its own), t (the manager tick), kv_events (bool: the
            daemon publishes KV events, so token ids are worth sending), slots (bool: the session's
-           replies write slot mappings).
+           replies write slot mappings), num_groups, windows (each KV-cache group's sliding window
+           in tokens, 0: full attention), max_model_len, hash_algo, hash_width (hash_seed with
+           vLLM's scheme).
            A retried hello (same nonce, same peer uid) returns the same session. A tenant the
            peer's credentials do not open -> Unauthorized.
            With a GPU pool (daemon ``--device cuda:N``, kvd.gpu_session) and hello ``gpu`` not

@@ -261,7 +261,7 @@ def test_two_kv_groups_are_served_like_the_in_process_manager(daemon_factory):
                                    max_model_len=SMALL["max_model_len"], max_num_reqs=SMALL["max_num_reqs"]))
     c = Client(d.endpoint, tenant="hybrid")
     try:
-        assert c.block_sizes == (16, 32)
+        assert c.block_sizes == (16, 32) and c.sliding_windows == (0, 64) == m.sliding_windows
         rng = np.random.default_rng(1)
         prompts = [rng.integers(0, 1000, n).astype(np.int32) for n in (100, 150, 70)]
         prompts.append(prompts[1].copy())  # a prefix hit both groups must agree on
