@@ -728,5 +728,6 @@ def warm_up() -> None:
     gather_rows(i32, ro, i32.copy())  # rows straight from a message frame (read-only)
     mirror_appends(table, i32, ro, i32[:0], i32[:0], i32, i64, i64, flags, table, i32, i32, 1)  # the daemon's
     widen_counts(ro, i64.copy())  # hash counts from a frame: compiled later, the first took ~2.7 ms
+    range_slots(table, i32, i32, 1, i32, i32, ro, -1, 1, i64.copy())  # a decode op's lengths (protocol.uniform_lens)
     window_slides(i32, i64, 1, 1, i32, i32, table, i32, np.zeros(1, np.uint16))
     slide_windows(i32[:0], i64, 1, 1, table, i32, i32.copy(), i32.copy(), i32.copy(), i32.copy(), i32.copy())

@@ -1005,7 +1005,7 @@ class Daemon:
             fast = m.decode_rows(mrows, an, la, hs, cnt, mirror)
         if fast is not None:  # the usual step: every request appended, its tables published
             old, grown, copies = fast
-            tick, status_b, sched_rows, lens = m.tick, bytes(2 * na), mrows, np.full(na, an, np.int32)
+            tick, status_b, sched_rows, lens = m.tick, bytes(2 * na), mrows, P.uniform_lens(na, an)
             sched_start = old.astype(np.int32)
             if mirror is not None:  # (the manager wrote the session's rows too)
                 changed = self._mirrored(sess, grown)
