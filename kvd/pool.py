@@ -54,6 +54,7 @@ from kvd.runs import Runs
 
 NO_CACHE_KEY = 0
 _NO_MASK = np.zeros(0, bool)
+_NO_BLOCKS = np.zeros(0, np.int32)  # take(0)'s (writable: a read-only array is another compiled signature)
 ALL_SHARED = None
 """What ``BlockPool.register`` returns when every block it was given went into the shared map."""
 _MIN_QUEUE_CAPACITY = 1024
@@ -212,6 +213,8 @@ class BlockPool:
     def take(self, k: int) -> np.ndarray:
         """Hand out k blocks from the front of the free queue (ref count 1). k <= num_free."""
         assert 0 <= k <= self.num_free, (k, self.num_free)
+        if not k:  # (most groups' appends in most decode steps: one shared empty array, not three calls)
+            return _NO_BLOCKS
         from_stack = min(k, self._stack_top)
         top = self._stack_top
         self._stack_top = top - from_stack
