@@ -492,8 +492,8 @@ class DecodeWithFrees(StepMessage):
     engine's step after requests finished and others took their place), or of some of these: the
     binary ``decode_free`` op (kvd.protocol), whose reply is the decode op's with the frees'
     statuses first and the admissions' after the appends'. A step it does not carry goes the
-    general way: a free or admission the client judges bad, hashes of several groups (or with
-    admissions, several groups at all), counts out of the wire's range, token ids."""
+    general way: a free or admission the client judges bad, hashes that are not one well-typed
+    array per group, counts out of the wire's range, token ids."""
 
     def spec(self) -> tuple:
         try:
@@ -507,7 +507,7 @@ class DecodeWithFrees(StepMessage):
         core, b = self.core, self.batch
         an, la = b.append_num_tokens, b.num_lookahead_tokens
         if (not 0 <= an <= P.MAX_COUNT or type(la) is not int or not 0 <= la <= P.MAX_COUNT
-                or len(b.append_token_ids) or (len(b.admit) and self.G != 1)):
+                or len(b.append_token_ids)):
             return None
         rows = _EMPTY_I32 if b.append_rows is None else int32_array(b.append_rows, "append_rows")
         hash_frames = decode_hash_frames(b.append_hashes, b.append_hash_counts, rows.shape[0], self.G,
@@ -533,7 +533,7 @@ class DecodeWithFrees(StepMessage):
         self.adm_local, self.adm_sent, admits = self._judge(list(self.batch.admit), self._admit_one)
         if self.adm_local is not None or any(a[2] for a in admits):
             return None
-        return [*frames[:2], *(hash_frames or (P.EMPTY, P.EMPTY)), *self._admission_frames(admits)]
+        return [*frames[:2], *(hash_frames or (P.EMPTY,) * (2 * self.G)), *self._admission_frames(admits)]
 
     def post_binary(self, h, f: list) -> StepResult:
         """The decode_free op's result: ``h`` a ``P.unpack_decode_reply`` tuple (the blocking

@@ -170,12 +170,13 @@ decode_free
            their place: the usual step of a serving engine whose requests end at different
            times). The header frame is ``DECODE_FREE_REQUEST`` (48 bytes): the decode op's fields
            with magic DECODE_FREE_MAGIC (b"kvF" + version byte), then
-               nf     u32 free rows            nd   u32  admissions (one KV-cache group only)
+               nf     u32 free rows            nd   u32  admissions
            frames after it, without admissions: free rows int32[nf], append rows int32[na], then
            the decode op's optional hash and count (per group) and token-id frames; with admissions exactly
-           ``DECODE_FREE_ADMIT_FRAMES`` frames: free rows, append rows, append hashes S16[*] and
-           counts int32[na] (both empty: none), admissions int64[nd, ADMIT_COLS], admit hashes
-           S16[*] and admit hash counts int32[nd] (no token ids: such a step goes as ``step``).
+           ``decode_free_admit_frames(G)`` frames (``DECODE_FREE_ADMIT_FRAMES``, 7, with one group):
+           free rows, append rows, per group its append hashes S16[*] and counts int32[na] (all
+           empty: none), admissions int64[nd, ADMIT_COLS], per group its admit hashes S16[*] and
+           admit hash counts int32[nd] (no token ids: such a step goes as ``step``).
            Same meaning, checks and effects as a ``step`` of those frees, appends and admissions.
            The reply is a ``DECODE_REPLY`` header and one body frame: free status int16[nf], the
            decode op's append status int16[na], with admissions their status int16[nd] and cached
@@ -407,8 +408,15 @@ DECODE_FREE_FIELDS = (*DECODE_FIELDS, "nf", "nd")
 """The decode_free header's fields after magic, sid and seq: the decode op's, then the free and
 admission counts."""
 DECODE_FREE_ADMIT_FRAMES = 7
-"""The frames of a decode_free step with admissions: free rows, append rows, append hashes and
-counts, admissions, admit hashes and counts (empty ones included)."""
+"""The frames of a decode_free step with admissions in a pool of one KV-cache group: free rows,
+append rows, append hashes and counts, admissions, admit hashes and counts (empty ones included);
+``decode_free_admit_frames(G)`` with G groups."""
+
+
+def decode_free_admit_frames(num_groups: int) -> int:
+    """Frames of a decode_free step with admissions: free rows, append rows, each group's append
+    hashes and counts, the admissions, each group's admit hashes and counts."""
+    return 3 + 4 * num_groups
 
 
 def parse_decode_free_request(raw: bytes) -> tuple[int, int, int, int, int, int, int, int]:

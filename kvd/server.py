@@ -940,11 +940,15 @@ class Daemon:
         if na > self.max_reqs or nf > self.max_reqs or nd > self.max_reqs:
             raise ProtocolError(f"decode_free: {na} append rows, {nf} free rows or {nd} admissions > {self.max_reqs}")
         if nd:
-            if len(frames) != P.DECODE_FREE_ADMIT_FRAMES or self.G != 1:
-                raise ProtocolError(f"decode_free with admissions: expected {P.DECODE_FREE_ADMIT_FRAMES} frames "
-                                    "(one group only)")
-            return self._decode_step(sess, seq, frames[1], na, an, la, c, frames[2], frames[3], free_b=frames[0],
-                                     nf=nf, admit_frames=frames[4:], nd=nd)
+            G = self.G
+            if len(frames) != P.decode_free_admit_frames(G):
+                raise ProtocolError(f"decode_free with admissions: expected {P.decode_free_admit_frames(G)} frames "
+                                    f"with {G} KV-cache group(s)")
+            if G == 1:
+                return self._decode_step(sess, seq, frames[1], na, an, la, c, frames[2], frames[3], free_b=frames[0],
+                                         nf=nf, admit_frames=frames[4:], nd=nd)
+            return self._decode_step(sess, seq, frames[1], na, an, la, c, free_b=frames[0], nf=nf,
+                                     group_frames=frames[2:2 + 2 * G], admit_frames=frames[2 + 2 * G:], nd=nd)
         if len(frames) == 2:
             return self._decode_step(sess, seq, frames[1], na, an, la, c, free_b=frames[0], nf=nf)
         if self.G != 1:
@@ -968,7 +972,8 @@ class Daemon:
         ``c``: the confirmation, or NO_CONFIRM. ``binary``: reply with a decode header (the decode
         op) or JSON (a step). ``free_b``: the decode_free op's ``nf`` free rows, freed first (the
         manager's step then decides request by request; the reply body starts with their status),
-        and ``admit_frames`` its ``nd`` admissions (frame, hashes, counts), admitted last.
+        and ``admit_frames`` its ``nd`` admissions (frame, then each group's hashes and counts),
+        admitted last.
         ``group_frames``: with several KV-cache groups, each group's hashes and counts frames."""
         if na * an > self.max_tokens:
             raise InvalidArgument(f"{na * an} append tokens > max_num_batched_tokens {self.max_tokens}")
@@ -989,7 +994,8 @@ class Daemon:
         adm = admits = None
         if admit_frames is not None:
             adm = P.frame_array(admit_frames[0], P.I64, nd * P.ADMIT_COLS, "admissions").reshape(nd, P.ADMIT_COLS)
-            admits = self._step_admissions(sess, adm, [self._admit_hashes(*admit_frames[1:], nd, 0)], None)
+            admits = self._step_admissions(sess, adm, [self._admit_hashes(admit_frames[1 + 2 * g], admit_frames[2 + 2 * g],
+                                                                          nd, g) for g in range(self.G)], None)
         m = self.manager
         confirm = self._binary_confirmation(sess, c)
         fast = None

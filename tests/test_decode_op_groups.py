@@ -45,6 +45,7 @@ class _Run(RandomRun):
     its own check of a step (the op's changed rows, the deferred work run before comparing)."""
 
     FREES = True
+    ADMITS = True
     PREFIX = 16
     N_NEW = (0, 1, 1, 1, 2, 3, 5, 9)  # (9: two blocks of 8 at once; a step over the token budget is refused by both)
 
@@ -131,9 +132,11 @@ def test_the_decode_ops_and_the_json_step_agree_with_several_groups(groups, seed
         G = len(run.sizes)
         decodes = [n for magic, n in sent if magic == b"kvD"]
         with_frees = [n for magic, n in sent if magic == b"kvF"]
-        # (id, header, rows[, each group's hashes and counts]); decode_free: the free rows first
+        # (id, header, rows[, each group's hashes and counts]); decode_free: the free rows first,
+        # with admissions after the appends' group frames the admissions and each group's hashes
         assert len(decodes) >= 5 and decodes.count(3 + 2 * G) >= 3, decodes
         assert len(with_frees) >= 2 and with_frees.count(4 + 2 * G) >= 1, with_frees
+        assert with_frees.count(2 + P.decode_free_admit_frames(G)) >= 2, with_frees
         assert not any(rep[0][:4] == P.DECODE_REPLY_MAGIC for rep in pair[1].raw)
         for d in daemons:
             d.manager.flush_deferred()
@@ -199,5 +202,36 @@ def test_malformed_group_frames_get_a_typed_error_and_change_nothing(case):
         m.flush_deferred()  # (registered after the reply)
         mrows = c.d.sessions[c.sid].mrow[rows]
         assert m.groups[0].num_registered[mrows].tolist() == [2, 2] and m.groups[1].num_registered[mrows].tolist() == [1, 1]
+    finally:
+        _close(daemons)
+
+
+@pytest.mark.parametrize("cut", ["the one-group layout", "a group's admit frames missing"])
+def test_decode_free_admissions_need_every_groups_frames(cut):
+    """decode_free with admissions on two groups carries each group's append and admit hashes
+    (3 + 4G frames); a message with one group's layout, or missing a group's admit frames, gets a
+    ProtocolError and changes nothing; the client's own message then frees, appends and admits."""
+    daemons, pair = _pair(GROUPS["full+window"])
+    try:
+        c = pair[0]
+        rows = _two_live(c)
+        real = c.d.handle
+        refused = []
+
+        def malformed_first(msg):
+            f = msg[2:]
+            assert msg[1][:3] == b"kvF" and len(f) == P.decode_free_admit_frames(2) == 11
+            bad = [*f[:4], *f[6:9]] if cut == "the one-group layout" else f[:-2]
+            before = state_of(c.d)
+            rep = real([*msg[:2], *bad])
+            refused.append(P.parse_reply(rep[0]).get("err") == ProtocolError.code and changed(before, state_of(c.d)) == [])
+            return real(msg)
+        c.d.handle = malformed_first
+        p = np.arange(1, 12, dtype=np.int32)
+        res = c.step(StepBatch(free=[0], append_rows=rows[1:], append_num_tokens=1,
+                               admit=[AdmitRequest("new", p.size, [hash_prompt(p, bs) for bs in c.d.block_sizes])]))
+        assert refused == [True]
+        assert res.free_status.tolist() == [0] and res.append_status.tolist() == [0] and res.admit_status.tolist() == [0]
+        assert c.row_of("new") == res.admit_rows[0] and 0 not in c._row_of and c.d.manager.num_requests == 2
     finally:
         _close(daemons)

@@ -36,6 +36,7 @@ class _Run:
     token counts a decode step draws from."""
 
     FREES = False
+    ADMITS = False  # decode steps admit new requests now and then (the decode_free op with admissions)
     PREFIX = 12
     N_NEW = (0, 1, 1, 1, 2, 3, 5, 7)  # tokens a decode step appends to each (5 and 7: two blocks of 4 at once)
 
@@ -73,6 +74,12 @@ class _Run:
         return a
 
     def admit(self) -> None:
+        reqs = self._new_admissions()
+        if not reqs:
+            return
+        self._admitted(reqs, self.step(StepBatch(admit=reqs)))
+
+    def _new_admissions(self) -> list[AdmitRequest]:
         reqs = []
         for _ in range(int(self.rng.integers(1, 3))):
             if len(self.tokens) + len(reqs) >= Cfg.max_reqs_per_session:
@@ -83,9 +90,9 @@ class _Run:
                                 self.rng.integers(1, 300, int(self.rng.integers(1, 9))).astype(np.int32)])
             self.tokens[rid], self.registered[rid] = p, [p.size // bs for bs in self.sizes]
             reqs.append(AdmitRequest(rid, p.size, self.hashes(p, [0] * len(self.sizes))))
-        if not reqs:
-            return
-        res = self.step(StepBatch(admit=reqs))
+        return reqs
+
+    def _admitted(self, reqs: list[AdmitRequest], res) -> None:
         for r, st in zip(reqs, res.admit_status.tolist() if res is not None else [1] * len(reqs)):
             if st:
                 del self.tokens[r.req_id], self.registered[r.req_id]
@@ -129,10 +136,14 @@ class _Run:
                 counts[g].append(h.size)
         rows = self.c[0].rows_of(rids)
         with_hashes = sum(map(sum, counts)) > 0 and self.rng.random() < 0.8
+        admits = self._new_admissions() if self.ADMITS and self.rng.random() < 0.3 else []
         batch = StepBatch(free=frees, append_rows=rows, append_num_tokens=n_new, num_lookahead_tokens=lookahead,
                           append_hashes=tuple(np.concatenate(h) for h in hashes) if with_hashes else (),
-                          append_hash_counts=tuple(np.array(c, np.int32) for c in counts) if with_hashes else ())
+                          append_hash_counts=tuple(np.array(c, np.int32) for c in counts) if with_hashes else (),
+                          admit=admits)
         res = self.step(batch)
+        if admits:
+            self._admitted(admits, res)
         if res is None:
             return
         for i, (r, st) in enumerate(zip(rids, res.append_status.tolist())):
