@@ -59,18 +59,37 @@ def test_hybrid_overlap_and_windows_match_hf_and_release_the_window(daemon_facto
 
 def test_hybrid_overlap_gives_the_same_tokens_as_the_synchronous_engine(daemon_factory):
     """The same prompts through a synchronous engine and an overlapped one with windows of 4, each on
-    its own daemon: identical tokens (both equal HF's: see above), both pools empty after."""
+    its own daemon, half of them arriving while the others decode: identical tokens (both equal
+    HF's: see above), both pools empty after; steps that free and admit beside the decodes went as
+    the binary decode_free op with both groups' hashes."""
+    from kvd import protocol as P
+
     model = model_of(HYBRID)
     prompts = _prompts(11, 6)
     out = {}
     for overlap, per_message in ((False, 1), (True, 4)):
         d = daemon_factory(**DAEMON, kv_groups=_groups(W + 2))
         with Client(d.endpoint, name="e", steps_in_flight=1) as c:
+            ops = []
+            real = c._req_step
+
+            def req_step(batch):  # each step message's op, and a decode_free's admissions
+                spec = real(batch)
+                ops.append((spec[0], spec[1][-1] if spec[0] is P.DECODE_FREE else 0))
+                return spec
+            c._req_step = req_step
             eng = Engine(c, model, overlap=overlap, steps_per_message=per_message, keep_logits=False)
-            for rid, p in prompts.items():
-                eng.add(rid, p, 20)
+            rids = list(prompts)
+            for rid in rids[:3]:
+                eng.add(rid, prompts[rid], 20)
+            for _ in range(6):
+                eng.step()
+            for rid in rids[3:]:
+                eng.add(rid, prompts[rid], 20 - rids.index(rid))  # (finishing at different steps)
             eng.run()
+            assert any(op is P.DECODE_FREE and nd for op, nd in ops), ops
             out[overlap] = {rid: r.output for rid, r in eng.reqs.items()}
+            assert [len(out[overlap][rid]) for rid in rids] == [20, 20, 20, 17, 16, 15]
             c.mark_computed()
             assert c.stats()["num_requests"] == 0 and c.stats()["num_used_blocks"] == 0
     assert out[True] == out[False]
