@@ -250,6 +250,14 @@ class BlockManager:
         # Scratch of the several-groups append path (_append_fast_groups): per group its plan.
         self._gplan_grow = np.empty((len(self.groups), R), np.int64)
         self._gplan_cow = np.empty((len(self.groups), R), bool)
+        self._gplan_needs = np.empty(len(self.groups), np.int64)
+        self._gplan_changed = np.empty(R, bool)
+        # every group's arrays as tuples, and block sizes as an array: rowloops.append_batch_groups'
+        self._group_arrays = (self.tables, self.num_blocks, self.last_blocks,
+                              tuple(g.num_registered for g in self.groups))
+        self._group_block_sizes = np.array(self.block_sizes, np.int64)
+        if len(self.groups) > 1:
+            rowloops.warm_up_groups(len(self.groups))  # (one group's loops load in warm_up)
         self.max_cross_blocks = _cdiv(config.max_encoder_len, config.encoder_block_size)
         self.cross_table = np.zeros((R, self.max_cross_blocks), np.int32)
         self.cross_num_blocks = np.zeros(R, np.int32)
@@ -1115,7 +1123,8 @@ class BlockManager:
     def _append_fast_groups(self, rows, n_new, hash_lists, hash_counts, lookahead, token_lists=None,
                             defer: bool = False):
         """``_append_fast`` for a pool of several KV-cache groups or a sliding window: each group's
-        plan in a compiled loop (``rowloops.plan_appends``), all of them applied or none, then the
+        plan in one compiled call (``rowloops.append_batch_groups``: one group's loops, group after
+        group), all of them applied or none, then the
         general path's registration and window release; the same blocks, references, free queue and
         prefix cache as ``_append_rows``' request-by-request path (tests/test_group_fast_path.py).
         Returns (the tokens each request had before, a view of scratch; the rows whose tables
@@ -1131,32 +1140,34 @@ class BlockManager:
         n_scalar, n_array = (int(n_new), _EMPTY_I64) if scalar else (0, n_new)
         pool = self.pool
         old = self._plan_old[:n]
-        needs = []
-        for gi, g in enumerate(self.groups):
-            counts = hash_counts[gi] if hash_counts is not None and hash_lists[gi].size else _EMPTY_I64
-            need = rowloops.plan_appends(
-                rows, n_scalar, n_array, lookahead, counts, self.config.max_model_len,
-                self.num_tokens, self.appendable, self.forked, self._num_forked > 0, self._mark,
-                g.table, g.num_blocks, g.num_registered, pool.ref_cnt, g.block_size,
-                old, self._gplan_grow[gi, :n], self._gplan_cow[gi, :n])
-            if need < 0:
-                return None
-            needs.append(need)
-        total = sum(needs)
-        if total > pool.num_free:
+        counts = tuple(np.ascontiguousarray(hash_counts[gi], np.int64)
+                       if hash_counts is not None and hash_lists[gi].size else _EMPTY_I64 for gi in range(len(self.groups)))
+        changed = self._gplan_changed[:n]
+        # every group planned, and applied at once when the fresh stack holds all their blocks
+        total, applied, n_copies = rowloops.append_batch_groups(
+            rows, n_scalar, n_array, lookahead, counts, self.config.max_model_len,
+            self.num_tokens, self.appendable, self.forked, self._num_forked > 0, self._mark,
+            *self._group_arrays, pool.ref_cnt, self._group_block_sizes, pool.fresh_stack, pool.num_fresh,
+            old, self._gplan_grow, self._gplan_cow, self._gplan_needs, self._copies_buf, self._changed_buf, changed)
+        if total < 0 or total > pool.num_free:
             return None
-        if total > pool.num_fresh and (self._deferred or self._waiting):
-            self.flush_deferred()  # which blocks are evicted depends on the cache's state
-        old = old.copy()  # (apply_appends writes num_tokens from it; the scratch is shared with _append_fast)
-        changed = np.zeros(n, bool)
-        for gi, g in enumerate(self.groups):
-            grow, cow = self._gplan_grow[gi, :n], self._gplan_cow[gi, :n]
-            n_copies, _ = rowloops.apply_appends(
-                rows, n_scalar, n_array, old, grow, cow, pool.take(needs[gi]), self.num_tokens, g.table,
-                g.num_blocks, g.last_block, pool.ref_cnt, g.block_size, self._copies_buf, self._changed_buf)
+        if applied:
+            pool.took_fresh(total)
             self._record_copies(n_copies)
-            if needs[gi]:
-                changed |= (grow > 0) | cow
+        else:  # blocks to evict from the prefix cache first: group after group, as the pool hands them out
+            if self._deferred or self._waiting:
+                self.flush_deferred()  # which blocks are evicted depends on the cache's state
+            changed[:] = False
+            for gi, g in enumerate(self.groups):
+                grow, cow = self._gplan_grow[gi, :n], self._gplan_cow[gi, :n]
+                n_copies, _ = rowloops.apply_appends(
+                    rows, n_scalar, n_array, old, grow, cow, pool.take(int(self._gplan_needs[gi])), self.num_tokens,
+                    g.table, g.num_blocks, g.last_block, pool.ref_cnt, g.block_size, self._copies_buf,
+                    self._changed_buf)
+                self._record_copies(n_copies)
+                if self._gplan_needs[gi]:
+                    changed |= (grow > 0) | cow
+        old = old.copy()  # (returned: the scratch is shared with _append_fast)
         if hash_counts is not None and defer:  # (decode_rows: no token ids)
             for gi, (hashes, counts) in enumerate(zip(hash_lists, hash_counts)):
                 if hashes.size:

@@ -220,6 +220,51 @@ def append_batch(rows, n_scalar, n_array, lookahead, hash_counts, max_model_len,
 
 
 @_jit
+def append_batch_groups(rows, n_scalar, n_array, lookahead, hash_counts, max_model_len,
+                        num_tokens, appendable, forked, any_forked, mark,
+                        tables, num_blocks, last_blocks, num_registered, ref_cnt, block_sizes,
+                        fresh, num_fresh, old_out, grow_out, cow_out, needs_out, copies_out, changed_out, changed):
+    """``append_batch`` for several KV-cache groups (tuples of each group's arrays, ``hash_counts``
+    each group's, empty: none): every group planned (group g's plan in ``grow_out[g]``,
+    ``cow_out[g]``, its need in ``needs_out[g]``), then, when the fresh stack holds all of them,
+    every group applied with its blocks in group order (as ``BlockPool.take`` would hand them out
+    group after group), ``changed[i]`` set where request i's tables changed in any group. Returns
+    (blocks needed in all or DECLINED, whether applied, copies made, in group order)."""
+    n = rows.size
+    total = 0
+    for g in range(len(tables)):
+        need = plan_appends(rows, n_scalar, n_array, lookahead, hash_counts[g], max_model_len,
+                            num_tokens, appendable, forked, any_forked, mark,
+                            tables[g], num_blocks[g], num_registered[g], ref_cnt, block_sizes[g],
+                            old_out, grow_out[g], cow_out[g])
+        if need < 0:
+            return need, False, 0
+        needs_out[g] = need
+        total += need
+    if total > num_fresh:
+        return total, False, 0
+    blocks = fresh[num_fresh - total:num_fresh][::-1]
+    for j in range(total):
+        ref_cnt[blocks[j]] = 1
+    for i in range(n):
+        changed[i] = False
+    pos = 0
+    n_copies = 0
+    for g in range(len(tables)):
+        k = needs_out[g]
+        if k:
+            for i in range(n):
+                if grow_out[g, i] > 0 or cow_out[g, i]:
+                    changed[i] = True
+        c, _ = apply_appends(rows, n_scalar, n_array, old_out, grow_out[g], cow_out[g], blocks[pos:pos + k],
+                             num_tokens, tables[g], num_blocks[g], last_blocks[g], ref_cnt, block_sizes[g],
+                             copies_out[n_copies:], changed_out)
+        pos += k
+        n_copies += c
+    return total, True, n_copies
+
+
+@_jit
 def fork_row_state(parents, children, num_tokens, priority, namespace, active, appendable, forked):
     """Children (free rows) take their parents' sizes, priority and namespace. Returns how many
     rows became forked (may now share a partly filled block)."""
@@ -690,6 +735,17 @@ def map_rows(mapping: np.ndarray, rows: np.ndarray) -> np.ndarray | None:
         return None
 
 
+def warm_up_groups(num_groups: int) -> None:
+    """``append_batch_groups`` for ``num_groups`` groups (its tuples' length is part of its type)."""
+    i32, i64 = np.zeros(1, np.int32), np.zeros(1, np.int64)
+    G = num_groups
+    table = np.zeros((1, 1), np.int32)
+    append_batch_groups(i32, 0, i64[:0], 0, (i64[:0],) * G, 1, i64, np.zeros(1, bool), np.zeros(1, bool), False,
+                        i32.copy(), (table,) * G, (i32,) * G, (i32,) * G, (i32,) * G, i32.copy(), np.ones(G, np.int64),
+                        i32.copy(), 0, i64.copy(), np.zeros((G, 1), np.int64), np.zeros((G, 1), bool),
+                        np.zeros(G, np.int64), np.zeros((1, 2), np.int32), i32.copy(), np.zeros(1, bool))
+
+
 def warm_up() -> None:
     """Compile (or load from the disk cache) every loop for the manager's array types now, so that
     the first step a daemon serves does not pay for it."""
@@ -730,4 +786,5 @@ def warm_up() -> None:
     widen_counts(ro, i64.copy())  # hash counts from a frame: compiled later, the first took ~2.7 ms
     range_slots(table, i32, i32, 1, i32, i32, ro, -1, 1, i64.copy())  # a decode op's lengths (protocol.uniform_lens)
     window_slides(i32, i64, 1, 1, i32, i32, table, i32, np.zeros(1, np.uint16))
+    warm_up_groups(2)  # (a hybrid model's two groups; other counts load when a manager has them)
     slide_windows(i32[:0], i64, 1, 1, table, i32, i32.copy(), i32.copy(), i32.copy(), i32.copy(), i32.copy())

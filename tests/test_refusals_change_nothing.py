@@ -32,6 +32,7 @@ from test_decode_op import InProc as _DecodeInProc
 from test_server import _mutate
 
 _SCRATCH = {"_copies_buf", "_changed_buf", "_srows_buf", "_mark", "_per_prio", "buf"}  # contents meaningless
+_VIEWS = {"_group_arrays"}  # the manager's group arrays again (pictured under their own names)
 
 
 class Cfg:
@@ -64,7 +65,7 @@ def _walk(obj, prefix: str, out: dict, seen: set, depth: int = 0) -> None:
         return
     seen.add(id(obj))
     for k, v in vars(obj).items():
-        if k.startswith("_plan") or k in _SCRATCH:
+        if k.startswith(("_plan", "_gplan")) or k in _SCRATCH or k in _VIEWS:
             continue
         if isinstance(v, np.ndarray):
             out[prefix + k] = v.copy()
