@@ -240,7 +240,7 @@ class BlockManager:
         self._plan_old = np.empty(R, np.int64)
         self._plan_grow = np.empty(R, np.int64)
         self._plan_cow = np.empty(R, bool)
-        self._copies_buf = np.empty((R, 2), np.int32)
+        self._copies_buf = np.empty((len(self.groups) * R, 2), np.int32)  # (each group copies a request's block)
         self._changed_buf = np.empty(R, np.int32)
         self._no_skip = np.zeros(R, np.int32)  # the cross table's (absent) skip and registered counts
         self._cross_last_scratch = np.zeros(R, np.int32)

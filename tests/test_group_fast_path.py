@@ -295,3 +295,30 @@ def test_a_deferred_confirmation_runs_before_its_block_slides_out_of_the_window(
             assert fast.num_deferred == 1 and fast.pool.unconfirmed_by[fast.groups[1].table[rows[0], 0]]
         if k >= 4:  # (k = 4: block 0 slid out)
             assert fast.num_deferred == 0 and _state(fast) == _state(slow)
+
+
+@pytest.mark.parametrize("groups", ["full+window", "two full"])
+def test_every_row_copies_on_write_in_every_group(groups):
+    """All 12 rows of the manager share one request's partly filled last block (a parent and 11
+    forks): an append to all of them copies it for 11 rows in each group, more copies in one step
+    than rows, which the one compiled call writes group after group. The copies, tables and
+    references equal the request-by-request path's."""
+    out = []
+    for fast in (True, False):
+        m = _manager(CONFIGS[groups], 200)
+        p = np.arange(1, 7, dtype=np.int32)  # 6 tokens: one full block of 4, a partial one (and of 8: partial)
+        m.allocate("p", p.size, [hash_prompt(p, g.block_size) for g in m.groups])
+        res = m.step(StepBatch(forks=[("p", f"c{i}") for i in range(11)]))
+        assert res.fork_status.tolist() == [0] * 11
+        rows = m.rows_of(["p", *[f"c{i}" for i in range(11)]])
+        if fast:
+            res = m.step(StepBatch(append_rows=rows, append_num_tokens=1))
+        else:
+            with _request_by_request():
+                res = m.step(StepBatch(append_rows=rows, append_num_tokens=1))
+        assert res.append_status.tolist() == [0] * 12
+        m.check_invariants(heavy=True)
+        out.append((res.copies.copy(), _state(m)))
+    (copies, state), (want_copies, want_state) = out
+    assert copies.shape == (22, 2) and np.array_equal(copies, want_copies)
+    assert state == want_state
