@@ -169,3 +169,30 @@ def test_windows_with_a_prompt_shorter_than_a_block(daemon_factory, kind):
         eng.run()
         assert_matches_hf(model, eng, prompts, 24)
         assert eng.early_messages > 0
+
+
+def test_hybrid_windows_in_a_pool_too_small_preempt_by_swap_and_match_hf(daemon_factory):
+    """The hybrid model, overlapped with windows of 4, in a pool too small for its requests: kvd
+    grants some windows in part (their requests hold tokens), the engine preempts by swap-out and
+    swaps back in (the window group's released entries stay null across the swap); tokens and
+    logits equal HF's, the pool is empty at the end."""
+    d = daemon_factory(**dict(DAEMON, num_gpu_blocks=30, num_cpu_blocks=96), kv_groups=_groups(W + 2))
+    model = model_of(HYBRID)
+    prompts = _prompts(4, 6)
+    with Client(d.endpoint, name="e", steps_in_flight=1) as c:
+        eng = Engine(c, model, overlap=True, steps_per_message=4)
+        held = []
+        real = eng._took_reply
+
+        def took(res):  # the requests holding granted tokens after each reply
+            real(res)
+            held.append(sum(r.held for r in eng.reqs.values()))
+        eng._took_reply = took
+        for rid, p in prompts.items():
+            eng.add(rid, p, 24)
+        eng.run()
+        assert eng.swaps_out >= 1 and eng.swaps_in == eng.swaps_out
+        assert_matches_hf(model, eng, prompts, 24)
+        c.mark_computed()
+        assert c.stats()["num_requests"] == 0 and c.stats()["num_used_blocks"] == 0
+        assert max(held) > 0 and held[-1] == 0
