@@ -75,6 +75,13 @@ _EMPTY_COPIES = np.empty((0, 2), np.int32)
 _FEW_ADMITS = 4  # a step admitting at most this many (and nothing else) is scheduled over scalars
 
 
+def _plain_counts(counts: np.ndarray) -> np.ndarray:
+    """Hash counts as append_batch_groups' tuple takes them: every group's of one type (contiguous,
+    writable int64), so that the compiled loop has one signature (a read-only array is another)."""
+    counts = np.ascontiguousarray(counts, np.int64)
+    return counts if counts.flags.writeable else counts.copy()
+
+
 _NO_REQ_ID = object()
 """Stands for the request of ``can_allocate`` (which has no id) in the checks ``allocate`` makes."""
 
@@ -1140,8 +1147,8 @@ class BlockManager:
         n_scalar, n_array = (int(n_new), _EMPTY_I64) if scalar else (0, n_new)
         pool = self.pool
         old = self._plan_old[:n]
-        counts = tuple(np.ascontiguousarray(hash_counts[gi], np.int64)
-                       if hash_counts is not None and hash_lists[gi].size else _EMPTY_I64 for gi in range(len(self.groups)))
+        counts = tuple(_plain_counts(hash_counts[gi]) if hash_counts is not None and hash_lists[gi].size else _EMPTY_I64
+                       for gi in range(len(self.groups)))
         changed = self._gplan_changed[:n]
         # every group planned, and applied at once when the fresh stack holds all their blocks
         total, applied, n_copies = rowloops.append_batch_groups(
