@@ -54,7 +54,7 @@ def test_hybrid_overlap_and_windows_match_hf_and_release_the_window(daemon_facto
             assert eng.early_messages > 0
         assert max(released) >= 2  # r0's window group dropped its leading blocks
         c.mark_computed()
-        assert c.stats()["num_requests"] == 0
+        assert c.stats()["num_requests"] == 0 and c.stats()["num_used_blocks"] == 0
 
 
 def test_hybrid_overlap_gives_the_same_tokens_as_the_synchronous_engine(daemon_factory):
