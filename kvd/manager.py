@@ -2116,12 +2116,9 @@ class BlockManager:
             return self._decode_rows_groups(rows, n_new, lookahead, hashes, counts) if _GROUPS_FAST_PATH else None
         if hashes is None:
             hashes, counts = self._empty_hashes, None
-        elif not (type(hashes) is np.ndarray and hashes.dtype == self.hash_dtype and hashes.ndim == 1
-                  and type(counts) is np.ndarray and counts.dtype == np.int32 and counts.shape == rows.shape):
-            return None
         else:
-            counts, total = rowloops.widened_counts(counts)  # int64: the step path's (its compiled loops' types)
-            if total != hashes.size:
+            counts = self._decode_counts(hashes, counts, rows)
+            if counts is None:
                 return None
             if (self._deferred or self._waiting) and not self.config.defer_cache_registration:
                 self.flush_deferred()  # registered now: after the work deferred before it
@@ -2136,6 +2133,16 @@ class BlockManager:
         self._debug_check()
         return old, grown.copy(), self._copies_since(copies_before)
 
+    def _decode_counts(self, hashes, counts, rows: np.ndarray) -> np.ndarray | None:
+        """One group's hash counts of a ``decode_rows`` call widened to int64 (the step path's, its
+        compiled loops' type), or None when the hashes or counts are not the daemon's arrays (S{w}
+        hashes, int32 counts, one per row) or do not add up."""
+        if not (type(hashes) is np.ndarray and hashes.dtype == self.hash_dtype and hashes.ndim == 1
+                and type(counts) is np.ndarray and counts.dtype == np.int32 and counts.shape == rows.shape):
+            return None
+        wide, total = rowloops.widened_counts(counts)
+        return wide if total == hashes.size else None
+
     def _decode_rows_groups(self, rows: np.ndarray, n_new: int, lookahead: int, hashes, counts):
         """``decode_rows`` of a pool of several KV-cache groups or a sliding window: ``hashes`` and
         ``counts`` one array per group (or None), the rows whose tables changed (grown, copied on
@@ -2148,16 +2155,10 @@ class BlockManager:
         if hashes is not None:
             if not (type(hashes) in (tuple, list) and type(counts) in (tuple, list) and len(hashes) == len(counts) == G):
                 return None
-            hash_lists, count_lists = [], []
-            for h, c in zip(hashes, counts):
-                if not (type(h) is np.ndarray and h.dtype == self.hash_dtype and h.ndim == 1
-                        and type(c) is np.ndarray and c.dtype == np.int32 and c.shape == rows.shape):
-                    return None
-                wide, total = rowloops.widened_counts(c)
-                if total != h.size:
-                    return None
-                hash_lists.append(h)
-                count_lists.append(wide)
+            count_lists = [self._decode_counts(h, c, rows) for h, c in zip(hashes, counts)]
+            if any(c is None for c in count_lists):
+                return None
+            hash_lists = list(hashes)
         defer = self.config.defer_cache_registration
         if hashes is not None and not defer and (self._deferred or self._waiting):
             self.flush_deferred()  # registered now: after the work deferred before it
