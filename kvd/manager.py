@@ -2698,8 +2698,9 @@ def _validate_config(config: ManagerConfig) -> None:
         raise errors.InvalidArgument("num_gpu_blocks must be at least 2 (block 0 is the null block)")
     if not config.groups:
         raise errors.InvalidArgument("at least one KV-cache group is needed")
-    if config.hash_width < prefixindex.MIX_BYTES:
-        raise errors.InvalidArgument(f"hash_width must be at least {prefixindex.MIX_BYTES} bytes, got {config.hash_width}")
+    if config.hash_width < prefixindex.MIX_BYTES or config.hash_width % 8:
+        raise errors.InvalidArgument(f"hash_width must be a multiple of 8 bytes, at least {prefixindex.MIX_BYTES}, "
+                                     f"got {config.hash_width}")
     for g in config.groups:
         if not 1 <= g.block_size <= 1024:
             raise errors.InvalidArgument(f"block_size must be in [1, 1024], got {g.block_size}")

@@ -387,9 +387,11 @@ def test_hash_counts_that_add_up_but_hold_a_negative_are_bad_hashes_and_change_n
     assert m.lookup(hash_prompt(prompt(32), 16)) == 2
 
 
-def test_a_hash_narrower_than_the_index_mixes_is_refused_with_a_typed_error():
-    with pytest.raises(errors.InvalidArgument, match="hash_width must be at least 16 bytes, got 8"):
+def test_a_hash_narrower_than_the_index_mixes_or_not_of_whole_words_is_refused_with_a_typed_error():
+    with pytest.raises(errors.InvalidArgument, match="hash_width must be a multiple of 8 bytes, at least 16, got 8"):
         BlockManager(ManagerConfig(num_gpu_blocks=16, hash_width=8))
+    with pytest.raises(errors.InvalidArgument, match="got 20"):  # the index reads hashes as 64-bit words
+        BlockManager(ManagerConfig(num_gpu_blocks=16, hash_width=20))
     assert BlockManager(ManagerConfig(num_gpu_blocks=16, hash_width=24)).hash_dtype == np.dtype("S24")
 
 

@@ -199,3 +199,17 @@ print("ok")
     env = {**__import__("os").environ, "NUMBA_DISABLE_JIT": "1"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_hashes_at_an_unaligned_address_are_read_as_the_same_words():
+    """A message frame's hashes may start at any byte: the index copies them to aligned words
+    (numba would otherwise compile a loop for unaligned arrays during a step)."""
+    index, bh, ck = make()
+    raw = bytearray(1 + 2 * W)
+    raw[1:] = hashes(7, 8).tobytes()
+    unaligned = np.frombuffer(bytes(raw), f"S{W}", count=2, offset=1)
+    assert not unaligned.view(np.uint64).flags.aligned
+    assert index.insert_new(2, unaligned, np.array([3, 4], np.int32)) == -1
+    assert index.find(2, hashes(8, 7)).tolist() == [4, 3] and bh[3] == hashes(7)[0]
+    assert index.find(2, unaligned).tolist() == [3, 4]
+    index.check()
