@@ -71,17 +71,24 @@ def test_prefix_hit_within_an_engine_prefills_only_the_suffix(daemon_factory):
         assert_matches_hf(model, eng, prompts, 6)
 
 
+_FORK_MODES = {"sync": {}, "overlap": dict(overlap=True), "windows": dict(overlap=True, steps_per_message=4)}
+
+
+@pytest.mark.parametrize("mode", list(_FORK_MODES))
 @pytest.mark.parametrize("owned", [False, True], ids=["daemon-kv", "engine-kv"])
-def test_fork_n4_copy_on_write_matches_hf(daemon_factory, owned):
+def test_fork_n4_copy_on_write_matches_hf(daemon_factory, owned, mode):
+    """With overlap (and multi-step windows) too: the fork's step and the forked requests' first
+    appends, which copy on write, go synchronously (the engine asserts that no reply of a message
+    sent during a forward carries a copy); the steps after them go ahead again."""
     opts = dict(DAEMON)
     if owned:
         opts.pop("kv_cache")
     d = daemon_factory(**opts)
     model = model_of(LLAMA)
     prompt = np.random.default_rng(3).integers(0, 512, 21).tolist()  # partial last block: shared by forks
-    with _client(d) as c:
+    with Client(d.endpoint, name="engine-test", steps_in_flight=int(mode != "sync")) as c:
         kv = OwnedKv(2, 513, BLOCK, 2, 16, torch.float32, "cpu") if owned else None
-        eng = Engine(c, model, kv=kv)
+        eng = Engine(c, model, kv=kv, **_FORK_MODES[mode])
         eng.add("s0", prompt, 10)
         eng.step()
         first = eng.reqs["s0"].output[0]
@@ -94,9 +101,39 @@ def test_fork_n4_copy_on_write_matches_hf(daemon_factory, owned):
         # the partial 3rd block is shared by 4: the parent writes first (copy), then s1 and s2 (copies);
         # s3, the last holder, writes in place
         assert eng.copies == 3
+        # prefill, the fork's step, the children's first appends: synchronous; then ahead
+        assert (eng.ahead_steps > 0) == (mode != "sync") and not eng.unsplit
         outs = [tuple(eng.reqs[f"s{i}"].output) for i in range(4)]
         assert len(set(outs)) == 4
         assert_matches_hf(model, eng, {f"s{i}": prompt for i in range(4)}, 10, forced)
+        assert c.stats()["num_requests"] == 0
+
+
+@pytest.mark.parametrize("per_message", [1, 4], ids=["overlap", "windows-of-4"])
+def test_forks_of_several_parents_in_one_step_overlapped_match_hf(daemon_factory, per_message):
+    """Three requests fork three children each in one step (test_engine_gpu's twin on the CPU):
+    nine copies, every sample HF's with its forced first token, the steps after the children's
+    first appends ahead again."""
+    d = daemon_factory(**DAEMON)
+    model = model_of(LLAMA)
+    rng = np.random.default_rng(16)
+    prompts = {f"p{i}": rng.integers(0, 512, int(n)).tolist() for i, n in enumerate((21, 13, 30))}  # partial blocks
+    with Client(d.endpoint, name="engine-test", steps_in_flight=1) as c:
+        eng = Engine(c, model, max_tokens=64, overlap=True, steps_per_message=per_message)
+        for rid, p in prompts.items():
+            eng.add(rid, p, 12)
+        eng.step()  # the prefills
+        forced, want = {}, {}
+        for rid, p in prompts.items():
+            first = eng.reqs[rid].output[0]
+            for i in (1, 2, 3):
+                tok = (first + 100 * i) % 512
+                eng.fork(rid, f"{rid}.{i}", tok)
+                forced[f"{rid}.{i}"], want[f"{rid}.{i}"] = {0: tok}, p
+        eng.run()
+        assert eng.copies == 9 and eng.ahead_steps > 0 and not eng.unsplit
+        assert_matches_hf(model, eng, {**prompts, **want}, 12, forced)
+        assert c.stats()["num_requests"] == 0
 
 
 @pytest.mark.parametrize("owned", [False, True], ids=["daemon-kv", "engine-kv"])
@@ -245,5 +282,3 @@ def test_overlap_sends_decode_steps_ahead_with_the_same_tokens_and_cache(daemon_
     assert_matches_hf(model, eng, prompts, 21)
     written = {rid: (len(p) + 20) // BLOCK for rid, p in prompts.items()}
     assert cached == runs[False][1] == written
-    with pytest.raises(ValueError, match="overlap"):
-        eng.fork("r0", "x", 1)

@@ -80,6 +80,38 @@ def test_graphs_through_a_gpu_daemon_match_hf(daemon_factory, overlap, slot_mapp
 
 
 @pytest.mark.parametrize("per_message", [1, 4], ids=["overlap", "windows-of-4"])
+def test_forks_overlapped_through_a_gpu_daemon_match_hf(daemon_factory, per_message):
+    """Parallel sampling (n = 4) on the graphs with overlap: the daemon owns the KV cache on the GPU
+    and copies on write when a message arrives, so the fork's step and the children's first
+    appends go synchronously (the engine asserts that no reply of a message sent during a forward
+    carries a copy); every sample is HF's with its forced first token."""
+    _cuda()
+    d = daemon_factory(wait=False, device="cuda:0", **DAEMON)
+    d.wait_ready(300)
+    model = model_of(LLAMA).to("cuda")
+    rng = np.random.default_rng(16)
+    prompts = {f"p{i}": rng.integers(0, 512, int(n)).tolist() for i, n in enumerate((21, 13, 30))}  # partial blocks
+    with Client(d.endpoint, name="gpu-forks", steps_in_flight=1, timeout_s=300.0, slot_mapping=False) as c:
+        eng = Engine(c, model, device="cuda", max_tokens=64, graph_tokens=16, overlap=True, prestage=True,
+                     steps_per_message=per_message)
+        for rid, p in prompts.items():
+            eng.add(rid, p, 12)
+        eng.step()  # the prefills
+        forced, want = {}, {}
+        for rid, p in prompts.items():
+            first = eng.reqs[rid].output[0]
+            for i in (1, 2, 3):
+                tok = (first + 100 * i) % 512
+                eng.fork(rid, f"{rid}.{i}", tok)
+                forced[f"{rid}.{i}"], want[f"{rid}.{i}"] = {0: tok}, p
+        eng.run()
+        # each prompt's partly filled last block is shared by 4: 3 copies each
+        assert eng.copies == 9 and eng.ahead_steps > 0 and not eng.unsplit
+        assert_matches_hf(model, eng, {**prompts, **want}, 12, forced)
+        assert c.stats()["num_requests"] == 0
+
+
+@pytest.mark.parametrize("per_message", [1, 4], ids=["overlap", "windows-of-4"])
 def test_hybrid_graphs_overlapped_through_a_gpu_daemon_match_hf(daemon_factory, per_message):
     """A full + sliding-window model (two KV-cache groups) on the graphs, overlap and multi-step
     windows, kvd's window two tokens longer than the model's (``Engine._check_windows``): HF's

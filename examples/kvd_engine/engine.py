@@ -56,8 +56,7 @@ class Engine(ForwardMixin, OverlapMixin):
         (``graphs.GraphRunner``); 0: every forward is eager. ``overlap``: in steady decode (every
         running request decoding, nothing waiting), send the next step's round trip while this
         step's forward runs (async scheduling). Needs kvd's sliding windows to run that far ahead of
-        the model's (``_check_windows``), no forks (a fork's copy-on-write would change blocks the
-        running forward reads), and a client that confirms a step only once a later one is sent (``steps_in_flight``
+        the model's (``_check_windows``) and a client that confirms a step only once a later one is sent (``steps_in_flight``
         >= 1); slots then come from the block tables (kvd rewrites its slot buffer for the next step
         while this forward may still read it). ``prestage``: with graphs and overlap, a steady decode
         step replays the inputs the previous step's graph advanced on the device
@@ -94,6 +93,9 @@ class Engine(ForwardMixin, OverlapMixin):
         self.waiting: list[str] = []
         self.swapped: list[str] = []
         self.pending_forks: list[tuple[str, str, int]] = []
+        # requests of a fork whose first append since it is not granted yet: that append may copy
+        # on write a block the fork shares; it never goes out during a forward (see ``fork``)
+        self.unsplit: set[str] = set()
         self.steps = 0
         self.copies = 0
         self.swaps_out = self.swaps_in = 0
@@ -190,10 +192,15 @@ class Engine(ForwardMixin, OverlapMixin):
 
     def fork(self, parent: str, child: str, first_token: int) -> None:
         """Parallel sampling: ``child`` shares ``parent``'s blocks (kvd fork, copy-on-write) and
-        replaces the parent's last sampled token with ``first_token``."""
-        if self.overlap:
-            raise ValueError("fork needs an engine without overlap (its copy-on-write would rewrite blocks "
-                             "the running forward reads)")
+        replaces the parent's last sampled token with ``first_token``, in the next step that is
+        not sent yet (with ``overlap``, a step whose message went out during the last forward
+        runs first: the parent has one token more then).
+
+        With overlap, the fork's step and each of its requests' first append after it go as
+        synchronous steps (``_steady`` is False while any waits): an append to a partly filled
+        block the fork shares copies it on write, and a daemon that owns the KV copies when the
+        message arrives, so a message sent during a forward would copy a block that forward may
+        still be writing (the parent's last token's K/V)."""
         self.pending_forks.append((parent, child, first_token))
 
     @property
@@ -268,9 +275,12 @@ class Engine(ForwardMixin, OverlapMixin):
             if st == STATUS_OK:  # a refused append registered nothing: its hashes wait for the retry
                 self.reqs[rid].registered += n
                 if i < len(decode) and held[i]:
-                    self.reqs[rid].held -= 1
+                    self.reqs[rid].held -= 1  # (a token kvd held: appended already, before a fork)
+                else:
+                    self.unsplit.discard(rid)
         for p, c, _ in forks:
             self.order.append(c)
+            self.unsplit.add(c)
         sched = self._schedule(decode, res, cont, admits)
         self._run_forward(sched, res, decode)
         self.phases["total"] = time.perf_counter() - t_start
@@ -278,6 +288,7 @@ class Engine(ForwardMixin, OverlapMixin):
     def _retire(self) -> list[str]:
         """Take the finished requests out of the running order; their ids (to free)."""
         free = [rid for rid in self.order if self.reqs[rid].finished]
+        self.unsplit.difference_update(free)  # (a child its fork finished: no append to wait for)
         for rid in free:
             self.order.remove(rid)
             self.reqs[rid].state = DONE
@@ -338,6 +349,7 @@ class Engine(ForwardMixin, OverlapMixin):
             child.output[-1] = tok
             child.forced[len(child.output) - 1] = tok
             self.reqs[c] = child
+            self.unsplit.add(p)  # (this step's append: granted, it leaves the set again)
         return forks
 
     def _took_reply(self, res) -> None:

@@ -41,9 +41,10 @@ class OverlapMixin:
 
     def _steady(self, sched, res) -> bool:
         """Whether the next step is predictable now: every running request decodes and was granted
-        its append, nothing waits, is swapped, forks or continues a prefill."""
+        its append, nothing waits, is swapped, forks, continues a prefill or has yet to append
+        after a fork (``Engine.fork``)."""
         return (self.overlap and not self.waiting and not self.swapped and not self.pending_forks
-                and len(sched) == len(self.order) and all(n == 1 for _, _, n in sched)
+                and not self.unsplit and len(sched) == len(self.order) and all(n == 1 for _, _, n in sched)
                 and all(self.reqs[rid].state == RUNNING and not self.reqs[rid].held for rid in self.order)
                 and not (res.append_status != STATUS_OK).any())
 
@@ -125,6 +126,12 @@ class OverlapMixin:
                 self.prehashed_blocks += self._batch.prehash(self.c.hash_next_blocks, forward_end.query)
             return
 
+    def _took_ahead_reply(self, res) -> None:
+        """``_took_reply`` of a message sent during a forward, which no copy-on-write may carry
+        (``Engine.fork``: a daemon that owns the KV copies when the message arrives)."""
+        assert not len(res.copies), "a message sent during a forward copied on write"
+        self._took_reply(res)
+
     def _ahead_exposed(self, sent: tuple[float, float], gpu_done: float) -> None:
         """Account the round trip sent during the forward that ended (on the GPU) at ``gpu_done``:
         taken already or now, its host time after that end is exposed."""
@@ -192,7 +199,7 @@ class OverlapMixin:
         self._drop_batch()
         self._free_later += self._retire()
         self.phases.update(plan=plan_s, rt=rt_s)
-        self._took_reply(res)
+        self._took_ahead_reply(res)
         sched = []
         for i, (rid, st, n) in enumerate(zip(ids, res.append_status.tolist(), counts)):
             if st == STATUS_OK:
@@ -220,7 +227,7 @@ class OverlapMixin:
             self.freed_since_preempt = True
             batch.compact(~gone)
         self.phases.update(plan=plan_s, rt=rt_s)
-        self._took_reply(res)
+        self._took_ahead_reply(res)
         if len(batch):
             self._window_left = k - 1
             self._run_steady(batch)
