@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
@@ -41,3 +42,25 @@ def assert_matches_hf(model, eng, prompts: dict, max_new: int, forced: dict | No
         assert diff <= LOGIT_ATOL, (rid, diff)
         worst = max(worst, diff)
     return worst
+
+
+def run_three_parents_forking(eng, model, max_new: int = 12) -> None:
+    """Three requests whose prompts end in partly filled blocks prefill in one step, then fork three
+    children each (forced first tokens), all in the next step; the engine runs them to the end.
+    Each parent's last block is shared by four: the parent and two children copy it on write, the
+    last holder writes in place (nine copies). Every request must be HF's."""
+    rng = np.random.default_rng(16)
+    prompts = {f"p{i}": rng.integers(0, 512, int(n)).tolist() for i, n in enumerate((21, 13, 30))}
+    for rid, p in prompts.items():
+        eng.add(rid, p, max_new)
+    eng.step()  # the prefills
+    forced, want = {}, {}
+    for rid, p in prompts.items():
+        first = eng.reqs[rid].output[0]
+        for i in (1, 2, 3):
+            tok = (first + 100 * i) % 512
+            eng.fork(rid, f"{rid}.{i}", tok)
+            forced[f"{rid}.{i}"], want[f"{rid}.{i}"] = {0: tok}, p
+    eng.run()
+    assert eng.copies == 9 and not eng.unsplit
+    assert_matches_hf(model, eng, {**prompts, **want}, max_new, forced)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests.conftest_daemon import daemon_factory, short_tmp  # noqa: F401
-from tests.engine_common import BLOCK, DAEMON, HYBRID, LLAMA, assert_matches_hf, model_of
+from tests.engine_common import BLOCK, DAEMON, HYBRID, LLAMA, assert_matches_hf, model_of, run_three_parents_forking
 
 import torch  # noqa: E402
 
@@ -116,24 +116,10 @@ def test_forks_of_several_parents_in_one_step_overlapped_match_hf(daemon_factory
     first appends ahead again."""
     d = daemon_factory(**DAEMON)
     model = model_of(LLAMA)
-    rng = np.random.default_rng(16)
-    prompts = {f"p{i}": rng.integers(0, 512, int(n)).tolist() for i, n in enumerate((21, 13, 30))}  # partial blocks
     with Client(d.endpoint, name="engine-test", steps_in_flight=1) as c:
         eng = Engine(c, model, max_tokens=64, overlap=True, steps_per_message=per_message)
-        for rid, p in prompts.items():
-            eng.add(rid, p, 12)
-        eng.step()  # the prefills
-        forced, want = {}, {}
-        for rid, p in prompts.items():
-            first = eng.reqs[rid].output[0]
-            for i in (1, 2, 3):
-                tok = (first + 100 * i) % 512
-                eng.fork(rid, f"{rid}.{i}", tok)
-                forced[f"{rid}.{i}"], want[f"{rid}.{i}"] = {0: tok}, p
-        eng.run()
-        assert eng.copies == 9 and eng.ahead_steps > 0 and not eng.unsplit
-        assert_matches_hf(model, eng, {**prompts, **want}, 12, forced)
-        assert c.stats()["num_requests"] == 0
+        run_three_parents_forking(eng, model)
+        assert eng.ahead_steps > 0 and c.stats()["num_requests"] == 0
 
 
 @pytest.mark.parametrize("owned", [False, True], ids=["daemon-kv", "engine-kv"])

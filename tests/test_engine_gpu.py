@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.conftest_daemon import daemon_factory, short_tmp  # noqa: F401
-from tests.engine_common import BLOCK, DAEMON, HYBRID, LLAMA, assert_matches_hf, model_of
+from tests.engine_common import BLOCK, DAEMON, HYBRID, LLAMA, assert_matches_hf, model_of, run_three_parents_forking
 
 import torch  # noqa: E402
 
@@ -89,26 +89,11 @@ def test_forks_overlapped_through_a_gpu_daemon_match_hf(daemon_factory, per_mess
     d = daemon_factory(wait=False, device="cuda:0", **DAEMON)
     d.wait_ready(300)
     model = model_of(LLAMA).to("cuda")
-    rng = np.random.default_rng(16)
-    prompts = {f"p{i}": rng.integers(0, 512, int(n)).tolist() for i, n in enumerate((21, 13, 30))}  # partial blocks
     with Client(d.endpoint, name="gpu-forks", steps_in_flight=1, timeout_s=300.0, slot_mapping=False) as c:
         eng = Engine(c, model, device="cuda", max_tokens=64, graph_tokens=16, overlap=True, prestage=True,
                      steps_per_message=per_message)
-        for rid, p in prompts.items():
-            eng.add(rid, p, 12)
-        eng.step()  # the prefills
-        forced, want = {}, {}
-        for rid, p in prompts.items():
-            first = eng.reqs[rid].output[0]
-            for i in (1, 2, 3):
-                tok = (first + 100 * i) % 512
-                eng.fork(rid, f"{rid}.{i}", tok)
-                forced[f"{rid}.{i}"], want[f"{rid}.{i}"] = {0: tok}, p
-        eng.run()
-        # each prompt's partly filled last block is shared by 4: 3 copies each
-        assert eng.copies == 9 and eng.ahead_steps > 0 and not eng.unsplit
-        assert_matches_hf(model, eng, {**prompts, **want}, 12, forced)
-        assert c.stats()["num_requests"] == 0
+        run_three_parents_forking(eng, model)
+        assert eng.ahead_steps > 0 and c.stats()["num_requests"] == 0
 
 
 @pytest.mark.parametrize("per_message", [1, 4], ids=["overlap", "windows-of-4"])
