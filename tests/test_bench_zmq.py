@@ -84,6 +84,9 @@ def test_standard_workload_two_clients_with_baselines():
         assert r["prefix_hit_tokens"] == r["expected_prefix_hit_tokens"] > 0
         assert r["peak_blocks_used"] == r["expected_blocks_after_decode"]
         assert r["decode_step_p50_us"] > 0 and r["decode_steps_per_s"] > 0
+        # D = 20 from 64 tokens: growth at steps 0 and 16, registering at 15, the rest plain
+        assert all(r[f"decode_step_{k}_p50_us"] > 0 for k in ("plain", "growth", "register"))
+        assert r["decode_first_step_us"] > 0
         assert len(r["per_client"]) == int(n)
         assert r["daemon_cpu_per_step_us"] > 0
     # 2 clients: 4 sharers each, admitted at once: each client's first sharer computes the 32-token

@@ -17,7 +17,10 @@ Phases, each timed on its own and separated by barriers (all clients run a phase
 
 Reported: per phase totals and per request; for decode the round trip of one step (p50, p99,
 p99.9, max) per client, aggregate steps/s and appended tokens/s, the daemon's CPU time per step
-(all its threads, from /proc). ``--clients 1,4`` runs several client counts side by side.
+(all its threads, from /proc). The step p50 by kind (every request steps in lockstep): plain
+(no block opens or fills), growth (every request's token opens a block), registering (every
+request fills a block, whose hashes it sends), and the first step after the admission: p99 is
+made of the last three. ``--clients 1,4`` runs several client counts side by side.
 
 Baselines measured in the same run on the same machine, for honest ratios:
   --floor   a bare ZeroMQ echo (DEALER/ROUTER over ipc) of the decode step's message sizes between
@@ -429,12 +432,14 @@ def drive(stepper, work, spec: WorkloadSpec, sync=None, progress=None, warmup: i
     num_tokens = P
     step_s = np.empty(D)
     hash_step = np.zeros(D, bool)
+    grow_step = np.zeros(D, bool)
     client_hash_s = 0.0
     registered = 0
     n = live.size
     for d in range(D):
         th = time.perf_counter()
         num_tokens += 1
+        grow_step[d] = (num_tokens - 1) % bs == 0  # its token opens every request's next block
         if num_tokens % bs == 0 and n:  # every request fills a block at the same step
             if last_hash is None:  # prompts shorter than a block: this is every request's first
                 flat = np.concatenate([hash_prompt(work.tokens[i, :bs], bs, algo=spec.hash_algo) for i in live.tolist()])
@@ -481,7 +486,8 @@ def drive(stepper, work, spec: WorkloadSpec, sync=None, progress=None, warmup: i
     free_s = time.perf_counter() - t0
     errors += int(np.count_nonzero(np.asarray(fres.free_status) != 0))
     sync("freed")
-    fast = step_s[~hash_step]
+    fast = step_s[~hash_step & ~grow_step]
+    growth = step_s[grow_step & ~hash_step]
     slow = step_s[hash_step]
     return dict(
         hashing_ms=hashing_s * 1e3,
@@ -491,7 +497,9 @@ def drive(stepper, work, spec: WorkloadSpec, sync=None, progress=None, warmup: i
         step_s=step_s,
         decode_total_ms=float(step_s.sum()) * 1e3,
         decode_step_plain_p50_us=pcts_us(fast)["p50"],
+        decode_step_growth_p50_us=pcts_us(growth)["p50"],
         decode_step_register_p50_us=pcts_us(slow)["p50"],
+        decode_first_step_us=float(step_s[0] * 1e6) if D else float("nan"),
         decode_client_hashing_ms=client_hash_s * 1e3,
         free_ms=free_s * 1e3,
         free_per_request_us=free_s * 1e6 / R,
@@ -768,7 +776,9 @@ def run_clients(args, spec: WorkloadSpec, endpoint: str, daemon_pid: int | None,
         decode_step_p50_us=agg["p50"], decode_step_p99_us=agg["p99"], decode_step_p999_us=agg["p99.9"],
         decode_step_max_us=agg["max"],
         decode_step_plain_p50_us=float(np.median([c["decode_step_plain_p50_us"] for c in clients])),
+        decode_step_growth_p50_us=float(np.median([c["decode_step_growth_p50_us"] for c in clients])),
         decode_step_register_p50_us=float(np.median([c["decode_step_register_p50_us"] for c in clients])),
+        decode_first_step_us=float(np.median([c["decode_first_step_us"] for c in clients])),
         decode_client_hashing_ms=float(np.median([c["decode_client_hashing_ms"] for c in clients])),
         decode_steps_per_s=steps / figures["decode_wall_s"],
         appended_tokens_per_s=steps * spec.num_requests / figures["decode_wall_s"],
