@@ -482,8 +482,13 @@ def sync_appended_rows(mrows, owner_sid, owner_srow, sid, table, counts, last_bl
     """Publish rows after appends without copy-on-write to a group without a sliding window (its
     tables only grow at their ends): for each of ``mrows`` that session ``sid`` owns, copy the
     entries from its published count to its new one into its session row of ``out_table``, and the
-    count. ``whole``: every entry up to the new count (a sliding window's group, whose released
-    entries at the front became NULL_BLOCK). A row that grew by one block publishes it from ``last_block`` (the group's dense array),
+    count. ``whole``: a sliding window's group, whose released entries at the front became
+    NULL_BLOCK: of the published entries, those that differ are written too, and the changed range
+    starts at the first of them. (Comparing costs a read where copying cost a write; and a GPU
+    mirror's tracker gets the entries a window released, not the whole row: a decode step of 256
+    requests whose windows slid by a block each marked every row's every entry.) Entries from the
+    published count on are written and marked whatever they hold: the shared row may hold what a
+    row's earlier request left there, which the GPU copy never received. A row that grew by one block publishes it from ``last_block`` (the group's dense array),
     not from its table row: at 4,096 requests every row grows on the same step, and each table row
     is a cache line (and often a page) of its own. ``dirty_start``/``dirty_end`` (empty: none) widen
     each session row's range of entries changed (a GPU mirror's tracker). Returns how many rows it
@@ -497,15 +502,23 @@ def sync_appended_rows(mrows, owner_sid, owner_srow, sid, table, counts, last_bl
         s = owner_srow[m]
         new = counts[m]
         old = out_counts[s]
-        lo = old if new >= old and not whole else 0  # a row that shrank (not expected here) is copied whole
+        lo = old if new >= old else 0  # a row that shrank (not expected here) is copied whole
+        first = lo  # the first entry changed
+        if whole:
+            for j in range(lo):
+                v = table[m, j]
+                if out_table[s, j] != v:
+                    out_table[s, j] = v
+                    if j < first:
+                        first = j
         if new == lo + 1:
             out_table[s, lo] = last_block[m]
         else:
             for j in range(lo, new):
                 out_table[s, j] = table[m, j]
-        if track and new > lo:
-            if lo < dirty_start[s]:
-                dirty_start[s] = lo
+        if track and new > first:
+            if first < dirty_start[s]:
+                dirty_start[s] = first
             if new > dirty_end[s]:
                 dirty_end[s] = new
         out_counts[s] = new

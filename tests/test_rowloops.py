@@ -222,19 +222,26 @@ def test_sync_appended_rows_takes_a_one_block_growth_from_last_block_and_longer_
                                   [table[3, 0], table[3, 1], 0, 0, 0, 0]]
 
 
-def test_sync_appended_rows_copies_whole_rows_of_a_window_group():
-    """``whole``: a sliding window's rows are copied from entry 0 (the entries it released at the
-    front became null), whether or not the count grew."""
-    table = np.array([[0, 0, 3, 4], [0, 6, 7, 0]], np.int32)  # row 0 slid two blocks, row 1 one
-    counts = np.array([4, 3], np.int32)
-    out_table = np.array([[1, 2, 3, 4], [5, 6, 0, 0]], np.int32)
-    out_counts = np.array([4, 2], np.int32)
-    start, end = np.full(2, 1000, np.int32), np.zeros(2, np.int32)
-    k = rowloops.sync_appended_rows(np.arange(2, dtype=np.int32), np.full(2, 7, np.int64), np.arange(2, dtype=np.int32),
-                                    7, table, counts, table[np.arange(2), counts - 1], out_table, out_counts, start, end,
-                                    np.zeros(2, np.int32), True)
-    assert k == 2 and out_table.tolist() == [[0, 0, 3, 4], [0, 6, 7, 0]] and out_counts.tolist() == [4, 3]
-    assert start.tolist() == [0, 0] and end.tolist() == [4, 3]
+def test_sync_appended_rows_of_a_window_group_writes_the_released_entries_and_marks_from_the_first():
+    """``whole``: of a sliding window's published entries, those it released at the front (now
+    null) are written and the changed range starts at the first of them; entries from the published
+    count on are written and marked even where the shared row holds their value already (left by
+    the row's earlier request: the GPU copy may not have it)."""
+    table = np.array([[0, 0, 3, 4, 0],   # slid two blocks, count unchanged
+                      [0, 0, 7, 8, 9],   # entry 0 was null already: slid one (entry 1), grew by one
+                      [0, 11, 12, 0, 0],  # nothing changed
+                      [0, 14, 15, 16, 0]],  # grew by one; the shared row holds 16 there already
+                     np.int32)
+    counts = np.array([4, 5, 3, 4], np.int32)
+    out_table = np.array([[1, 2, 3, 4, -5], [0, 6, 7, 8, -5], [0, 11, 12, -5, -5], [0, 14, 15, 16, -5]], np.int32)
+    out_counts = np.array([4, 4, 3, 3], np.int32)
+    start, end = np.full(4, 1000, np.int32), np.zeros(4, np.int32)
+    k = rowloops.sync_appended_rows(np.arange(4, dtype=np.int32), np.full(4, 7, np.int64), np.arange(4, dtype=np.int32),
+                                    7, table, counts, table[np.arange(4), counts - 1], out_table, out_counts, start, end,
+                                    np.zeros(4, np.int32), True)
+    assert k == 4 and out_counts.tolist() == [4, 5, 3, 4]
+    assert out_table.tolist() == [[0, 0, 3, 4, -5], [0, 0, 7, 8, 9], [0, 11, 12, -5, -5], [0, 14, 15, 16, -5]]
+    assert start.tolist() == [0, 1, 1000, 3] and end.tolist() == [4, 5, 0, 4]
 
 
 def test_confirm_in_place_confirms_only_blocks_still_held_by_their_registration_or_declines():
