@@ -276,12 +276,6 @@ def _remove_tagged(b, tag, slots, cache_key, count):
 
 
 @_compiled
-def _remove(b, seed, slots, bh, cache_key, count):
-    """Take block ``b`` out of the table, if it is there (its hash and key as when stored)."""
-    _remove_tagged(b, _tag(bh, b, seed), slots, cache_key, count)
-
-
-@_compiled
 def remove(blocks, seed, slots, bh, cache_key, count, tags):
     """Take cached ``blocks`` out of the table (their ``cache_key`` is the caller's to clear).
     ``tags``: scratch, a uint32 per block: their hashes' tags first, as ``_tags`` does."""
