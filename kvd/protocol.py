@@ -173,7 +173,7 @@ decode_free
                nf     u32 free rows            nd   u32  admissions
            frames after it, without admissions: free rows int32[nf], append rows int32[na], then
            the decode op's optional hash and count (per group) and token-id frames; with admissions exactly
-           ``decode_free_admit_frames(G)`` frames (``DECODE_FREE_ADMIT_FRAMES``, 7, with one group):
+           ``decode_free_admit_frames(G)`` frames (7 with one group):
            free rows, append rows, per group its append hashes S16[*] and counts int32[na] (all
            empty: none), admissions int64[nd, ADMIT_COLS], per group its admit hashes S16[*] and
            admit hash counts int32[nd] (no token ids: such a step goes as ``step``).
@@ -407,15 +407,10 @@ DECODE_FREE_REQUEST = struct.Struct("<4sQqqIIIII")
 DECODE_FREE_FIELDS = (*DECODE_FIELDS, "nf", "nd")
 """The decode_free header's fields after magic, sid and seq: the decode op's, then the free and
 admission counts."""
-DECODE_FREE_ADMIT_FRAMES = 7
-"""The frames of a decode_free step with admissions in a pool of one KV-cache group: free rows,
-append rows, append hashes and counts, admissions, admit hashes and counts (empty ones included);
-``decode_free_admit_frames(G)`` with G groups."""
-
-
 def decode_free_admit_frames(num_groups: int) -> int:
-    """Frames of a decode_free step with admissions: free rows, append rows, each group's append
-    hashes and counts, the admissions, each group's admit hashes and counts."""
+    """Frames of a decode_free step with admissions (empty ones included): free rows, append rows,
+    each group's append hashes and counts, the admissions, each group's admit hashes and counts
+    (7 with one group)."""
     return 3 + 4 * num_groups
 
 
