@@ -1,16 +1,17 @@
 """Overlap (async scheduling): in steady decode, the next step's round trip to kvd goes out while
 this step's forward runs on the GPU, so kvd's round trip leaves the step's critical path.
 
-Steady: every running request decodes and was granted its append, nothing waits, is swapped, forks
-or continues a prefill. Then the next step is known before this step's tokens are: a 1-token append
+Steady: every running request decodes and was granted its append, nothing waits, is swapped, forks,
+continues a prefill or has yet to append after a fork. Then the next step is known before this step's tokens are: a 1-token append
 for every request this forward does not finish. What it cannot carry yet waits one message: the hash
 of a block the next token fills (its token is sampled by this forward), the frees of requests this
 forward finishes (their blocks are read until it ends); a finishing request registers its last
 written blocks with a 0-token append. Safe only where no message rewrites what the running forward
-reads: no forks (copy-on-write replaces a table entry), slots from the tables (kvd rewrites its slot
-buffer for the next step), and a sliding-window group's window in kvd longer than the model's by the
-tokens the messages run ahead (a window's release would otherwise give back a block the running
-forward still reads: ``Engine._check_windows``); ``Engine`` refuses the rest.
+reads: no copy-on-write (a daemon that owns the KV copies when the message arrives, so a fork's step
+and its requests' first appends go synchronously: ``Engine.fork``), slots from the tables (kvd
+rewrites its slot buffer for the next step), and a sliding-window group's window in kvd longer than
+the model's by the tokens the messages run ahead (a window's release would otherwise give back a
+block the running forward still reads: ``Engine._check_windows``); ``Engine`` refuses the rest.
 
 Multi-step windows (``Engine(steps_per_message=k)``): a steady batch's message appends ``k`` tokens
 per request (fewer where a request has fewer left), and the ``k`` steps it grants run without
