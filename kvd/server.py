@@ -513,7 +513,8 @@ class Daemon:
         return srows
 
     def _sync_appended(self, sess: Session, mrows: np.ndarray) -> np.ndarray:
-        """``_sync_rows(full=False)``, one compiled call per group (a window's group: from the first entry that changed, ``rowloops.sync_appended_rows``)."""
+        """``_sync_rows(full=False)``, one compiled call per group (``rowloops.sync_appended_rows``;
+        a window's group from the first entry that changed)."""
         m = self.manager
         k = 0
         for g, (table, counts, start, end) in enumerate(self._segment_arrays(sess)):
