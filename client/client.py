@@ -66,6 +66,7 @@ from kvd.errors import (
     UnknownRequest,
     invalid_argument,
 )
+from kvd.mailbox import KICK, KICK_AGAIN_S, Mailbox
 from kvd.shm import SHM_DIR, SessionBuffers
 
 from .step import (DecodeWithFrees, LoneAdmission, StepMessage, decode_hash_frames, group_token_ids, int32_array,
@@ -331,6 +332,8 @@ class _Core:
         self.info: dict = {}
         self._num_groups = 1
         self.shm: SessionBuffers | None = None
+        self._want_mailbox = False
+        self._mb: Mailbox | None = None  # kvd.mailbox: the decode op's lane without the socket
         self._reset_rows(0)
 
     # ---- rows ---------------------------------------------------------------------------------------
@@ -494,6 +497,8 @@ class _Core:
             fields["slots"] = False
         if self._want_gpu is False:  # the daemon then neither allocates nor writes device buffers
             fields["gpu"] = False
+        if self._want_mailbox:
+            fields["mailbox"] = True
         return P.HELLO, fields, []
 
     @property
@@ -548,9 +553,26 @@ class _Core:
             self._reset_rows(int(h["max_reqs"]))
             if old is not None:
                 old.close()
+        self._on_mailbox(h)
         self._on_gpu(h.get("gpu"))
         if self.gpu is not None:
             self.gpu.wait()
+
+    def _on_mailbox(self, h: dict) -> None:
+        name = h.get("mb")
+        old = self._mb
+        if old is not None and old.name == name:
+            return
+        self._mb = None
+        if old is not None:
+            old.close()
+        if name is not None and self._want_mailbox:
+            self._mb = Mailbox.attach(name, int(h["mb_req"]), int(h["mb_rep"]))
+
+    @property
+    def mailbox(self) -> bool:
+        """Whether this session's decode steps travel through its mailbox (``kvd.mailbox``)."""
+        return self._mb is not None
 
     def _on_gpu(self, info: dict | None) -> None:
         if self.gpu is not None and (info is None or info.get("h") != self.gpu.key):
@@ -780,6 +802,9 @@ class _Core:
         if self.gpu is not None:
             self.gpu.close()
             self.gpu = None
+        if self._mb is not None:
+            self._mb.close()
+            self._mb = None
         self.sid = 0
         self._ctx.term()
 
@@ -875,6 +900,9 @@ def _decode_post(rows_b: bytes, an: int, h, f: list) -> StepResult:
     return res
 
 
+_VIA_MAILBOX = object()
+"""``_send_first``'s "sent" for a request posted in the session's mailbox."""
+
 _NO_ID = object()
 """What a free session row's request id is (``_Core._id_of``)."""
 
@@ -901,7 +929,7 @@ class Client(_Core):
                  timeout_s: float = 2.0, retries: int = 2, heartbeat: bool = True,
                  gpu: bool | None = None, kv_shared: bool = False, confirm: str = "auto",
                  steps_in_flight: int = 1, busy_poll_us: int | None = None, slot_mapping: bool = True,
-                 io_cpu: int | None = None) -> None:
+                 io_cpu: int | None = None, mailbox: bool = False) -> None:
         """Connect and say hello.
 
         ``endpoint``: the daemon's ZeroMQ endpoint (default: ``$KVD_ENDPOINT``, else the daemon's
@@ -928,6 +956,10 @@ class Client(_Core):
         ``pin_cpu`` is the same on its side). The pinned I/O thread runs under
         ``IO_THREAD_POLICY`` (``SCHED_BATCH``, where the process may set it): woken, it does not
         preempt the engine's thread, and does its work when that thread waits or yields.
+        ``mailbox``: send decode steps (the ``decode`` op) through shared memory and take their
+        replies there (``kvd.mailbox``), where the daemon grants one (to a process of its own uid);
+        the socket carries everything else. Its wait polls, yielding the CPU, whatever
+        ``busy_poll_us`` says. The ``mailbox`` property says whether it was granted.
 
         Raises ``DaemonUnavailable`` (no socket file), ``PermissionDenied`` (socket or segment not
         accessible), ``Timeout`` (no answer), ``ServerBusy`` (too many sessions)."""
@@ -939,6 +971,9 @@ class Client(_Core):
         if type(busy_poll_us) is not int or not 0 <= busy_poll_us <= 1_000_000:
             raise InvalidArgument(f"busy_poll_us must be an int in [0, 1e6], got {busy_poll_us!r}")
         self._poll_s = busy_poll_us / 1e6
+        if type(mailbox) is not bool:
+            raise InvalidArgument(f"mailbox must be a bool, got {mailbox!r}")
+        self._want_mailbox = mailbox
         if io_cpu is not None and (type(io_cpu) is not int or io_cpu not in os.sched_getaffinity(0)):
             raise InvalidArgument(f"io_cpu must be one of this process's CPUs {sorted(os.sched_getaffinity(0))}, "
                                   f"got {io_cpu!r}")
@@ -995,6 +1030,11 @@ class Client(_Core):
         msg = [self._header(op, self.sid if sid is None else sid, seq, fields), *frames]
         if self._sock is None:
             raise SessionError("client is closed")
+        mb = self._mb
+        if op is P.DECODE and mb is not None and mb.post(seq, msg):
+            if not mb.daemon_polls():
+                self._kick()
+            return seq, msg, _VIA_MAILBOX
         try:
             P.send_frames(self._sock, msg, P.NOBLOCK)
         except zmq.Again:
@@ -1022,9 +1062,60 @@ class Client(_Core):
             return None
         return h if self._check(h, seq) else None
 
+    def _kick(self) -> None:
+        """Wake the daemon's loop to look at the mailbox (kvd.mailbox)."""
+        try:
+            P.send_frames(self._sock, [KICK], P.NOBLOCK)
+        except zmq.Again:
+            pass  # the queue is full of messages: the daemon wakes for them
+
+    def _exchange_mailbox(self, op: str, seq: int, msg: list) -> tuple[dict | tuple, list]:
+        """``_exchange`` of a request posted in the mailbox: the reply comes there, or on the socket
+        (one too large for the mailbox, or the reply to the same request resent on the socket after
+        a timeout, which the daemon applies once)."""
+        mb, sock = self._mb, self._sock
+        pc = time.perf_counter
+        now = pc()
+        kick_at, deadline = now + KICK_AGAIN_S, now + self.timeout_s
+        attempts = 0
+        while True:
+            if mb.replied(seq):
+                try:
+                    rep = mb.reply()
+                except ProtocolError:
+                    rep = None
+                h = None if rep is None else self._answer(op, rep[0], seq)
+                if h is not None:
+                    return h, rep[1:]
+            if P.has_input(sock):
+                try:
+                    rep = P.recv_frames(sock, P.NOBLOCK)
+                except zmq.Again:
+                    continue
+                h = self._answer(op, rep[0], seq)
+                if h is not None:
+                    return h, rep[1:]
+                continue
+            now = pc()
+            if now >= kick_at:
+                self._kick()
+                kick_at = now + KICK_AGAIN_S
+            if now >= deadline:
+                attempts += 1
+                if attempts > self.retries:
+                    raise Timeout(f"no reply to {op} from {self.endpoint} after {attempts} attempts")
+                try:
+                    P.send_frames(sock, msg, P.NOBLOCK)
+                except zmq.Again:
+                    pass
+                deadline = now + self.timeout_s
+            os.sched_yield()
+
     def _exchange(self, op: str, seq: int, msg: list, sent: bool) -> tuple[dict | tuple, list]:
         """Wait for the reply to request ``seq`` (sent already when ``sent``), resending it on a
         timeout: every attempt waits ``timeout_s``."""
+        if sent is _VIA_MAILBOX:
+            return self._exchange_mailbox(op, seq, msg)
         sock = self._sock
         if sock is None:
             raise SessionError("client is closed")
@@ -1265,7 +1356,12 @@ class PendingStep:
         """Whether ``result()`` would return without waiting: taken already, or a reply waits on
         the socket now (checked without receiving)."""
         c = self._client
-        return self._result is not None or (c is not None and c._sock is not None and P.has_input(c._sock))
+        if self._result is not None:
+            return True
+        if c is None or c._sock is None:
+            return False
+        seq, _, how = self._sent
+        return (how is _VIA_MAILBOX and c._mb.replied(seq)) or P.has_input(c._sock)
 
     def result(self) -> StepResult:
         """Wait for the reply (at once when it has arrived) and return the step's result; later

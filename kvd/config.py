@@ -175,6 +175,11 @@ class ServeConfig:
     after a 5 ms gap took 175 µs p50 (p90 241) instead of 283 (588) on a 16-core H200 host, 166 with
     the client's side pinned too; back to back, and on a 2-core machine, no gain
     (scripts/bench_wakeup.py)."""
+    mailbox: bool = True
+    """Give a session whose hello asks for it (``Client(mailbox=True)``) and whose process runs under
+    the daemon's uid a mailbox (kvd.mailbox): its decode steps and their replies then travel through
+    shared memory, which the loop polls while it busy-polls (~28 against ~72 µs for a 256-request
+    decode step's round trip on the 2-core box). False: every message on the socket."""
     exit_with_parent: bool = False
     """Shut down (as on SIGTERM: sessions dropped, segments unlinked, socket removed) once the
     process that started the daemon is gone. For a daemon a script or test starts as its child: a
@@ -353,6 +358,7 @@ _CHECKS = {
     "busy_poll_us": _in_range(0, 1_000_000),
     "warm_every_us": _in_range(0, 1_000_000),
     "pin_cpu": _in_range(-1, 65535),
+    "mailbox": lambda v: None,
     "exit_with_parent": lambda v: None,
 }
 assert set(_CHECKS) == set(FIELDS), set(_CHECKS) ^ set(FIELDS)

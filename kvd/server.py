@@ -67,6 +67,7 @@ from kvd.errors import (
 )
 from kvd.hashing import VLLM_NONE_HASH_SEED, VLLM_SCHEME, hash_dtype, hash_width
 from kvd.memory import available_memory
+from kvd.mailbox import KICK, Mailbox, fence, reply_capacity, request_capacity
 from kvd.pacing import IdlePacer
 from kvd.shm import SessionBuffers, segment_name, sweep_stale
 from kvd.tenancy import Peer, parse_tenants, peer_of, tenant_for
@@ -99,7 +100,7 @@ _MAX_DEFERRED = 64  # deferred prefix-cache items a daemon lets pile up while me
 class Session:
     __slots__ = (
         "sid", "tenant", "namespace", "writer", "uid", "name", "pid", "nonce", "shm", "mrow", "last_seen",
-        "last_seq", "last_reply", "ident", "slots_written", "base", "gpu", "slot_mapping", "mirror",
+        "last_seq", "last_reply", "ident", "slots_written", "base", "gpu", "slot_mapping", "mirror", "mailbox",
     )
 
     def __init__(self, sid: int, tenant: str, namespace: int, writer: int, uid: int | None, name: str, pid: int,
@@ -123,6 +124,7 @@ class Session:
         self.gpu = None  # kvd.gpu_session.GpuSession with a GPU pool
         self.slot_mapping = True  # replies write the step's slot mapping (hello ``slots``)
         self.mirror: list[tuple] | None = None  # Daemon._segment_arrays, made when first needed
+        self.mailbox: Mailbox | None = None  # kvd.mailbox, when its hello asked and its peer may have one
 
 
 def _peer(identity_frame: Any) -> Peer | None:
@@ -223,6 +225,9 @@ class Daemon:
         self.lease_s = float(_opt(config, "lease_s", 1.5))
         self.hb_s = self.lease_s / 4
         self.max_message_bytes = int(_opt(config, "max_message_bytes", 64 << 20))
+        self.mailbox_on = bool(_opt(config, "mailbox", True))
+        self.mailboxes: list[Session] = []  # the sessions with a mailbox, which the serve loop polls
+        self.mailbox_polling = False  # whether the serve loop polls them now (their ``polling`` word)
         self.hash_algo = str(_opt(config, "hash_algo", "sha256"))
         self.hash_seed = str(_opt(config, "hash_seed", VLLM_NONE_HASH_SEED))
         self.hash_width = self.mcfg.hash_width
@@ -301,6 +306,8 @@ class Daemon:
             if total > self.max_message_bytes:
                 raise ProtocolError(f"message of {total} bytes > {self.max_message_bytes}")
             head = frames[0]
+            if head == KICK and len(frames) == 1:
+                return None  # a client's mailbox waits (kvd.mailbox): the serve loop polls them
             if head[:4] == P.DECODE_MAGIC:  # the binary decode step
                 sid, seq, c, na, an, la = P.parse_decode_request(head)
                 h, fn = (c, na, an, la), self.op_decode
@@ -618,8 +625,11 @@ class Daemon:
         kv_shared = h.get("kv_shared", False)
         slots = h.get("slots", True)
         gpu = h.get("gpu", True)
+        mailbox = h.get("mailbox", False)
         if frames:
             raise ProtocolError("hello carries no frames")
+        if type(mailbox) is not bool:
+            raise ProtocolError("hello: mailbox must be a boolean")
         if type(kv_shared) is not bool:
             raise ProtocolError("hello: kv_shared must be a boolean")
         if type(slots) is not bool:
@@ -637,6 +647,8 @@ class Daemon:
                 raise ServerBusy(f"{len(self.sessions)} sessions: max_sessions reached")
             sess = self._new_session(tenant, kv_shared or self.kv is not None, uid, name, pid, nonce, ident, gpu)
             sess.slot_mapping = slots
+            if mailbox and self.mailbox_on and uid == os.getuid():
+                self._open_mailbox(sess)
         sess.last_seq = seq
         sess.last_reply = None
         return [self._session_reply(sess, seq)]
@@ -678,6 +690,48 @@ class Daemon:
                  tenant, ns, f" (writer {writer})" if writer else " (private)")
         return sess
 
+    def _open_mailbox(self, sess: Session) -> None:
+        """Give the session a mailbox (kvd.mailbox: only for a peer of the daemon's own uid)."""
+        index = sess.shm.name.rsplit("_", 1)[1]
+        try:
+            sess.mailbox = Mailbox.create(segment_name(self.pid, self.epoch, f"mb{index}"),
+                                          request_capacity(self.max_reqs, self.G, self.hash_width),
+                                          reply_capacity(self.max_reqs, self.G))
+        except OSError as e:  # an optimisation: the session keeps the socket
+            log.warning("session %s: no mailbox (%s)", index, e)
+            return
+        sess.mailbox.set_polling(self.mailbox_polling)
+        self.mailboxes.append(sess)
+
+    def _close_mailbox(self, sess: Session) -> None:
+        mb, sess.mailbox = sess.mailbox, None
+        if mb is not None:
+            self.mailboxes.remove(sess)
+            mb.unlink()
+            mb.close()
+
+    def serve_mailbox(self, sess: Session) -> list[bytes] | None:
+        """Handle the request waiting in a session's mailbox and answer it there; returns the reply
+        when it must go on the socket instead (too large for the mailbox), else None."""
+        mb = sess.mailbox
+        try:
+            seq, frames = mb.take_request()
+            head = frames[0]
+            if head[:4] != P.DECODE_MAGIC:
+                raise ProtocolError("a mailbox carries the decode op only")
+            sid, seq = P.parse_decode_request(head)[:2]
+            if sid != sess.sid:
+                raise ProtocolError("a mailbox carries its own session's messages only")
+        except ProtocolError as e:
+            if self.metrics is not None:
+                self.metrics.inc_malformed()
+            seq, reply = mb.seen, [P.error_reply(mb.seen, self.epoch, e.code, str(e))]
+        else:
+            reply = self.handle([sess.ident, *frames])
+        if reply is None or sess.mailbox is not mb or mb.answer(seq, reply):
+            return None  # answered (or the session ended: nobody waits)
+        return reply
+
     def _new_namespace(self, topic: str) -> int:
         ns = self.next_namespace
         self.next_namespace += 1
@@ -696,6 +750,8 @@ class Daemon:
             kv_events=self.events is not None, slots=sess.slot_mapping,
             **({"gpu": sess.gpu.handle} if sess.gpu is not None and sess.gpu.handle else {}),
             **({"kv": self.kv.info} if self.kv is not None else {}),
+            **({"mb": sess.mailbox.name, "mb_req": sess.mailbox.req_cap, "mb_rep": sess.mailbox.rep_cap}
+               if sess.mailbox is not None else {}),
         )
 
     def op_attach(self, sess, h, frames, ident, seq, peer: Peer | None):
@@ -1360,6 +1416,7 @@ class Daemon:
             sess.gpu.close()  # torch keeps the arena in its IPC limbo while the client maps it
             sess.gpu = None
         sess.mirror = None  # (views of the segment: its mapping goes with the close below)
+        self._close_mailbox(sess)
         sess.shm.unlink()
         log.info("session %s ended (%s): %d requests freed", sess.shm.name, why, freed)
         sess.shm.close()
@@ -1646,8 +1703,13 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
             s = sock
             handle = d.handle
             m = d.manager
+            mailboxes = d.mailboxes
             entered = pc()
+            if poll_s:
+                polling(True)
             while True:
+                if mailboxes and serve_mailboxes():
+                    continue
                 if not has_input(s):  # ZMQ_EVENTS re-arms the edge-triggered FD without an EAGAIN
                     if m.num_deferred:  # idle: the prefix-cache work steps left for later
                         now = pc()
@@ -1659,10 +1721,14 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                             continue
                     d.publish_events()  # KV events once no message waits: several messages' at once
                     if not poll_s:
-                        break
+                        if may_sleep():
+                            break
+                        continue
                     now = pc()
                     if now - last > poll_s and not m.num_deferred:
-                        break  # idle: sleep in the event loop
+                        if may_sleep():
+                            break  # idle: sleep in the event loop
+                        continue
                     if warm_s and now - last >= warm_s and now - warmed >= warm_s and d.warmer is not None:
                         warm()  # idle long enough for the admission path to go cold (kvd.warm)
                         continue
@@ -1674,37 +1740,83 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                 try:
                     msg, identity_frame = recv_message(s, NB)
                 except zmq.Again:
-                    break
+                    if may_sleep():
+                        break
+                    continue
                 t0 = time.perf_counter()
                 pacer.arrived(t0)
                 c0 = time.thread_time() if _PROF is not None else 0.0
                 reply = handle(msg, identity_frame)
                 if reply is not None:
-                    try:
-                        send_frames(s, [msg[0], *reply], NB)
-                    except zmq.Again:
-                        pass  # peer's queue full: its loss, our memory stays bounded
-                    except zmq.ZMQError as e:
-                        log.debug("send failed: %s", e)
-                pacer.replied(pc())
-                # Prefix-cache work a decode step left for after its reply waits while messages are
-                # queued (up to _MAX_DEFERRED of them), else runs when the socket is idle; the
-                # manager runs it first in any call that reads the cache.
-                if m.num_deferred > _MAX_DEFERRED:
-                    m.flush_deferred()
-                if d.events is not None and t0 - d.events_at > EVENTS_MAX_DELAY_S:
-                    d.publish_events()
-                if d.was_step:
-                    if _PROF is not None:
-                        _PROF.append((t0, time.perf_counter(), c0, time.thread_time()))
-                    d.was_step = False
-                    d.n_steps += 1
-                    if d.metrics is not None:
-                        d.metrics.observe_step(time.perf_counter() - t0)
-                if d.was_heartbeat:  # a client's lease renewal says nothing of when its next step comes
-                    d.was_heartbeat = False
-                else:
-                    last = pc()
+                    send_reply(msg[0], reply)
+                after_message(t0, c0)
+
+        def send_reply(ident: bytes, reply: list[bytes]) -> None:
+            try:
+                send_frames(sock, [ident, *reply], NB)
+            except zmq.Again:
+                pass  # peer's queue full: its loss, our memory stays bounded
+            except zmq.ZMQError as e:
+                log.debug("send failed: %s", e)
+
+        def after_message(t0: float, c0: float) -> None:
+            nonlocal last
+            m = d.manager
+            pacer.replied(pc())
+            # Prefix-cache work a decode step left for after its reply waits while messages are
+            # queued (up to _MAX_DEFERRED of them), else runs when the socket is idle; the
+            # manager runs it first in any call that reads the cache.
+            if m.num_deferred > _MAX_DEFERRED:
+                m.flush_deferred()
+            if d.events is not None and t0 - d.events_at > EVENTS_MAX_DELAY_S:
+                d.publish_events()
+            if d.was_step:
+                if _PROF is not None:
+                    _PROF.append((t0, time.perf_counter(), c0, time.thread_time()))
+                d.was_step = False
+                d.n_steps += 1
+                if d.metrics is not None:
+                    d.metrics.observe_step(time.perf_counter() - t0)
+            if d.was_heartbeat:  # a client's lease renewal says nothing of when its next step comes
+                d.was_heartbeat = False
+            else:
+                last = pc()
+
+        def serve_mailboxes() -> bool:
+            """Answer every request waiting in a session's mailbox (kvd.mailbox); whether any did."""
+            served = False
+            for sess in d.mailboxes:
+                mb = sess.mailbox
+                if not mb.waiting():
+                    continue
+                t0 = time.perf_counter()
+                pacer.arrived(t0)
+                c0 = time.thread_time() if _PROF is not None else 0.0
+                reply = d.serve_mailbox(sess)
+                if reply is not None:
+                    send_reply(sess.ident, reply)  # too large for the mailbox: the client waits on both
+                after_message(t0, c0)
+                served = True
+                break  # d.mailboxes may have changed; the loop comes back
+            return served
+
+        def polling(on: bool) -> None:
+            d.mailbox_polling = on  # (a mailbox opened meanwhile starts so)
+            for sess in d.mailboxes:
+                sess.mailbox.set_polling(on)
+
+        def may_sleep() -> bool:
+            """Before the loop sleeps: say so in every mailbox, then look at them once more (a
+            request posted before a client saw the flag fall is found here; kvd.mailbox)."""
+            if not d.mailboxes:
+                return True
+            polling(False)
+            fence()
+            if any(sess.mailbox.waiting() for sess in d.mailboxes):
+                if poll_s:
+                    polling(True)
+                return False
+            return True
 
         def on_monitor() -> None:
             while mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:

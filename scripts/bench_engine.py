@@ -263,6 +263,9 @@ def main(argv=None) -> int:
     ap.add_argument("--client-busy-poll-us", type=int, default=None,
                     help="the engine clients' busy_poll_us (default: kvd_client's default, or "
                          "DEFAULT_BUSY_POLL_US when the engine is pinned to a CPU of its own)")
+    ap.add_argument("--mailbox", action=argparse.BooleanOptionalAction, default=True,
+                    help="the engines' decode steps through their sessions' mailboxes (kvd.mailbox; "
+                         "--no-mailbox: on the socket)")
     ap.add_argument("--engine-cpu", type=int, default=None,
                     help="the engine's CPU with --pin (default: the one before the daemon's; -1: the engine "
                          "and its I/O thread stay unpinned)")
@@ -320,7 +323,7 @@ def main(argv=None) -> int:
     client_poll = args.client_busy_poll_us
     if client_poll is None and engine_cpu is not None:
         client_poll = DEFAULT_BUSY_POLL_US
-    io = dict(io_cpu=engine_cpu, busy_poll_us=client_poll)
+    io = dict(io_cpu=engine_cpu, busy_poll_us=client_poll, mailbox=args.mailbox)
     rng = np.random.default_rng(args.seed)
     rows, checks = {}, {}
     d = KvdDaemon(**opts)
@@ -341,6 +344,8 @@ def main(argv=None) -> int:
             prompts = {f"r{i}": rng.integers(1, cfg["vocab"], cfg["prompt"]).tolist() for i in range(n)}
             with Client(d.endpoint, name="bench", slot_mapping=args.kvd_slots, **io) as c:
                 checks[f"cold_cache_{n}"] = c.reset_prefix_cache()  # every run prefills the same way
+                if args.mailbox:
+                    checks[f"mailbox_{n}"] = c.mailbox  # the daemon granted what was asked for
                 eng = Engine(c, model, device=dev, max_tokens=max(4096, n * cfg["prompt"]), max_running=n,
                              **eng_opts)
                 daemon = _decode_run(eng, prompts, cfg["steps"], dev)
@@ -419,7 +424,7 @@ def main(argv=None) -> int:
            "dtype": cfg["dtype"], "model": kind, "window": args.window, "kvd_window": kvd_window,
            "layers": cfg["layers"], "hidden": cfg["hidden"],
            "heads": [cfg["heads"], cfg["kv_heads"]], "prompt": cfg["prompt"], "decode_steps": cfg["steps"],
-           "graph_tokens": gt, "overlap": not args.no_overlap, "prestage": not args.no_prestage, "kvd_slots": args.kvd_slots,
+           "mailbox": args.mailbox, "graph_tokens": gt, "overlap": not args.no_overlap, "prestage": not args.no_prestage, "kvd_slots": args.kvd_slots,
            "fused": not args.no_fused and dev.type == "cuda",
            "batches": {str(k): v for k, v in rows.items()}, "ttft": ttft,
            "ttft_ratio": ttft["ttft_hit_ms"] / ttft["ttft_cold_ms"],

@@ -65,6 +65,7 @@ def test_every_key_is_a_flag_an_env_var_and_a_file_key(tmp_path):
         "hash_seed": ("1234", "1234"),
         "kv_events_int_hashes": ("false", False),
         "exit_with_parent": ("true", True),
+        "mailbox": ("false", False),
     }
     for key, f in FIELDS.items():
         text, value = overrides[key] if key in overrides else (str(f.default + 3), f.default + 3)

@@ -1,0 +1,300 @@
+"""A session's mailbox (kvd.mailbox): the decode op through shared memory.
+
+The segment's layout and its checks on their own; the daemon's grant (hello, own uid only), its
+refusals (another op, another session's header, a scribbled area: an error reply, nothing applied)
+and a reply too large for the mailbox, in process; then real daemons: a mailbox client's steps equal
+a socket client's byte for byte (replies, tables, slot mappings) on twin daemons, with the daemon
+polling and with the daemon asleep (every message kicks it), a message too large for the mailbox
+goes on the socket, a request resent on the socket while the daemon was stopped is applied once, and
+the segment goes with the session (goodbye, a SIGKILLed client's lease).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest_daemon import REPO, daemon_factory, shm_segments, short_tmp  # noqa: F401
+from kvd import protocol as P
+from kvd.api import AdmitRequest, StepBatch
+from kvd.errors import ERROR_BY_CODE, ProtocolError
+from kvd.mailbox import AREAS, KICK, Mailbox
+from kvd.server import Daemon
+from kvd.tenancy import Peer
+from kvd_client import Client
+from test_decode_op import Cfg, InProc
+
+
+@pytest.fixture
+def box():
+    name = f"kvd_{os.getpid()}_test_mb{time.monotonic_ns()}"
+    mb = Mailbox.create(name, 256, 128)
+    yield mb
+    mb.unlink()
+    mb.close()
+
+
+def test_a_request_and_its_reply_travel_byte_for_byte(box):
+    client = Mailbox.attach(box.name, 256, 128)
+    try:
+        assert stat.S_IMODE(os.stat(f"/dev/shm/{box.name}").st_mode) == 0o600
+        assert not box.waiting()
+        assert client.post(7, [b"head", np.arange(3, dtype=np.int32), b""])
+        assert box.waiting()
+        assert box.take_request() == (7, [b"head", np.arange(3, dtype=np.int32).tobytes(), b""])
+        assert not box.waiting() and box.seen == 7
+        assert not client.replied(7)
+        assert box.answer(7, [b"reply", b"\x01\x02"])
+        assert client.replied(7) and client.reply() == [b"reply", b"\x01\x02"]
+        box.set_polling(True)
+        assert client.daemon_polls()
+        box.set_polling(False)
+        assert not client.daemon_polls()
+    finally:
+        client.close()
+
+
+def test_what_does_not_fit_is_not_written(box):
+    client = Mailbox.attach(box.name, 256, 128)
+    try:
+        assert client.post(1, [b"x" * 100])
+        before = bytes(client._mm[:])
+        assert not client.post(2, [b"y" * 300])  # the request area holds 256 bytes
+        assert not box.answer(1, [b"z" * 200])  # the reply area 128
+        assert bytes(client._mm[:]) == before and int(client.req_seq[0]) == 1 and int(box.rep_seq[0]) == 0
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("words, why", [
+    ([0], "0 frames"),
+    ([P.MAX_FRAMES + 1], f"{P.MAX_FRAMES + 1} frames"),
+    ([2, 100, 200], "longer than the area"),
+    ([1, 0xFFFFFFFF], "longer than the area"),
+])
+def test_a_scribbled_area_is_a_protocol_error(box, words, why):
+    box._mm[AREAS:AREAS + 4 * len(words)] = np.array(words, np.uint32).tobytes()
+    box.req_seq[0] = 3
+    with pytest.raises(ProtocolError, match=why):
+        box.take_request()
+    assert box.seen == 3 and not box.waiting()  # taken: the daemon does not read it again
+
+
+def test_attach_checks_the_announced_layout(box):
+    with pytest.raises(ValueError, match="not the announced layout"):
+        Mailbox.attach(box.name, 512, 128)
+
+
+# ---- the daemon, in process ---------------------------------------------------------------------------
+
+def _hello(d: Daemon, uid: int, mailbox=True) -> dict:
+    rep = d.op_hello({"mailbox": mailbox}, [], b"id", 1, Peer(uid=uid, gid=os.getgid(), pid=os.getpid()))
+    return P.parse_reply(rep[0])
+
+
+def test_the_daemon_grants_a_mailbox_to_its_own_uid_only():
+    d = Daemon(Cfg)
+    try:
+        mine = _hello(d, os.getuid())
+        assert mine["mb"].startswith(f"kvd_{os.getpid()}_{d.epoch}_mb") and mine["mb_req"] > 0 and mine["mb_rep"] > 0
+        assert d.handle([b"id", KICK]) is None  # a kick only wakes the loop: no reply
+        assert "mb" not in _hello(d, os.getuid() + 1)  # another uid keeps the socket
+        assert "mb" not in _hello(d, os.getuid(), mailbox=False)
+        err = P.parse_reply(d.handle([b"id", P.request(P.HELLO, 0, 1, mailbox=1)])[0])
+        assert ERROR_BY_CODE[err["err"]] is ProtocolError and "mailbox must be a boolean" in err["msg"]
+        sess = d.sessions[mine["sid"]]
+        assert d.mailboxes == [sess]
+        d.end_session(sess, "test")
+        assert d.mailboxes == [] and not os.path.exists(f"/dev/shm/{mine['mb']}")
+    finally:
+        for s in list(d.sessions.values()):
+            d.end_session(s, "test")
+
+
+class _MailboxInProc(InProc):
+    """InProc whose hello asks for a mailbox from the daemon's own uid (no socket to read it from)."""
+
+    def __init__(self, d: Daemon):
+        self._want_mailbox = True
+        self.d, self.json, self.raw = d, False, []
+        super(InProc, self).__init__("inproc://x", heartbeat=False, gpu=False, kv_shared=True)
+        self._want_mailbox = True
+        op, fields, frames = self._hello_msg()
+        h = P.parse_reply(d.op_hello(P.parse_header(self._header(op, 0, self._next_seq(), fields)), [], b"id", 1,
+                                     Peer(uid=os.getuid(), gid=os.getgid(), pid=os.getpid()))[0])
+        self._on_session(h)
+        assert self.mailbox
+
+
+def _state(d: Daemon, c) -> tuple:
+    m = d.manager
+    return (m.pool.ref_cnt.tobytes(), m.pool.free_queue_order().tobytes(), m.tables[0].tobytes(),
+            m.num_tokens.tobytes(), m.tick, c.shm.tables[0].tobytes(), c.shm.counts[0].tobytes())
+
+
+def test_the_mailbox_refuses_other_ops_and_other_sessions_and_changes_nothing():
+    d = Daemon(Cfg)
+    try:
+        c = _MailboxInProc(d)
+        other = _MailboxInProc(d)
+        c.step(StepBatch(admit=[AdmitRequest("a", 5)]))
+        sess = d.sessions[c.sid]
+        rows = np.array(c.rows_of(["a"]), np.int32)
+        before = _state(d, c)
+        cases = [
+            ([P.request(P.STATS, c.sid, 50)], "decode op only"),
+            ([P.decode_request(other.sid, 51, 1, 1, 0), rows.tobytes()], "its own session's"),
+            ([b"kvD"], "decode op only"),
+            ([P.decode_request(c.sid, 52, 1, 1, 0)[:-1], rows.tobytes()], "decode header of"),
+        ]
+        for k, (frames, why) in enumerate(cases):
+            assert c._mb.post(100 + k, frames)
+            assert d.serve_mailbox(sess) is None  # answered in the mailbox
+            rep = c._mb.reply()
+            h = P.parse_reply(rep[0])
+            assert ERROR_BY_CODE[h["err"]] is ProtocolError and why in h["msg"], h
+            assert _state(d, c) == before
+        # and the session goes on through its mailbox
+        seq = c._next_seq()
+        assert c._mb.post(seq, [P.decode_request(c.sid, seq, 1, 1, 0), rows.tobytes()])
+        assert d.serve_mailbox(sess) is None and c._mb.replied(seq)
+        r = P.unpack_decode_reply(c._mb.reply()[0])
+        assert r[0] == seq and int(c.shm.counts[0][rows[0]]) == 2  # 5 + 1 tokens in blocks of 4
+    finally:
+        for s in list(d.sessions.values()):
+            d.end_session(s, "test")
+
+
+def test_a_reply_too_large_for_the_mailbox_is_returned_for_the_socket():
+    d = Daemon(Cfg)
+    try:
+        c = _MailboxInProc(d)
+        c.step(StepBatch(admit=[AdmitRequest("a", 5)]))
+        sess = d.sessions[c.sid]
+        sess.mailbox.rep_cap = 16  # the daemon's view of its area: nothing fits
+        rows = np.array(c.rows_of(["a"]), np.int32)
+        seq = c._next_seq()
+        assert c._mb.post(seq, [P.decode_request(c.sid, seq, 1, 1, 0), rows.tobytes()])
+        reply = d.serve_mailbox(sess)
+        assert reply is not None and P.unpack_decode_reply(reply[0])[0] == seq
+        assert not c._mb.replied(seq) and sess.last_reply is reply  # a resend gets it again
+    finally:
+        for s in list(d.sessions.values()):
+            d.end_session(s, "test")
+
+
+# ---- real daemons --------------------------------------------------------------------------------------
+
+FIELDS = ("append_status", "copies", "changed_rows", "sched_rows", "sched_start", "sched_len", "tick")
+
+
+def _drive(c: Client, hashes: bool) -> list:
+    """Admissions, decode steps (some registering filled blocks), a free: every result and the
+    session's tables and slots after each step."""
+    out = []
+    ids = [f"r{i}" for i in range(6)]
+    for i, rid in enumerate(ids):
+        c.allocate(rid, 3 + 5 * i)
+    rows = np.array(c.rows_of(ids), np.int32)
+    for step in range(40):
+        kw = {}
+        if hashes and step % 4 == 3:  # one filled block of the first request, made-up hash
+            kw = dict(append_hashes=[np.array([bytes([step]) * c.hash_width], f"S{c.hash_width}")],
+                      append_hash_counts=[np.array([1, 0, 0, 0, 0, 0], np.int32)])
+        res = c.step(StepBatch(append_rows=rows, append_num_tokens=1 + step % 2, **kw))
+        out.append([np.asarray(getattr(res, f)).tobytes() if f != "tick" else res.tick for f in FIELDS])
+        out.append((c.shm.tables[0].tobytes(), c.shm.counts[0].tobytes(), c.shm.slots[0].tobytes()))
+    c.free(ids[0])
+    return out
+
+
+@pytest.mark.parametrize("busy_poll_us", [5000, 0])
+def test_a_mailbox_client_gets_what_a_socket_client_gets(daemon_factory, busy_poll_us):
+    results = []
+    for mailbox in (True, False):
+        d = daemon_factory(busy_poll_us=busy_poll_us)
+        with Client(d.endpoint, mailbox=mailbox) as c:
+            assert c.mailbox is mailbox
+            kicks = []
+            if mailbox:
+                c._kick = lambda k=c._kick: (kicks.append(1), k())[1]
+            results.append(_drive(c, hashes=True))
+            if mailbox:
+                assert int(c._mb.req_seq[0]) == int(c._mb.rep_seq[0]) == c._seq - 1  # the last decode step's
+                # a sleeping daemon is kicked for every message; a polling one for those after a sleep
+                assert (len(kicks) == 40) if busy_poll_us == 0 else (len(kicks) < 40)
+        d.stop()
+    assert results[0] == results[1]
+
+
+def test_a_message_too_large_for_the_mailbox_goes_on_the_socket(daemon_factory):
+    d = daemon_factory(block_size=4)
+    with Client(d.endpoint, mailbox=True) as c:
+        c.allocate("a", 3)
+        rows = np.array(c.rows_of(["a"]), np.int32)
+        c.step(StepBatch(append_rows=rows, append_num_tokens=1))
+        posted = int(c._mb.req_seq[0])
+        c._mb.req_cap = 8  # the client's view of its area: nothing fits
+        res = c.step(StepBatch(append_rows=rows, append_num_tokens=1))
+        assert res.append_status.tolist() == [0] and int(c._mb.req_seq[0]) == posted
+        assert c.block_table("a").size == 2 and int(c.shm.counts[0][rows[0]]) == 2  # 5 tokens, blocks of 4
+
+
+def test_a_request_resent_on_the_socket_is_applied_once(daemon_factory):
+    d = daemon_factory(block_size=4)
+    with Client(d.endpoint, mailbox=True, timeout_s=0.2, retries=10) as c:
+        c.allocate("a", 4)
+        rows = np.array(c.rows_of(["a"]), np.int32)
+        os.kill(d.pid, signal.SIGSTOP)  # the mailbox request waits; the client resends on the socket
+        try:
+            pending = c.start_step(StepBatch(append_rows=rows, append_num_tokens=4))
+            time.sleep(0.7)
+            assert not pending.ready()
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        res = pending.result()
+        assert res.append_status.tolist() == [0]
+        assert c.block_table("a").size == 2  # 8 tokens: applied once, not once per attempt
+        res = c.step(StepBatch(append_rows=rows, append_num_tokens=1))
+        assert c.block_table("a").size == 3 and c.stats()["num_used_blocks"] == 3
+
+
+def test_the_mailbox_goes_with_its_session(daemon_factory):
+    d = daemon_factory(lease_s=0.5)
+    with Client(d.endpoint, mailbox=True) as c:
+        name = c._mb.name
+        assert os.path.exists(f"/dev/shm/{name}")
+    assert not os.path.exists(f"/dev/shm/{name}")  # goodbye
+    code = ("import sys, time; sys.path.insert(0, %r); from kvd_client import Client; "
+            "c = Client(%r, mailbox=True); print(c._mb.name, flush=True); time.sleep(60)" % (str(REPO), d.endpoint))
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        name = child.stdout.readline().strip()
+        assert os.path.exists(f"/dev/shm/{name}")
+    finally:
+        child.kill()
+        child.wait()
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/dev/shm/{name}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/dev/shm/{name}")  # the lease expired
+    d.stop()
+    assert shm_segments(d.pid) == []
+
+
+def test_a_daemon_without_mailboxes_serves_on_the_socket(daemon_factory):
+    d = daemon_factory(block_size=4, mailbox=False)
+    with Client(d.endpoint, mailbox=True) as c:
+        assert not c.mailbox and "mb" not in c.info
+        c.allocate("a", 4)
+        res = c.step(StepBatch(append_rows=np.array(c.rows_of(["a"]), np.int32), append_num_tokens=1))
+        assert res.append_status.tolist() == [0] and c.block_table("a").size == 2
+    assert not [n for n in shm_segments(d.pid) if "_mb" in n]
