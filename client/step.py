@@ -90,17 +90,24 @@ def decode_hash_frames(hashes, counts, n: int, num_groups: int, width: int) -> l
     group's hashes and counts (in group order) when all are well-typed arrays, None for anything
     else (the step then goes as the general message). Whether the counts add up is the daemon's to
     say (a ProtocolError on either path)."""
+    arrays = decode_hash_arrays(hashes, counts, n, num_groups, width)
+    return None if arrays is None else [a.tobytes() for a in arrays]
+
+
+def decode_hash_arrays(hashes, counts, n: int, num_groups: int, width: int) -> list[np.ndarray] | None:
+    """``decode_hash_frames`` as the arrays themselves (C-contiguous: a mailbox copies them as they
+    are, ``kvd.mailbox``)."""
     if not (len(hashes) or len(counts)):
         return []
     if len(hashes) != num_groups or len(counts) != num_groups:
         return None
-    frames = []
+    arrays = []
     for hs, cnt in zip(hashes, counts):
         if (type(cnt) is not np.ndarray or cnt.dtype != np.int32 or cnt.shape != (n,)
                 or type(hs) is not np.ndarray or hs.ndim != 1 or hs.dtype.itemsize != width or hs.dtype.kind != "S"):
             return None
-        frames += (hs.tobytes(), cnt.tobytes())
-    return frames
+        arrays += (np.ascontiguousarray(hs), np.ascontiguousarray(cnt))
+    return arrays
 
 
 def _repeats(keys) -> np.ndarray:

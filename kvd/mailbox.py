@@ -64,6 +64,28 @@ KICK_AGAIN_S = 0.005
 """How long a client waits for a mailbox reply before it kicks the daemon again (a lost wake-up
 cannot happen with the fences; this bounds what a missed one would cost)."""
 _U32 = struct.Struct("<I")
+_DECODE_POST: dict[int, struct.Struct] = {}
+
+
+def _decode_post(frames: int) -> struct.Struct:
+    """A decode request's frame count, the lengths of its ``frames`` frames and its header (its
+    first frame) in one ``pack_into``."""
+    st = _DECODE_POST.get(frames)
+    if st is None:
+        st = _DECODE_POST[frames] = struct.Struct(f"<I{frames}I" + P.DECODE_REQUEST.format.lstrip("<"))
+    return st
+
+
+_DECODE_REPLY: dict[int, struct.Struct] = {}
+
+
+def _decode_reply(groups: int) -> struct.Struct:
+    """A decode reply's frame count and lengths, its header and its ``groups`` token counts: what
+    the reply area holds before the body, in one ``unpack_from``."""
+    st = _DECODE_REPLY.get(groups)
+    if st is None:
+        st = _DECODE_REPLY[groups] = struct.Struct("<III" + P.DECODE_REPLY.format.lstrip("<") + f"{groups}i")
+    return st
 _LOCK = threading.Lock()
 
 
@@ -180,6 +202,50 @@ class Mailbox:
             return False
         self.req_seq[0] = seq
         return True
+
+    def post_decode(self, seq: int, sid: int, c: int, na: int, an: int, la: int, rows_b: bytes, extra=()) -> bool:
+        """``post`` of a decode request: ``P.DECODE_REQUEST``'s fields, the rows, then ``extra``
+        frames (C-contiguous arrays or bytes: the hashes and counts), each written once, the
+        header and the frame table with one ``pack_into``."""
+        mm = self._mm
+        nb = len(rows_b)
+        if not extra:
+            st = _decode_post(2)
+            if st.size + nb > self.req_cap:
+                return False
+            st.pack_into(mm, AREAS, 2, P.DECODE_REQUEST.size, nb, P.DECODE_MAGIC, sid, seq, c, na, an, la)
+        else:
+            lens = [a.nbytes if type(a) is np.ndarray else len(a) for a in extra]
+            st = _decode_post(2 + len(lens))
+            if st.size + nb + sum(lens) > self.req_cap:
+                return False
+            st.pack_into(mm, AREAS, 2 + len(lens), P.DECODE_REQUEST.size, nb, *lens,
+                         P.DECODE_MAGIC, sid, seq, c, na, an, la)
+        o = AREAS + st.size
+        mm[o:o + nb] = rows_b
+        o += nb
+        for a in extra:
+            e = o + (a.nbytes if type(a) is np.ndarray else len(a))
+            mm[o:e] = a
+            o = e
+        self.req_seq[0] = seq
+        return True
+
+    def request(self) -> list[bytes]:
+        """The request posted last (a client resending it on the socket)."""
+        return self._take(AREAS, self.req_cap)
+
+    def decode_reply(self, seq: int, num_groups: int):
+        """The reply area read in place as a decode reply to ``seq``: (epoch bytes, tick, nc, nch,
+        ns, per-group token counts, body), or None for anything else (an error reply)."""
+        mm, at = self._mm, self.rep_at
+        st = _decode_reply(num_groups)
+        n, head, nb, magic, rseq, epoch, tick, nc, nch, ns, g, *nt = st.unpack_from(mm, at)
+        if (n != 2 or head != st.size - 12 or magic != P.DECODE_REPLY_MAGIC or rseq != seq or g != num_groups
+                or 12 + head + nb > self.rep_cap):
+            return None
+        o = at + st.size
+        return epoch, tick, nc, nch, ns, nt, mm[o:o + nb]
 
     def daemon_polls(self) -> bool:
         """After ``post``: whether the daemon's loop will find the request without a kick."""

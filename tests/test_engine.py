@@ -86,7 +86,7 @@ def test_fork_n4_copy_on_write_matches_hf(daemon_factory, owned, mode):
     d = daemon_factory(**opts)
     model = model_of(LLAMA)
     prompt = np.random.default_rng(3).integers(0, 512, 21).tolist()  # partial last block: shared by forks
-    with Client(d.endpoint, name="engine-test", steps_in_flight=int(mode != "sync")) as c:
+    with Client(d.endpoint, name="engine-test", steps_in_flight=int(mode != "sync"), mailbox=True) as c:
         kv = OwnedKv(2, 513, BLOCK, 2, 16, torch.float32, "cpu") if owned else None
         eng = Engine(c, model, kv=kv, **_FORK_MODES[mode])
         eng.add("s0", prompt, 10)
@@ -106,7 +106,7 @@ def test_fork_n4_copy_on_write_matches_hf(daemon_factory, owned, mode):
         outs = [tuple(eng.reqs[f"s{i}"].output) for i in range(4)]
         assert len(set(outs)) == 4
         assert_matches_hf(model, eng, {f"s{i}": prompt for i in range(4)}, 10, forced)
-        assert c.stats()["num_requests"] == 0
+        assert c.stats()["num_requests"] == 0 and c.mailbox
 
 
 @pytest.mark.parametrize("per_message", [1, 4], ids=["overlap", "windows-of-4"])

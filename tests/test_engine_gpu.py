@@ -89,7 +89,8 @@ def test_forks_overlapped_through_a_gpu_daemon_match_hf(daemon_factory, per_mess
     d = daemon_factory(wait=False, device="cuda:0", **DAEMON)
     d.wait_ready(300)
     model = model_of(LLAMA).to("cuda")
-    with Client(d.endpoint, name="gpu-forks", steps_in_flight=1, timeout_s=300.0, slot_mapping=False) as c:
+    with Client(d.endpoint, name="gpu-forks", steps_in_flight=1, timeout_s=300.0, slot_mapping=False,
+                mailbox=True) as c:
         eng = Engine(c, model, device="cuda", max_tokens=64, graph_tokens=16, overlap=True, prestage=True,
                      steps_per_message=per_message)
         run_three_parents_forking(eng, model)
@@ -107,7 +108,8 @@ def test_hybrid_graphs_overlapped_through_a_gpu_daemon_match_hf(daemon_factory, 
     d.wait_ready(300)
     model = model_of(HYBRID).to("cuda")
     prompts = _prompts(15)
-    with Client(d.endpoint, name="gpu-hybrid", steps_in_flight=1, timeout_s=300.0, slot_mapping=False) as c:
+    with Client(d.endpoint, name="gpu-hybrid", steps_in_flight=1, timeout_s=300.0, slot_mapping=False,
+                mailbox=True) as c:
         eng = Engine(c, model, device="cuda", max_tokens=48, graph_tokens=16, overlap=True, prestage=True,
                      steps_per_message=per_message)
         released = []

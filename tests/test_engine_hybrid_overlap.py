@@ -37,8 +37,8 @@ def test_hybrid_overlap_and_windows_match_hf_and_release_the_window(daemon_facto
     d = daemon_factory(**DAEMON, kv_groups=_groups(W + ahead))
     model = model_of(HYBRID)
     prompts = _prompts(7)
-    with Client(d.endpoint, name="e", steps_in_flight=1) as c:
-        assert c.sliding_windows == (0, W + ahead)
+    with Client(d.endpoint, name="e", steps_in_flight=1, mailbox=True) as c:  # (its steady steps in the mailbox)
+        assert c.sliding_windows == (0, W + ahead) and c.mailbox
         eng = Engine(c, model, overlap=True, steps_per_message=per_message)
         for rid, p in prompts.items():
             eng.add(rid, p, 24)

@@ -119,7 +119,11 @@ def test_the_daemon_grants_a_mailbox_to_its_own_uid_only():
 
 
 class _MailboxInProc(InProc):
-    """InProc whose hello asks for a mailbox from the daemon's own uid (no socket to read it from)."""
+    """InProc whose hello asks for a mailbox from the daemon's own uid (no socket to read it from:
+    its steps go through ``Daemon.handle``, and the tests post in the mailbox themselves)."""
+
+    def _post_decode(self, batch):
+        return None
 
     def __init__(self, d: Daemon):
         self._want_mailbox = True

@@ -37,7 +37,7 @@ def run_worker(spec: dict, events: dict, queue) -> None:
     seed = mk.pop("seed", 0)
     # the engine runs each step's forward before sending the next step: it confirms the previous one
     client = Client(spec["endpoint"], tenant=spec.get("tenant", "engine"), name=spec.get("name", "engine"),
-                    steps_in_flight=0)
+                    steps_in_flight=0, mailbox=spec.get("mailbox", True))
     try:
         eng = Engine(client, build_model(tiny_config(**mk), seed=seed), max_tokens=spec.get("max_tokens", 256))
         if spec.get("warmup"):  # first-call costs (allocator, kernels) out of the time to first token
