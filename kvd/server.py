@@ -1797,7 +1797,6 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                     send_reply(sess.ident, reply)  # too large for the mailbox: the client waits on both
                 after_message(t0, c0)
                 served = True
-                break  # d.mailboxes may have changed; the loop comes back
             return served
 
         def polling(on: bool) -> None:

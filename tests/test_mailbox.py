@@ -302,3 +302,24 @@ def test_a_daemon_without_mailboxes_serves_on_the_socket(daemon_factory):
         res = c.step(StepBatch(append_rows=np.array(c.rows_of(["a"]), np.int32), append_num_tokens=1))
         assert res.append_status.tolist() == [0] and c.block_table("a").size == 2
     assert not [n for n in shm_segments(d.pid) if "_mb" in n]
+
+
+def test_a_mailbox_reply_from_another_boot_raises_daemon_restarted(daemon_factory):
+    """Read in place, a decode reply whose epoch is not the session's is left to the general wait,
+    which raises DaemonRestarted (as on the socket)."""
+    from kvd.errors import DaemonRestarted
+
+    d = daemon_factory(block_size=4)
+    with Client(d.endpoint, mailbox=True, retries=0, timeout_s=2.0) as c:
+        c.allocate("a", 3)
+        rows = np.array(c.rows_of(["a"]), np.int32)
+        pending = c.start_step(StepBatch(append_rows=rows, append_num_tokens=1))
+        deadline = time.monotonic() + 5
+        while not pending.ready() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert c._mb.replied(c._seq)
+        at = c._mb.rep_at + 12 + 4 + 8  # the reply's epoch: after the frame table, magic and seq
+        assert c._mb._mm[at:at + P.EPOCH_BYTES] == c.epoch.encode("ascii")
+        c._mb._mm[at:at + P.EPOCH_BYTES] = b"0" * P.EPOCH_BYTES
+        with pytest.raises(DaemonRestarted):
+            pending.result()

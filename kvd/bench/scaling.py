@@ -147,7 +147,7 @@ def _row(reps: list[dict], blocks: int, vllm_ran: bool) -> dict:
     return row
 
 
-def _honesty(R: int, spec, reps: list[dict], vllm_ran: bool) -> dict:
+def _honesty(R: int, spec, reps: list[dict], vllm_ran: bool, mailbox: bool = False) -> dict:
     exp = Z.expected_figures(spec, 1)
     hits, blocks = exp["prefix_hit_tokens"], exp["blocks_after_decode"]
     d = [r["daemon"] for r in reps]
@@ -161,6 +161,8 @@ def _honesty(R: int, spec, reps: list[dict], vllm_ran: bool) -> dict:
         # hits, blocks after decode, slot mapping, no errors, pool free, manager invariants
         f"R{R}_inproc_honest": all(r["inproc"]["inproc_honest"] for r in reps),
     }
+    if mailbox:
+        h[f"R{R}_daemon_mailbox_granted"] = all(x["mailbox"] for x in d)
     if vllm_ran or any(r["vllm_error"] for r in reps):
         v = [r["vllm"] for r in reps]
         h[f"R{R}_vllm_ran"] = all(x is not None for x in v)
@@ -189,7 +191,7 @@ def measure(args, R: int, peer: VllmPeer) -> tuple[dict, dict, dict]:
         exit_code = daemon.stop()
     vllm_ran = all(r["vllm"] is not None for r in reps)
     row = _row(reps, a.blocks, vllm_ran)
-    honest = _honesty(R, spec, reps, vllm_ran)
+    honest = _honesty(R, spec, reps, vllm_ran, a.mailbox)
     honest[f"R{R}_daemon_clean_exit"] = exit_code == 0
     errors = sorted({r["vllm_error"] for r in reps if r["vllm_error"]})
     if errors:
@@ -268,7 +270,7 @@ def run_scale(args) -> int:
     report: dict = {"bench": "scale", "load_avg_before": Z.load_avg(), "cpus": os.cpu_count(),
                     "config": {**workload, "R": list(args.scale), "blocks_per_requests": [args.blocks, args.requests],
                                "clients": 1, "repeat": args.repeat, "warmup": args.warmup,
-                               "floor_iters": args.floor_iters}}
+                               "floor_iters": args.floor_iters, "mailbox": args.mailbox}}
     table, honest, checks = {}, {}, {}
     peer = None
     prev_term = signal.getsignal(signal.SIGTERM)

@@ -536,7 +536,8 @@ def _close_quietly(client) -> None:
 
 
 def _client_main(index: int, endpoint: str, tenant: str, spec: WorkloadSpec, warmup: int, barrier,
-                 results, progress, token_ids: bool = False, busy_poll_us: int | None = None) -> None:
+                 results, progress, token_ids: bool = False, busy_poll_us: int | None = None,
+                 mailbox: bool = False) -> None:
     """One client process of the standard workload (spawned)."""
     from kvd_client import Client
 
@@ -545,7 +546,8 @@ def _client_main(index: int, endpoint: str, tenant: str, spec: WorkloadSpec, war
     try:
         work = make_workload(spec, index)
         poll = {} if busy_poll_us is None else {"busy_poll_us": busy_poll_us}
-        c = Client(endpoint, tenant=tenant, name=f"bench-{index}", timeout_s=30.0, kv_shared=True, **poll)
+        c = Client(endpoint, tenant=tenant, name=f"bench-{index}", timeout_s=30.0, kv_shared=True, mailbox=mailbox,
+                   **poll)
 
         def sync(_name: str) -> None:
             barrier.wait(BARRIER_TIMEOUT_S)
@@ -553,6 +555,7 @@ def _client_main(index: int, endpoint: str, tenant: str, spec: WorkloadSpec, war
         counter = _Slot(progress, index)
         out = drive(_DaemonStepper(c), work, spec, sync, counter, warmup, token_ids)
         out["index"] = index
+        out["mailbox"] = c.mailbox
         results.put(out)
     except BaseException as e:  # noqa: BLE001
         _report_failure(index, e, barrier, results)
@@ -715,7 +718,7 @@ def run_clients(args, spec: WorkloadSpec, endpoint: str, daemon_pid: int | None,
     procs, barrier, results, progress = _spawn(
         _client_main, nclients,
         lambda i, b, r, p: (i, endpoint, tenant, spec, args.warmup, b, r, p, args.events and args.event_token_ids,
-                                   args.client_busy_poll_us))
+                                   args.client_busy_poll_us, getattr(args, "mailbox", False)))
     fatal = None
     figures: dict = {}
     try:
@@ -791,6 +794,7 @@ def run_clients(args, spec: WorkloadSpec, endpoint: str, daemon_pid: int | None,
         append_no_space=sum(c["append_no_space"] for c in clients),
         blocks_registered_in_decode=sum(c["blocks_registered_in_decode"] for c in clients),
         slot_mapping_ok=all(c["slot_mapping_ok"] for c in clients),
+        mailbox=all(c["mailbox"] for c in clients),
         per_client=[{"client": c["index"], **{k.replace(".", ""): v for k, v in pcts_us(c["step_s"]).items()}}
                     for c in clients],
     )
@@ -1157,6 +1161,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the daemon publishes KV events; a subscriber process counts events and seq gaps")
     r.add_argument("--event-token-ids", action="store_true",
                    help="with --events: steps carry the token ids of the blocks they register")
+    r.add_argument("--mailbox", action="store_true",
+                   help="the clients' decode steps through their sessions' mailboxes (kvd.mailbox), not the socket")
     r.add_argument("--client-busy-poll-us", type=int, default=None, metavar="US",
                    help="the clients' busy_poll_us (default: the Client's own default)")
     r.add_argument("--lease-s", type=float, default=10.0, help="lease of the daemon this script starts")
@@ -1209,7 +1215,8 @@ def main(argv=None) -> int:
                                "D": spec.decode_steps, "hash": spec.hash_algo, "seed": spec.seed, "events": args.events,
                                "event_token_ids": args.events and args.event_token_ids,
                                "clients": args.clients, "repeat": args.repeat,
-                               "client_busy_poll_us": args.client_busy_poll_us, "daemon_args": args.daemon_arg}}
+                               "client_busy_poll_us": args.client_busy_poll_us, "mailbox": args.mailbox,
+                               "daemon_args": args.daemon_arg}}
     honest: dict = {}
     try:
         if args.endpoint:
@@ -1274,6 +1281,8 @@ def main(argv=None) -> int:
                 honest[f"c{n}_pool_free_after"] = all(r["pool_free_after"] for r in runs)
                 honest[f"c{n}_no_errors"] = all(r["errors"] == 0 for r in runs)
                 honest[f"c{n}_slot_mapping_ok"] = all(r["slot_mapping_ok"] for r in runs)
+                if args.mailbox:
+                    honest[f"c{n}_mailbox_granted"] = all(r["mailbox"] for r in runs)
             report["results"] = results
             floor = inproc = None
             if floors:
