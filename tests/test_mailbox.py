@@ -137,6 +137,37 @@ class _MailboxInProc(InProc):
         assert self.mailbox
 
 
+class _PostingInProc(_MailboxInProc):
+    """A mailbox session in process whose decode steps take the client's mailbox lane
+    (``Client._post_decode``), each answered by ``Daemon.serve_mailbox`` before its result is read;
+    every other step goes through ``Daemon.handle``. ``posted`` counts the steps that went through
+    the mailbox."""
+
+    posted = 0
+    _pending = None
+    _posted_decode_result = Client._posted_decode_result
+
+    def _post_decode(self, batch):
+        return Client._post_decode(self, batch)
+
+    def _kick(self):
+        pass
+
+    def step(self, batch):
+        pending = self._post_decode(batch)
+        if pending is None:
+            return InProc.step(self, batch)
+        self.posted += 1
+        assert self.d.serve_mailbox(self.d.sessions[self.sid]) is None
+        self.raw.append(self._mb.reply())
+        return pending.result()
+
+    def _done(self, spec, sent):  # an error reply (the lane reads decode replies only): raises it
+        rep = self._mb.reply()
+        h = Client._answer(self, spec[0], rep[0], sent[0])
+        return self._result(spec[0], h, rep[1:], spec[3])
+
+
 def _state(d: Daemon, c) -> tuple:
     m = d.manager
     return (m.pool.ref_cnt.tobytes(), m.pool.free_queue_order().tobytes(), m.tables[0].tobytes(),
@@ -323,3 +354,50 @@ def test_a_mailbox_reply_from_another_boot_raises_daemon_restarted(daemon_factor
         c._mb._mm[at:at + P.EPOCH_BYTES] = b"0" * P.EPOCH_BYTES
         with pytest.raises(DaemonRestarted):
             pending.result()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_mailbox_and_the_json_step_agree_on_random_runs(seed):
+    """test_decode_op_random's runs (admissions, forks, frees, decode steps of random sizes with
+    lookahead and filled blocks' hashes, evictions) with the decode steps through the mailbox: every
+    result, the session's shared memory and the manager the same as the JSON step's."""
+    from test_decode_op_groups import _JsonSteps  # the general step and its own result builder
+    from test_decode_op_random import _manager_state, _Run
+
+    daemons = [Daemon(Cfg), Daemon(Cfg)]
+    try:
+        c = _PostingInProc(daemons[0])
+        run = _Run(seed, [c, _JsonSteps(daemons[1], json=True)])
+        ops = [run.admit, run.admit, run.fork, run.free, run.decode, run.decode, run.decode, run.decode]
+        for _ in range(60):
+            ops[int(run.rng.integers(0, len(ops)))]()
+        assert c.posted >= 5 and sum(rep[0][:4] == P.DECODE_REPLY_MAGIC for rep in c.raw) >= 5
+        for d in daemons:
+            d.manager.flush_deferred()
+            d.manager.check_invariants(heavy=True)
+        assert _manager_state(daemons[0]) == _manager_state(daemons[1])
+    finally:
+        for d in daemons:
+            for sess in list(d.sessions.values()):
+                d.end_session(sess, "test")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_mailbox_and_the_json_step_agree_with_a_window_group(seed):
+    """The same with a full and a sliding-window group (each group's hashes and counts frames)."""
+    from test_decode_op_groups import GROUPS, _cfg, _close, _JsonSteps, _manager_state, _Run
+
+    daemons = [Daemon(_cfg(GROUPS["full+window"])), Daemon(_cfg(GROUPS["full+window"]))]
+    try:
+        c = _PostingInProc(daemons[0])
+        run = _Run(seed, [c, _JsonSteps(daemons[1], json=True)])
+        ops = [run.admit, run.admit, run.fork, run.free, run.decode, run.decode, run.decode, run.decode]
+        for _ in range(70):
+            ops[int(run.rng.integers(0, len(ops)))]()
+        assert c.posted >= 5
+        for d in daemons:
+            d.manager.flush_deferred()
+            d.manager.check_invariants(heavy=True)
+        assert _manager_state(daemons[0]) == _manager_state(daemons[1])
+    finally:
+        _close(daemons)
