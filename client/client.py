@@ -1313,7 +1313,8 @@ class Client(_Core):
         not an exception); rows are session rows. Block tables and the step's slot mapping are in
         ``tables`` / ``slot_mappings`` when it returns; ``sched_*`` say which rows' tokens they
         hold. ``append_rows`` with one int token count takes the decode fast path (the ``decode``
-        op; with frees or admissions beside them, or frees alone, the ``decode_free`` op)."""
+        op, through the session's mailbox when it has one; with frees or admissions beside them,
+        or frees alone, the ``decode_free`` op)."""
         if self._mb is not None:
             pending = self._post_decode(batch)
             if pending is not None:
@@ -1424,8 +1425,8 @@ class PendingStep:
         self._result: StepResult | None = None
 
     def ready(self) -> bool:
-        """Whether ``result()`` would return without waiting: taken already, or a reply waits on
-        the socket now (checked without receiving)."""
+        """Whether ``result()`` would return without waiting: taken already, or a reply waits in
+        the mailbox or on the socket now (checked without receiving)."""
         c = self._client
         if self._result is not None:
             return True

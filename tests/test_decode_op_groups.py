@@ -22,6 +22,7 @@ from kvd.server import Daemon
 from test_decode_op import Cfg, InProc
 from test_decode_op_random import FIELDS
 from test_decode_op_random import _Run as RandomRun
+from test_decode_op_random import assert_same_managers, run_ops
 from test_refusals_change_nothing import changed, state_of
 
 GROUPS = {"full+window": ((4, 0), (4, 8)), "two sizes": ((4, 0), (8, 16))}  # (block size, window) each
@@ -126,9 +127,7 @@ def test_the_decode_ops_and_the_json_step_agree_with_several_groups(groups, seed
             return real(msg)
         daemons[0].handle = recording
         run = _Run(seed, pair)
-        ops = [run.admit, run.admit, run.fork, run.free, run.decode, run.decode, run.decode, run.decode]
-        for _ in range(70):
-            ops[int(run.rng.integers(0, len(ops)))]()
+        run_ops(run, 70)
         G = len(run.sizes)
         decodes = [n for magic, n in sent if magic == b"kvD"]
         with_frees = [n for magic, n in sent if magic == b"kvF"]
@@ -138,10 +137,7 @@ def test_the_decode_ops_and_the_json_step_agree_with_several_groups(groups, seed
         assert len(with_frees) >= 2 and with_frees.count(4 + 2 * G) >= 1, with_frees
         assert with_frees.count(2 + P.decode_free_admit_frames(G)) >= 2, with_frees
         assert not any(rep[0][:4] == P.DECODE_REPLY_MAGIC for rep in pair[1].raw)
-        for d in daemons:
-            d.manager.flush_deferred()
-            d.manager.check_invariants(heavy=True)
-        assert _manager_state(daemons[0]) == _manager_state(daemons[1])
+        assert_same_managers(daemons, _manager_state)
     finally:
         _close(daemons)
 

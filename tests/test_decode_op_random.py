@@ -154,20 +154,30 @@ class _Run:
 
 
 
+def run_ops(run: _Run, n: int) -> None:
+    """``n`` random calls of a run: admissions, forks, frees and (half of them) decode steps."""
+    ops = [run.admit, run.admit, run.fork, run.free, run.decode, run.decode, run.decode, run.decode]
+    for _ in range(n):
+        ops[int(run.rng.integers(0, len(ops)))]()
+
+
+def assert_same_managers(daemons, state=_manager_state) -> None:
+    """Both daemons' managers, their deferred work done, sound and in the same state."""
+    for d in daemons:
+        d.manager.flush_deferred()
+        d.manager.check_invariants(heavy=True)
+    assert state(daemons[0]) == state(daemons[1])
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_the_decode_op_and_the_json_step_agree_on_random_runs(seed):
     daemons = [Daemon(Cfg), Daemon(Cfg)]
     try:
         run = _Run(seed, [InProc(daemons[0], json=False), InProc(daemons[1], json=True)])
-        ops = [run.admit, run.admit, run.fork, run.free, run.decode, run.decode, run.decode, run.decode]
-        for _ in range(60):
-            ops[int(run.rng.integers(0, len(ops)))]()
+        run_ops(run, 60)
         decode_ops = sum(rep[0][:4] == P.DECODE_REPLY_MAGIC for rep in run.c[0].raw)
         assert decode_ops >= 5 and not any(rep[0][:4] == P.DECODE_REPLY_MAGIC for rep in run.c[1].raw)
-        for d in daemons:
-            d.manager.flush_deferred()
-            d.manager.check_invariants(heavy=True)
-        assert _manager_state(daemons[0]) == _manager_state(daemons[1])
+        assert_same_managers(daemons)
     finally:
         for d in daemons:
             for s in list(d.sessions.values()):

@@ -356,48 +356,44 @@ def test_a_mailbox_reply_from_another_boot_raises_daemon_restarted(daemon_factor
             pending.result()
 
 
+def _random_run(daemons, run_of, steps: int) -> None:
+    """A seeded run (test_decode_op_random's) of a mailbox session in process against a session of
+    a twin daemon whose every step is the general one (its own result builder), then both managers
+    compared."""
+    from test_decode_op_groups import _JsonSteps
+    from test_decode_op_random import run_ops
+
+    c = _PostingInProc(daemons[0])
+    run = run_of([c, _JsonSteps(daemons[1], json=True)])
+    run_ops(run, steps)
+    assert c.posted >= 5 and sum(rep[0][:4] == P.DECODE_REPLY_MAGIC for rep in c.raw) >= 5
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_the_mailbox_and_the_json_step_agree_on_random_runs(seed):
     """test_decode_op_random's runs (admissions, forks, frees, decode steps of random sizes with
     lookahead and filled blocks' hashes, evictions) with the decode steps through the mailbox: every
-    result, the session's shared memory and the manager the same as the JSON step's."""
-    from test_decode_op_groups import _JsonSteps  # the general step and its own result builder
-    from test_decode_op_random import _manager_state, _Run
+    result, the session's shared memory and the manager the same as the general step's."""
+    from test_decode_op_groups import _close
+    from test_decode_op_random import _Run, assert_same_managers
 
     daemons = [Daemon(Cfg), Daemon(Cfg)]
     try:
-        c = _PostingInProc(daemons[0])
-        run = _Run(seed, [c, _JsonSteps(daemons[1], json=True)])
-        ops = [run.admit, run.admit, run.fork, run.free, run.decode, run.decode, run.decode, run.decode]
-        for _ in range(60):
-            ops[int(run.rng.integers(0, len(ops)))]()
-        assert c.posted >= 5 and sum(rep[0][:4] == P.DECODE_REPLY_MAGIC for rep in c.raw) >= 5
-        for d in daemons:
-            d.manager.flush_deferred()
-            d.manager.check_invariants(heavy=True)
-        assert _manager_state(daemons[0]) == _manager_state(daemons[1])
+        _random_run(daemons, lambda pair: _Run(seed, pair), 60)
+        assert_same_managers(daemons)
     finally:
-        for d in daemons:
-            for sess in list(d.sessions.values()):
-                d.end_session(sess, "test")
+        _close(daemons)
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_the_mailbox_and_the_json_step_agree_with_a_window_group(seed):
     """The same with a full and a sliding-window group (each group's hashes and counts frames)."""
-    from test_decode_op_groups import GROUPS, _cfg, _close, _JsonSteps, _manager_state, _Run
+    from test_decode_op_groups import GROUPS, _cfg, _close, _manager_state, _Run
+    from test_decode_op_random import assert_same_managers
 
     daemons = [Daemon(_cfg(GROUPS["full+window"])), Daemon(_cfg(GROUPS["full+window"]))]
     try:
-        c = _PostingInProc(daemons[0])
-        run = _Run(seed, [c, _JsonSteps(daemons[1], json=True)])
-        ops = [run.admit, run.admit, run.fork, run.free, run.decode, run.decode, run.decode, run.decode]
-        for _ in range(70):
-            ops[int(run.rng.integers(0, len(ops)))]()
-        assert c.posted >= 5
-        for d in daemons:
-            d.manager.flush_deferred()
-            d.manager.check_invariants(heavy=True)
-        assert _manager_state(daemons[0]) == _manager_state(daemons[1])
+        _random_run(daemons, lambda pair: _Run(seed, pair), 70)
+        assert_same_managers(daemons, _manager_state)
     finally:
         _close(daemons)
