@@ -569,7 +569,10 @@ class _Core:
         if old is not None:
             old.close()
         if name is not None and self._want_mailbox:
-            self._mb = Mailbox.attach(name, int(h["mb_req"]), int(h["mb_rep"]))
+            try:
+                self._mb = Mailbox.attach(name, int(h["mb_req"]), int(h["mb_rep"]))
+            except (OSError, ValueError):  # an optimisation: the socket carries the decode steps too
+                self._mb = None
 
     @property
     def mailbox(self) -> bool:

@@ -397,3 +397,41 @@ def test_the_mailbox_and_the_json_step_agree_with_a_window_group(seed):
         assert_same_managers(daemons, _manager_state)
     finally:
         _close(daemons)
+
+
+def test_a_mailbox_the_client_cannot_map_leaves_it_on_the_socket(daemon_factory, monkeypatch):
+    def refuse(*a, **k):
+        raise PermissionError("no")
+
+    monkeypatch.setattr(Mailbox, "attach", classmethod(lambda cls, *a: refuse()))
+    d = daemon_factory(block_size=4)
+    with Client(d.endpoint, mailbox=True) as c:
+        assert "mb" in c.info and not c.mailbox
+        c.allocate("a", 4)
+        res = c.step(StepBatch(append_rows=np.array(c.rows_of(["a"]), np.int32), append_num_tokens=1))
+        assert res.append_status.tolist() == [0] and c.block_table("a").size == 2
+
+
+def test_a_restarted_daemon_is_detected_on_the_mailbox_lane_and_reconnect_opens_a_new_one(daemon_factory):
+    """The old mailbox goes with its daemon (SIGTERM): a decode step posted there gets no answer,
+    the resend on the socket reaches the new daemon, which does not know the session; reconnect()
+    opens a session with a mailbox of its own."""
+    from kvd.errors import SessionError
+
+    d = daemon_factory(block_size=4)
+    c = Client(d.endpoint, mailbox=True, timeout_s=0.5, retries=1)
+    try:
+        c.allocate("a", 4)
+        rows = np.array(c.rows_of(["a"]), np.int32)
+        old = c._mb.name
+        assert d.stop() == 0 and shm_segments(d.pid) == []
+        d2 = daemon_factory(runtime_dir=d.runtime_dir, block_size=4)
+        with pytest.raises(SessionError):
+            c.step(StepBatch(append_rows=rows, append_num_tokens=1))
+        assert c.reconnect() is False and c.mailbox and c._mb.name != old
+        c.allocate("b", 4)
+        res = c.step(StepBatch(append_rows=np.array(c.rows_of(["b"]), np.int32), append_num_tokens=1))
+        assert res.append_status.tolist() == [0] and c.block_table("b").size == 2
+        assert [n for n in shm_segments(d2.pid) if "_mb" in n] == [c._mb.name]
+    finally:
+        c.close()
