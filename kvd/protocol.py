@@ -7,6 +7,10 @@ a second DEALER used only for heartbeats). A message is a multipart ZeroMQ messa
 
     [header, frame_1, ..., frame_n]          (the ROUTER prepends the peer identity on its side)
 
+A session may also have a mailbox (kvd.mailbox, which owns its layout): a shared-memory segment
+where its decode op (below) and that op's reply travel as the same frames, the socket carrying only
+a 4-byte kick (``kvd.mailbox.KICK``, no reply) when the daemon sleeps.
+
 ``header`` is a small orjson object; ``frame_i`` are raw little-endian arrays read with
 ``numpy.frombuffer`` (never pickle). Every header field and every frame is validated and bounded
 (frame count, byte length, dtype width, value ranges) by the daemon before anything reaches the
@@ -60,7 +64,9 @@ hello      hdr: tenant (str, <= 256 chars; "" = the peer's own, see kvd.tenancy)
            daemon skips that work and its GPU launch, and replies say nt = 0 for every group),
            gpu (bool, default true: with a GPU pool the daemon mirrors the session's tables, counts
            and slot mappings into device buffers after every reply; false: the engine reads its
-           tables from shared memory only, and the daemon neither allocates nor writes them).
+           tables from shared memory only, and the daemon neither allocates nor writes them),
+           mailbox (bool, default false: the session's decode ops may travel through a mailbox,
+           granted only to a peer of the daemon's uid by a daemon with ``mailbox`` on).
            frames: none. reply hdr: sid, epoch, shm (segment name), layout (dict, see kvd.shm),
            block_sizes, max_reqs, max_blocks, max_tokens, lease_s, hb_s (heartbeat interval),
            tenant (the tenant granted), shared (bool: the session's prefix cache is its tenant's
@@ -69,7 +75,8 @@ hello      hdr: tenant (str, <= 256 chars; "" = the peer's own, see kvd.tenancy)
            daemon publishes KV events, so token ids are worth sending), slots (bool: the session's
            replies write slot mappings), num_groups, windows (each KV-cache group's sliding window
            in tokens, 0: full attention), max_model_len, hash_algo, hash_width (hash_seed with
-           vLLM's scheme).
+           vLLM's scheme); with a mailbox granted mb (its segment name), mb_req and mb_rep (its
+           request and reply areas' bytes, kvd.mailbox).
            A retried hello (same nonce, same peer uid) returns the same session. A tenant the
            peer's credentials do not open -> Unauthorized.
            With a GPU pool (daemon ``--device cuda:N``, kvd.gpu_session) and hello ``gpu`` not
