@@ -54,7 +54,7 @@ import numpy as np
 
 from kvd import protocol as P
 from kvd.errors import ProtocolError
-from kvd.shm import _path
+from kvd.shm import segment_path
 
 MAGIC = b"KVDMBX01"
 REQ_SEQ, REP_SEQ, POLLING, AREAS = 64, 128, 192, 256
@@ -130,7 +130,7 @@ class Mailbox:
     @classmethod
     def create(cls, name: str, req_cap: int, rep_cap: int) -> "Mailbox":
         """A new segment, 0600: only this uid may map it (see the module docstring)."""
-        path = _path(name)
+        path = segment_path(name)
         size = _area_end(req_cap) + rep_cap
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
@@ -147,7 +147,7 @@ class Mailbox:
 
     @classmethod
     def attach(cls, name: str, req_cap: int, rep_cap: int) -> "Mailbox":
-        fd = os.open(_path(name), os.O_RDWR)
+        fd = os.open(segment_path(name), os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
             if size != _area_end(req_cap) + rep_cap:
@@ -282,7 +282,7 @@ class Mailbox:
 
     def unlink(self) -> None:
         try:
-            os.unlink(_path(self.name))
+            os.unlink(segment_path(self.name))
         except FileNotFoundError:
             pass
 

@@ -62,7 +62,8 @@ def segment_name(pid: int, epoch: str, sid: int | str) -> str:
     return f"{PREFIX}{pid}_{epoch}_{sid}"
 
 
-def _path(name: str) -> str:
+def segment_path(name: str) -> str:
+    """The file of segment ``name`` (a kvd segment's name: no path, the ``kvd_`` prefix)."""
     if "/" in name or not name.startswith(PREFIX):
         raise ValueError(f"bad segment name {name!r}")
     return os.path.join(SHM_DIR, name)
@@ -134,7 +135,7 @@ class SessionBuffers:
         blob = json.dumps(meta, separators=(",", ":")).encode()
         if len(blob) + 12 > HEADER_BYTES:
             raise ValueError("layout too large for the segment header")
-        path = _path(name)
+        path = segment_path(name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             set_access(fd, mode, gid)
@@ -157,14 +158,14 @@ class SessionBuffers:
 
     def unlink(self) -> None:
         try:
-            os.unlink(_path(self.name))
+            os.unlink(segment_path(self.name))
         except FileNotFoundError:
             pass
 
     # -- client side --------------------------------------------------------------------------------
     @classmethod
     def attach(cls, name: str) -> "SessionBuffers":
-        fd = os.open(_path(name), os.O_RDONLY)
+        fd = os.open(segment_path(name), os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
             if size < HEADER_BYTES:
