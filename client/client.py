@@ -334,7 +334,7 @@ class _Core:
         self._num_groups = 1
         self.shm: SessionBuffers | None = None
         self._want_mailbox = False
-        self._mb: Mailbox | None = None  # kvd.mailbox: the decode op's lane without the socket
+        self._mb: Mailbox | None = None  # kvd.mailbox: the binary step ops' lane without the socket
         self._reset_rows(0)
 
     # ---- rows ---------------------------------------------------------------------------------------
@@ -964,9 +964,10 @@ class Client(_Core):
         ``pin_cpu`` is the same on its side). The pinned I/O thread runs under
         ``IO_THREAD_POLICY`` (``SCHED_BATCH``, where the process may set it): woken, it does not
         preempt the engine's thread, and does its work when that thread waits or yields.
-        ``mailbox``: send decode steps (the ``decode`` op) through shared memory and take their
-        replies there (``kvd.mailbox``), where the daemon grants one (to a process of its own uid);
-        the socket carries everything else. Its wait polls, yielding the CPU, whatever
+        ``mailbox``: send the steps that travel as binary ops (``decode``, ``decode_free``,
+        ``admit``: see ``step``) through shared memory and take their replies there
+        (``kvd.mailbox``), where the daemon grants one (to a process of its own uid); the socket
+        carries everything else. Its wait polls, yielding the CPU, whatever
         ``busy_poll_us`` says. The ``mailbox`` property says whether it was granted.
 
         Raises ``DaemonUnavailable`` (no socket file), ``PermissionDenied`` (socket or segment not
@@ -1039,7 +1040,7 @@ class Client(_Core):
         if self._sock is None:
             raise SessionError("client is closed")
         mb = self._mb
-        if op is P.DECODE and mb is not None and mb.post(seq, msg):
+        if (op is P.DECODE or op is P.DECODE_FREE or op is P.ADMIT) and mb is not None and mb.post(seq, msg):
             if not mb.daemon_polls():
                 self._kick()
             return seq, msg, _VIA_MAILBOX

@@ -177,9 +177,10 @@ class ServeConfig:
     (scripts/bench_wakeup.py)."""
     mailbox: bool = True
     """Give a session whose hello asks for it (``Client(mailbox=True)``) and whose process runs under
-    the daemon's uid a mailbox (kvd.mailbox): its decode steps and their replies then travel through
-    shared memory, which the loop polls while it busy-polls (~28 against ~72 µs for a 256-request
-    decode step's round trip on the 2-core box). False: every message on the socket."""
+    the daemon's uid a mailbox (kvd.mailbox): its binary step messages (decode, decode_free, admit)
+    and their replies then travel through shared memory, which the loop polls while it busy-polls
+    (~28 against ~72 µs for a 256-request decode step's round trip on the 2-core box). False: every
+    message on the socket."""
     exit_with_parent: bool = False
     """Shut down (as on SIGTERM: sessions dropped, segments unlinked, socket removed) once the
     process that started the daemon is gone. For a daemon a script or test starts as its child: a

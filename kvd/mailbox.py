@@ -1,19 +1,21 @@
-"""A session's mailbox: the steady decode message and its reply through shared memory, no socket.
+"""A session's mailbox: an engine's step messages and their replies through shared memory, no socket.
 
 Why: an engine sends one decode message per step. On the GPU hosts of issue 11 the ZeroMQ send and
 receive of that message cost the engine's thread ~28 µs of a ~1.1 ms step (the whole budget for
 kvd's share is 2 %, ~22 µs). A daemon that busy-polls anyway can as well poll a word in shared
 memory: the engine writes its message there and the daemon's reply comes back the same way. ZeroMQ
-stays the transport of everything else (hello, admissions, frees, errors the mailbox cannot carry),
-and of the decode op itself for any client that does not ask for a mailbox.
+stays the transport of everything else (hello, the general step, the single-request calls, stats),
+and of every message of a client that does not ask for a mailbox.
 
 Who gets one: a session whose hello asks for it (``mailbox``: true) and whose peer runs under the
 daemon's own uid. The segment is created 0600, so only processes of that uid can open it, and those
 could already do anything to the daemon (ptrace it, write its pool): a mailbox gives a session's
 credential to nobody who did not have the daemon already. Peers of other uids keep the socket.
 
-What travels: only the decode op (``kvd.protocol``'s binary ``DECODE_REQUEST`` header and its frames)
-of the mailbox's own session; anything else written there gets an error reply. The reply is the one
+What travels: the binary step ops of the mailbox's own session (``kvd.protocol``'s ``decode``, the
+steady decode step; ``decode_free``, a serving step whose requests finished or joined; ``admit``, a
+new request's first step), as the frames the socket would carry; anything else written there gets
+an error reply. The reply is the one
 the socket would carry (the decode reply, or an error reply), applied once per sequence number as on
 the socket: a request resent on the socket after a timeout gets the same reply.
 

@@ -8,7 +8,8 @@ a second DEALER used only for heartbeats). A message is a multipart ZeroMQ messa
     [header, frame_1, ..., frame_n]          (the ROUTER prepends the peer identity on its side)
 
 A session may also have a mailbox (kvd.mailbox, which owns its layout): a shared-memory segment
-where its decode op (below) and that op's reply travel as the same frames, the socket carrying only
+where its binary step ops (decode, decode_free, admit, below) and their replies travel as the same
+frames, the socket carrying only
 a 4-byte kick (``kvd.mailbox.KICK``, no reply) when the daemon sleeps.
 
 ``header`` is a small orjson object; ``frame_i`` are raw little-endian arrays read with
@@ -65,7 +66,7 @@ hello      hdr: tenant (str, <= 256 chars; "" = the peer's own, see kvd.tenancy)
            gpu (bool, default true: with a GPU pool the daemon mirrors the session's tables, counts
            and slot mappings into device buffers after every reply; false: the engine reads its
            tables from shared memory only, and the daemon neither allocates nor writes them),
-           mailbox (bool, default false: the session's decode ops may travel through a mailbox,
+           mailbox (bool, default false: the session's binary step ops may travel through a mailbox,
            granted only to a peer of the daemon's uid by a daemon with ``mailbox`` on).
            frames: none. reply hdr: sid, epoch, shm (segment name), layout (dict, see kvd.shm),
            block_sizes, max_reqs, max_blocks, max_tokens, lease_s, hb_s (heartbeat interval),

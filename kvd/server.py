@@ -97,6 +97,11 @@ _MAX_DEFERRED = 64  # deferred prefix-cache items a daemon lets pile up while me
 
 # ---- sessions -----------------------------------------------------------------------------------
 
+_MAILBOX_OPS = {P.DECODE_MAGIC: P.parse_decode_request, P.DECODE_FREE_MAGIC: P.parse_decode_free_request,
+                P.ADMIT_MAGIC: P.parse_admit_request}
+"""The ops a session's mailbox carries (kvd.mailbox), by their header's magic: its header's parser."""
+
+
 class Session:
     __slots__ = (
         "sid", "tenant", "namespace", "writer", "uid", "name", "pid", "nonce", "shm", "mrow", "last_seen",
@@ -717,9 +722,10 @@ class Daemon:
         try:
             seq, frames = mb.take_request()
             head = frames[0]
-            if head[:4] != P.DECODE_MAGIC:
-                raise ProtocolError("a mailbox carries the decode op only")
-            sid, seq = P.parse_decode_request(head)[:2]
+            parse = _MAILBOX_OPS.get(head[:4])
+            if parse is None:
+                raise ProtocolError("a mailbox carries the binary step ops only (decode, decode_free, admit)")
+            sid, seq = parse(head)[:2]
             if sid != sess.sid:
                 raise ProtocolError("a mailbox carries its own session's messages only")
         except ProtocolError as e:

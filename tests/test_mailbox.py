@@ -1,4 +1,4 @@
-"""A session's mailbox (kvd.mailbox): the decode op through shared memory.
+"""A session's mailbox (kvd.mailbox): the binary step ops through shared memory.
 
 The segment's layout and its checks on their own; the daemon's grant (hello, own uid only), its
 refusals (another op, another session's header, a scribbled area: an error reply, nothing applied)
@@ -183,11 +183,15 @@ def test_the_mailbox_refuses_other_ops_and_other_sessions_and_changes_nothing():
         sess = d.sessions[c.sid]
         rows = np.array(c.rows_of(["a"]), np.int32)
         before = _state(d, c)
+        admit_other = P.ADMIT_REQUEST.pack(P.ADMIT_MAGIC, other.sid, 53, P.NO_CONFIRM, 0, 1, 5, 0, 0, 0, 0, 7)
+        free_other = P.DECODE_FREE_REQUEST.pack(P.DECODE_FREE_MAGIC, other.sid, 54, P.NO_CONFIRM, 0, 0, 0, 1, 0)
         cases = [
-            ([P.request(P.STATS, c.sid, 50)], "decode op only"),
+            ([P.request(P.STATS, c.sid, 50)], "binary step ops only"),
             ([P.decode_request(other.sid, 51, 1, 1, 0), rows.tobytes()], "its own session's"),
-            ([b"kvD"], "decode op only"),
+            ([b"kvD"], "binary step ops only"),
             ([P.decode_request(c.sid, 52, 1, 1, 0)[:-1], rows.tobytes()], "decode header of"),
+            ([admit_other, P.EMPTY], "its own session's"),
+            ([free_other, rows.tobytes(), P.EMPTY], "its own session's"),
         ]
         for k, (frames, why) in enumerate(cases):
             assert c._mb.post(100 + k, frames)
@@ -265,6 +269,52 @@ def test_a_mailbox_client_gets_what_a_socket_client_gets(daemon_factory, busy_po
                 assert int(c._mb.req_seq[0]) == int(c._mb.rep_seq[0]) == c._seq - 1  # the last decode step's
                 # a sleeping daemon is kicked for every message; a polling one for those after a sleep
                 assert (len(kicks) == 40) if busy_poll_us == 0 else (len(kicks) < 40)
+        d.stop()
+    assert results[0] == results[1]
+
+
+ALL_FIELDS = ("free_status", "fork_status", "append_status", "admit_status", "admit_rows", "admit_cached_tokens",
+              *FIELDS)
+
+
+def _serve(c: Client) -> tuple[list, int]:
+    """A serving engine's steps: decode steps, steps that free a request and admit another beside
+    the others' appends (the decode_free op), lone admissions (the admit op). Every result and the
+    session's tables and counts after each step, and how many of those messages took the mailbox."""
+    out, posted = [], 0
+    live = [f"r{i}" for i in range(5)]
+    for i, rid in enumerate(live):
+        c.allocate(rid, 3 + 5 * i)
+    for step in range(30):
+        if step % 5 == 4:
+            rid = f"n{step}"
+            batch = StepBatch(admit=[AdmitRequest(rid, 9)])
+            live.append(rid)
+        else:
+            rows = np.array(c.rows_of(live), np.int32)
+            free, admit = [], []
+            if step % 5 == 2:
+                free, admit = [live[0]], [AdmitRequest(f"m{step}", 6)]
+            batch = StepBatch(free=free, append_rows=rows, append_num_tokens=1, admit=admit)
+            live = [r for r in live if r not in free] + [a.req_id for a in admit]
+        res = c.step(batch)
+        if c.mailbox:
+            posted += int(c._mb.req_seq[0]) == c._seq
+        out.append([np.asarray(getattr(res, f)).tobytes() if f != "tick" else res.tick for f in ALL_FIELDS])
+        out.append((c.shm.tables[0].tobytes(), c.shm.counts[0].tobytes()))
+    return out, posted
+
+
+def test_serving_steps_and_lone_admissions_take_the_mailbox_too(daemon_factory):
+    """The decode_free and admit ops through the mailbox: the same results and shared memory as on
+    the socket (twin daemons), every step posted there."""
+    results = []
+    for mailbox in (True, False):
+        d = daemon_factory(block_size=4)
+        with Client(d.endpoint, mailbox=mailbox) as c:
+            out, posted = _serve(c)
+            assert posted == (30 if mailbox else 0)
+            results.append(out)
         d.stop()
     assert results[0] == results[1]
 
