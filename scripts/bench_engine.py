@@ -35,7 +35,9 @@ confirmed it, vs A's cold prefill; both engines warm at their timed shapes first
 each step's phases (plan, round trip, kvd metadata, model launch, device wait + sampling). The cold
 prefill is longer than ``--graph-tokens`` and runs eagerly, the hit's suffix replays a graph (the
 engine's policy for every step); the same with every step graphed is reported beside it. Ends with
-ONE JSON line; exits 1 if an honesty check fails. The engines' sessions are opened without the
+ONE JSON line; exits 1 if an honesty check fails. The engines ask for their sessions' mailboxes
+(``Client(mailbox=True)``, kvd.mailbox: their step messages through shared memory; ``--no-mailbox``:
+the socket), and a check says the daemon granted them. The engines' sessions are opened without the
 daemon's slot mappings (``Client(slot_mapping=False)``: a graph computes its slots from the tables,
 so does an eager step here); ``--kvd-slots`` asks for them.
 """
@@ -264,8 +266,8 @@ def main(argv=None) -> int:
                     help="the engine clients' busy_poll_us (default: kvd_client's default, or "
                          "DEFAULT_BUSY_POLL_US when the engine is pinned to a CPU of its own)")
     ap.add_argument("--mailbox", action=argparse.BooleanOptionalAction, default=True,
-                    help="the engines' decode steps through their sessions' mailboxes (kvd.mailbox; "
-                         "--no-mailbox: on the socket)")
+                    help="the engines' step messages (decode, decode_free, admit) through their sessions' "
+                         "mailboxes (kvd.mailbox; --no-mailbox: on the socket)")
     ap.add_argument("--engine-cpu", type=int, default=None,
                     help="the engine's CPU with --pin (default: the one before the daemon's; -1: the engine "
                          "and its I/O thread stay unpinned)")
