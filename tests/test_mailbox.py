@@ -20,6 +20,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from conftest_daemon import REPO, daemon_factory, shm_segments, short_tmp  # noqa: F401
 from kvd import protocol as P
@@ -29,6 +31,7 @@ from kvd.mailbox import AREAS, KICK, Mailbox
 from kvd.server import Daemon
 from kvd.tenancy import Peer
 from kvd_client import Client
+from machine_settings import machine_settings
 from test_decode_op import Cfg, InProc
 
 
@@ -85,6 +88,42 @@ def test_a_scribbled_area_is_a_protocol_error(box, words, why):
     with pytest.raises(ProtocolError, match=why):
         box.take_request()
     assert box.seen == 3 and not box.waiting()  # taken: the daemon does not read it again
+
+
+_frames = st.lists(st.binary(max_size=120), min_size=1, max_size=6)
+
+
+@machine_settings(200, 1)
+@given(st.lists(st.tuples(st.booleans(), _frames), min_size=1, max_size=8))
+def test_any_frames_travel_whole_or_not_at_all(program):
+    """Requests and replies of any frames, one after another: each that fits its area comes out
+    byte for byte under its sequence number; one that does not is refused and the area keeps the
+    last one whole."""
+    name = f"kvd_{os.getpid()}_test_mbh{time.monotonic_ns()}"
+    daemon = Mailbox.create(name, 256, 200)
+    client = Mailbox.attach(name, 256, 200)
+    try:
+        last_req = last_rep = None
+        for seq, (is_request, frames) in enumerate(program, 1):
+            size = 4 + 4 * len(frames) + sum(map(len, frames))
+            if is_request:
+                fits = size <= 256
+                assert client.post(seq, frames) is fits
+                if fits:
+                    last_req = (seq, frames)
+                if last_req is not None:
+                    assert daemon.take_request() == last_req
+            else:
+                fits = size <= 200
+                assert daemon.answer(seq, frames) is fits
+                if fits:
+                    last_rep = (seq, frames)
+                if last_rep is not None:
+                    assert client.replied(last_rep[0]) and client.reply() == last_rep[1]
+    finally:
+        client.close()
+        daemon.unlink()
+        daemon.close()
 
 
 def test_attach_checks_the_announced_layout(box):
