@@ -88,6 +88,8 @@ def _decode_reply(groups: int) -> struct.Struct:
     if st is None:
         st = _DECODE_REPLY[groups] = struct.Struct("<III" + P.DECODE_REPLY.format.lstrip("<") + f"{groups}i")
     return st
+
+
 _LOCK = threading.Lock()
 
 
