@@ -576,7 +576,7 @@ class _Core:
 
     @property
     def mailbox(self) -> bool:
-        """Whether this session's decode steps travel through its mailbox (``kvd.mailbox``)."""
+        """Whether this session's binary step messages travel through its mailbox (``kvd.mailbox``)."""
         return self._mb is not None
 
     def _on_gpu(self, info: dict | None) -> None:
