@@ -213,25 +213,17 @@ class Mailbox:
         header and the frame table with one ``pack_into``."""
         mm = self._mm
         nb = len(rows_b)
-        if not extra:
-            st = _decode_post(2)
-            if st.size + nb > self.req_cap:
-                return False
-            st.pack_into(mm, AREAS, 2, P.DECODE_REQUEST.size, nb, P.DECODE_MAGIC, sid, seq, c, na, an, la)
-        else:
-            lens = [a.nbytes if type(a) is np.ndarray else len(a) for a in extra]
-            st = _decode_post(2 + len(lens))
-            if st.size + nb + sum(lens) > self.req_cap:
-                return False
-            st.pack_into(mm, AREAS, 2 + len(lens), P.DECODE_REQUEST.size, nb, *lens,
-                         P.DECODE_MAGIC, sid, seq, c, na, an, la)
+        lens = [a.nbytes if type(a) is np.ndarray else len(a) for a in extra] if extra else ()
+        st = _decode_post(2 + len(lens))
+        if st.size + nb + sum(lens) > self.req_cap:
+            return False
+        st.pack_into(mm, AREAS, 2 + len(lens), P.DECODE_REQUEST.size, nb, *lens, P.DECODE_MAGIC, sid, seq, c, na, an, la)
         o = AREAS + st.size
         mm[o:o + nb] = rows_b
         o += nb
-        for a in extra:
-            e = o + (a.nbytes if type(a) is np.ndarray else len(a))
-            mm[o:e] = a
-            o = e
+        for a, ln in zip(extra, lens):
+            mm[o:o + ln] = a
+            o += ln
         self.req_seq[0] = seq
         return True
 
