@@ -1078,19 +1078,22 @@ class Client(_Core):
         except zmq.Again:
             pass  # the queue is full of messages: the daemon wakes for them
 
-    def _exchange_mailbox(self, op: str, seq: int, msg: list) -> tuple[dict | tuple, list]:
+    def _exchange_mailbox(self, op: str, seq: int, msg: list | None, in_place=None) -> tuple[dict | tuple, list | None]:
         """``_exchange`` of a request posted in the mailbox: the reply comes there, or on the socket
         (one too large for the mailbox, or the reply to the same request resent on the socket after
-        a timeout, which the daemon applies once)."""
+        a timeout, which the daemon applies once). ``msg`` None: a resend takes the request from
+        the mailbox. ``in_place(seq)``: a reply in the mailbox read in place, returned as (its
+        value, None) unless it says None."""
         mb, sock = self._mb, self._sock
-        if msg is None:  # posted by _post_decode: a resend takes it from the mailbox
-            msg = mb.request()
         pc = time.perf_counter
         now = pc()
         kick_at, deadline = now + KICK_AGAIN_S, now + self.timeout_s
         attempts = 0
         while True:
             if mb.replied(seq):
+                r = None if in_place is None else in_place(seq)
+                if r is not None:
+                    return r, None
                 try:
                     rep = mb.reply()
                 except ProtocolError:
@@ -1115,6 +1118,8 @@ class Client(_Core):
                 attempts += 1
                 if attempts > self.retries:
                     raise Timeout(f"no reply to {op} from {self.endpoint} after {attempts} attempts")
+                if msg is None:
+                    msg = mb.request()
                 try:
                     P.send_frames(sock, msg, P.NOBLOCK)
                 except zmq.Again:
@@ -1348,7 +1353,7 @@ class Client(_Core):
         H200 host the general path's send and take cost ~27 µs each there against ~4 warm (the
         2-core box: 21 and 16 against 4 and 4 with its caches thrashed between steps). So this path
         writes the header and the frame table with one ``pack_into``, and ``PendingStep.result``
-        reads the reply in place (``_posted_decode_result``)."""
+        reads the reply in place (``_posted_decode_reply``)."""
         rows = batch.append_rows
         n = batch.append_num_tokens
         la = batch.num_lookahead_tokens
@@ -1374,27 +1379,27 @@ class Client(_Core):
         self._seq = seq
         if not mb.daemon_polls():
             self._kick()
-        pending = PendingStep(self, (P.DECODE, None, None, functools.partial(_decode_post, rows_b, n)),
-                              (seq, None, _VIA_MAILBOX))
+        pending = PendingStep(self, (rows_b, n), seq)
         self._pending = pending
         return pending
 
-    def _posted_decode_result(self, spec: tuple, seq: int) -> StepResult | None:
-        """``_post_decode``'s reply read in place, or None when it is not there yet or is not a
-        decode reply to it from this daemon boot (the general wait then takes it, or raises)."""
+    def _posted_decode_reply(self, seq: int) -> tuple | None:
+        """``_post_decode``'s reply read in place and taken (the tick noted, the GPU buffers' writes
+        ordered before the current stream's work): ``Mailbox.decode_reply``'s (epoch, tick, nc, nch,
+        ns, token counts, body); None when it is not there yet or is not a decode reply to it from
+        this daemon boot (the general wait then takes it, or raises)."""
         mb = self._mb
         if mb is None or not mb.replied(seq):
             return None
         r = mb.decode_reply(seq, self._num_groups)
         if r is None or r[0] != self._epoch_b:
             return None
-        _, tick, nc, nch, ns, nt, body = r
+        tick = r[1]
         self.tick = tick
         self._step_ticks.append(tick)
         if self.gpu is not None:
             self.gpu.wait()
-        rows_b, an = spec[3].args
-        return _decode_result(rows_b, an, tick, nc, nch, ns, nt, body)
+        return r
 
     def _drop_pending(self) -> None:
         """Forget a started step's reply (closing or reconnecting: it is skipped as stale)."""
@@ -1420,43 +1425,76 @@ class Client(_Core):
 
 
 class PendingStep:
-    """A step sent by ``Client.start_step`` whose reply is not taken yet."""
+    """A step sent by ``Client.start_step`` whose reply is not taken yet: ``spec`` and ``sent`` are
+    ``Client._start``'s, or for a decode step posted in the mailbox (``Client._post_decode``) its rows
+    (bytes) and token count, and its sequence number (an int)."""
 
-    __slots__ = ("_client", "_spec", "_sent", "_result")
+    __slots__ = ("_client", "_spec", "_sent", "_result", "_reply")
 
-    def __init__(self, client: Client, spec: tuple, sent: tuple[int, list, bool]) -> None:
+    def __init__(self, client: Client, spec: tuple, sent: tuple[int, list, bool] | int) -> None:
         self._client, self._spec, self._sent = client, spec, sent
         self._result: StepResult | None = None
+        self._reply: tuple | None = None  # a posted decode step's reply, taken by granted()
 
     def ready(self) -> bool:
         """Whether ``result()`` would return without waiting: taken already, or a reply waits in
         the mailbox or on the socket now (checked without receiving)."""
         c = self._client
-        if self._result is not None:
+        if self._result is not None or self._reply is not None:
             return True
         if c is None or c._sock is None:
             return False
-        seq, _, how = self._sent
-        return (how is _VIA_MAILBOX and c._mb.replied(seq)) or P.has_input(c._sock)
+        sent = self._sent
+        if type(sent) is int:
+            return c._mb.replied(sent) or P.has_input(c._sock)
+        return (sent[2] is _VIA_MAILBOX and c._mb.replied(sent[0])) or P.has_input(c._sock)
+
+    def granted(self) -> bool:
+        """Wait for the reply as ``result`` does and say whether every request of the step got
+        ``STATUS_OK`` (frees, forks, appends, admissions) with nothing copied on write
+        (``StepResult.granted``); ``result()`` then still returns the whole result. An engine's steady decode step needs no more than this
+        from its reply (its tables are written when this returns), and a decode reply through the
+        mailbox answers it from the reply's counts alone: the result's arrays are built only if
+        ``result()`` asks (the engine's thread meets this code cold once a step, where building
+        them costs more than everything else the reply takes)."""
+        if self._reply is None and self._result is None:
+            self._take()
+        r = self._reply
+        if r is not None:  # (epoch, tick, copies, changed rows, scheduled rows, ...) of a decode reply
+            return r[2] == 0 and r[4] == len(self._spec[0]) >> 2
+        return self._result.granted()
 
     def result(self) -> StepResult:
         """Wait for the reply (at once when it has arrived) and return the step's result; later
         calls return the same result."""
         if self._result is None:
-            c = self._client
-            if c is None or c._pending is not self:
-                raise SessionError("no reply to wait for: the client closed or reconnected, or an "
-                                   "earlier result() failed")
-            sent = self._sent
-            if sent[1] is None:  # posted by _post_decode: its reply read in place when it is one
-                res = c._posted_decode_result(self._spec, sent[0])
-                if res is not None:
-                    c._pending, self._client = None, None
-                    self._result = res
-                    return res
-            c._pending, self._client = None, None
-            self._result = c._done(self._spec, sent)
+            if self._reply is None:
+                self._take()
+            if self._result is None:  # a posted decode step's reply, read in place
+                rows_b, an = self._spec
+                _, tick, nc, nch, ns, nt, body = self._reply
+                self._result = _decode_result(rows_b, an, tick, nc, nch, ns, nt, body)
         return self._result
+
+    def _take(self) -> None:
+        """Wait for the reply: a decode reply in the mailbox to a step posted there is kept as read
+        (``_reply``), anything else becomes ``_result``."""
+        c = self._client
+        if c is None or c._pending is not self:
+            raise SessionError("no reply to wait for: the client closed or reconnected, or an "
+                               "earlier result() failed")
+        sent = self._sent
+        c._pending, self._client = None, None
+        if type(sent) is int:  # posted by _post_decode
+            r = c._posted_decode_reply(sent)
+            if r is None:
+                r, f = c._exchange_mailbox(P.DECODE, sent, None, c._posted_decode_reply)
+                if f is not None:  # a reply on the socket (too large for the mailbox, or to a resend)
+                    self._result = c._result(P.DECODE, r, f, functools.partial(_decode_post, *self._spec))
+                    return
+            self._reply = r
+            return
+        self._result = c._done(self._spec, sent)
 
 
 # ---- asyncio client -----------------------------------------------------------------------------

@@ -217,6 +217,12 @@ class StepResult:
     """The manager's call counter after this step: what the writer confirms once the step's
     forward pass has finished (``StepBatch.computed_through``)."""
 
+    def granted(self) -> bool:
+        """Whether every request of the step got ``STATUS_OK`` (frees, forks, appends, admissions)
+        and nothing was copied on write."""
+        return not (len(self.copies) or self.free_status.any() or self.fork_status.any()
+                    or self.append_status.any() or self.admit_status.any())
+
 
 @dataclass(frozen=True)
 class AllocResult:

@@ -300,7 +300,7 @@ class _Event:
 
 
 class _Pending:
-    """A PendingStep stand-in: ready after ``n`` polls, its result a marker."""
+    """A PendingStep stand-in: ready after ``n`` polls; ``taken`` counts its takings."""
 
     def __init__(self, n):
         self.n, self.polls, self.taken = n, 0, 0
@@ -309,9 +309,9 @@ class _Pending:
         self.polls += 1
         return self.polls > self.n
 
-    def result(self):
+    def granted(self):
         self.taken += 1
-        return "reply"
+        return True
 
 
 def _overlapping(batch, pending):
@@ -334,9 +334,10 @@ def test_the_reply_is_taken_during_the_forward_when_it_comes_first_and_the_queue
     reqs = [_decoding(f"r{i}", [i + 1] * 5, [100 + i, 200 + i, 300 + i], 30, bs) for i in range(4)]
     b = SteadyBatch(reqs, np.arange(4), bs, "S16")
     b.push(b.filled())
-    e = _overlapping(b, _Pending(3))
+    pending = _Pending(3)
+    e = _overlapping(b, pending)
     e._reply_or_gpu(_Event(100))  # the reply after 3 polls, the forward still running
-    assert e._ahead[3] == "reply" and e._took is not None and e.prehashed_blocks == 4
+    assert pending.taken == 1 and e._ahead[3] is pending and e._took is not None and e.prehashed_blocks == 4
     assert len(e.takes_s) == 1 and e.takes_s[0] == e._took[1] - e._took[0]  # the taking, as kvd_s counts it
     assert b.q_hashed.tolist() == [True] * 4
     e._ahead_exposed((0.0, 1e-6), gpu_done=1e9)  # the forward ended long after: nothing exposed
@@ -350,7 +351,7 @@ def test_the_reply_waits_for_the_sampling_when_the_forward_ends_first():
     e._reply_or_gpu(_Event(2))
     assert pending.taken == 0 and e._took is None and e.prehashed_blocks == 0
     e._ahead_exposed((0.0, 0.0), gpu_done=0.0)  # after the sampling: taking it is exposed
-    assert pending.taken == 1 and e._ahead[3] == "reply" and e.kvd_exposed_s > 0
+    assert pending.taken == 1 and e._ahead[3] is pending and e.kvd_exposed_s > 0
 
 
 def _windowed(d, model, prompts, max_new, per_message):

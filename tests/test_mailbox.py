@@ -64,6 +64,46 @@ def test_a_request_and_its_reply_travel_byte_for_byte(box):
         client.close()
 
 
+def test_a_steady_decode_post_writes_what_a_whole_post_would(box):
+    """A decode request like the last one (same session, counts and rows, no hash frames) rewrites
+    only its sequence number and confirmation: the area then holds what a whole post writes."""
+    big = Mailbox.create(box.name + "b", 4096, 128)
+    mine = Mailbox.attach(big.name, 4096, 128)
+    try:
+        rows = np.array([3, 1, 2], np.int32).tobytes()
+        hashes, counts = np.arange(4, dtype=np.uint64).view("S8")[:2], np.array([1, 0, 1], np.int32)
+
+        def area(mb, rows_b, extra):  # the request's bytes: frame table, header, frames
+            size = 12 + 4 * len(extra) + P.DECODE_REQUEST.size + len(rows_b) + sum(a.nbytes for a in extra)
+            return bytes(mb._mm[AREAS:AREAS + size])
+
+        posts = [(5, 7, 3, 1, 0, rows, ()), (6, 7, 4, 1, 0, rows, ()), (7, 7, -1, 1, 0, rows, (hashes, counts)),
+                 (8, 7, 5, 1, 0, rows, ()), (9, 7, 6, 1, 0, rows, ()), (10, 7, 6, 2, 0, rows, ()),
+                 (11, 7, 6, 2, 0, rows[:8], ()), (12, 8, 6, 2, 0, rows[:8], ()), (13, 8, 6, 2, 1, rows[:8], ())]
+        steady = []
+        for seq, sid, c, an, la, rows_b, extra in posts:
+            was = mine._steady
+            assert mine.post_decode(seq, sid, c, len(rows_b) // 4, an, la, rows_b, extra)
+            steady.append(was == (sid, an, la, rows_b) and not extra)
+            fresh = Mailbox.attach(big.name, 4096, 128)  # no memory of an earlier post: writes it whole
+            try:
+                before = bytes(mine._mm[AREAS:AREAS + 200])
+                posted = area(mine, rows_b, extra)
+                big._mm[AREAS:AREAS + 200] = bytes(200)
+                assert fresh.post_decode(seq, sid, c, len(rows_b) // 4, an, la, rows_b, extra)
+                assert area(fresh, rows_b, extra) == posted and int(big.req_seq[0]) == seq
+            finally:
+                fresh.close()
+            big._mm[AREAS:AREAS + 200] = before  # (what the steady post left in place)
+        assert steady == [False, True, False, False, True, False, False, False, False]
+        mine.post(14, [b"other"])  # any other request: the next decode post is written whole
+        assert mine._steady is None
+    finally:
+        mine.close()
+        big.unlink()
+        big.close()
+
+
 def test_what_does_not_fit_is_not_written(box):
     client = Mailbox.attach(box.name, 256, 128)
     try:
@@ -184,7 +224,7 @@ class _PostingInProc(_MailboxInProc):
 
     posted = 0
     _pending = None
-    _posted_decode_result = Client._posted_decode_result
+    _posted_decode_reply = Client._posted_decode_reply
 
     def _post_decode(self, batch):
         return Client._post_decode(self, batch)
@@ -358,17 +398,59 @@ def test_serving_steps_and_lone_admissions_take_the_mailbox_too(daemon_factory):
     assert results[0] == results[1]
 
 
+def _granted_run(c: Client) -> list:
+    """Decode steps until the pool runs out, one after a fork (a copy on write): what ``granted()``
+    says of each, whether it read the reply in place, and the result ``result()`` returns after it."""
+    out = []
+    for rid in ("a", "b", "c"):
+        c.allocate(rid, 5)
+    live = ["a", "b", "c"]
+    for step in range(12):
+        if step == 2:
+            c.fork("a", "a2")
+            live.append("a2")
+        pending = c.start_step(StepBatch(append_rows=np.array(c.rows_of(live), np.int32), append_num_tokens=1))
+        ok = pending.granted()
+        in_place = pending._reply is not None and pending._result is None
+        res = pending.result()
+        assert pending.granted() is ok and pending.result() is res
+        out.append((ok, in_place, [np.asarray(getattr(res, f)).tobytes() if f != "tick" else res.tick
+                                   for f in ALL_FIELDS]))
+    return out
+
+
+def test_granted_says_whether_every_request_got_its_append(daemon_factory):
+    """``PendingStep.granted()``: True exactly when every status is OK and nothing was copied; a
+    mailbox client answers it from the decode reply in place and builds the same result as a
+    socket client's on ``result()`` (twin daemons)."""
+    runs = []
+    for mailbox in (True, False):
+        d = daemon_factory(block_size=4, num_gpu_blocks=15)
+        with Client(d.endpoint, mailbox=mailbox) as c:
+            runs.append(_granted_run(c))
+        d.stop()
+    (mb, sock) = runs
+    assert [r[2] for r in mb] == [r[2] for r in sock] and [r[0] for r in mb] == [r[0] for r in sock]
+    assert [r[1] for r in mb] == [True] * 12 and [r[1] for r in sock] == [False] * 12
+    oks = [r[0] for r in mb]
+    # step 2 copies a2's shared last block; the pool (14 blocks but the null one) runs out later
+    assert oks[:2] == [True, True] and oks[2] is False and True in oks[3:] and oks[-1] is False
+    for ok, _, fields in mb:
+        status, copies = fields[ALL_FIELDS.index("append_status")], fields[ALL_FIELDS.index("copies")]
+        assert ok == (not any(np.frombuffer(status, np.int16)) and not copies)
+
+
 def test_a_message_too_large_for_the_mailbox_goes_on_the_socket(daemon_factory):
     d = daemon_factory(block_size=4)
     with Client(d.endpoint, mailbox=True) as c:
         c.allocate("a", 3)
         rows = np.array(c.rows_of(["a"]), np.int32)
-        c.step(StepBatch(append_rows=rows, append_num_tokens=1))
+        c.step(StepBatch(append_rows=rows, append_num_tokens=2))
         posted = int(c._mb.req_seq[0])
-        c._mb.req_cap = 8  # the client's view of its area: nothing fits
+        c._mb.req_cap = 8  # the client's view of its area: nothing new fits
         res = c.step(StepBatch(append_rows=rows, append_num_tokens=1))
         assert res.append_status.tolist() == [0] and int(c._mb.req_seq[0]) == posted
-        assert c.block_table("a").size == 2 and int(c.shm.counts[0][rows[0]]) == 2  # 5 tokens, blocks of 4
+        assert c.block_table("a").size == 2 and int(c.shm.counts[0][rows[0]]) == 2  # 6 tokens, blocks of 4
 
 
 def test_a_request_resent_on_the_socket_is_applied_once(daemon_factory):

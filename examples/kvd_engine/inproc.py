@@ -83,5 +83,8 @@ class _Done:
     def ready(self) -> bool:
         return True
 
+    def granted(self) -> bool:
+        return self._res.granted()
+
     def result(self):
         return self._res

@@ -93,16 +93,18 @@ class OverlapMixin:
 
     def _take_ahead(self) -> None:
         """Take the reply of the step sent during this forward (waiting for it if it has not
-        arrived); ``self._took`` = its host (start, end)."""
+        arrived): whether kvd granted all of it (``PendingStep.granted``: a steady step reads
+        nothing else, and the whole result is built only when another step needs it);
+        ``self._took`` = its host (start, end)."""
         *ahead, pending, plan_s, t_sent, steady = self._ahead
         t0 = time.perf_counter()
-        res = pending.result()
+        pending.granted()
         t1 = time.perf_counter()
         self.kvd_s += t1 - t0
         self.takes_s.append(t1 - t0)
         self.kvd_wall_s += t1 - t_sent
         self._took = (t0, t1)
-        self._ahead = (*ahead, res, plan_s, t1 - t_sent, steady)
+        self._ahead = (*ahead, pending, plan_s, t1 - t_sent, steady)
 
     def _reply_or_gpu(self, forward_end) -> None:
         """Before the engine blocks on its forward: poll for whichever comes first, the reply of the
@@ -192,10 +194,11 @@ class OverlapMixin:
     def _step_ahead(self, t_start: float) -> None:
         """A step whose round trip went out during the last forward: retire what that forward
         finished (freed with the next message), run the granted appends."""
-        ids, n_decode, counts, res, plan_s, rt_s, fast = self._ahead
+        ids, n_decode, counts, pending, plan_s, rt_s, fast = self._ahead
         self._ahead = None
-        if fast is not None and fast[0] is self._batch and not (res.append_status != STATUS_OK).any():
-            return self._step_ahead_steady(t_start, fast[1], counts, res, plan_s, rt_s, fast[2])
+        if fast is not None and fast[0] is self._batch and pending.granted():
+            return self._step_ahead_steady(t_start, fast[1], counts, pending, plan_s, rt_s, fast[2])
+        res = pending.result()
         k = fast[2] if fast is not None else 1  # what kvd granted a request beyond this step it holds
         self._drop_batch()
         self._free_later += self._retire()
@@ -212,9 +215,9 @@ class OverlapMixin:
         self._run_forward(sched, res, ids[:n_decode])
         self.phases["total"] = time.perf_counter() - t_start
 
-    def _step_ahead_steady(self, t_start: float, order, counts, res, plan_s: float, rt_s: float, k: int) -> None:
-        """:meth:`_step_ahead` of a steady batch whose every append kvd granted (``k`` steps each: the
-        first of a window)."""
+    def _step_ahead_steady(self, t_start: float, order, counts, pending, plan_s: float, rt_s: float, k: int) -> None:
+        """:meth:`_step_ahead` of a steady batch whose every append kvd granted with nothing copied
+        (``k`` steps each: the first of a window): its reply needs no check and carries no copies."""
         batch = self._batch
         self.steady_steps += 1
         batch.registered(order, counts)
@@ -228,7 +231,9 @@ class OverlapMixin:
             self.freed_since_preempt = True
             batch.compact(~gone)
         self.phases.update(plan=plan_s, rt=rt_s)
-        self._took_ahead_reply(res)
+        self.steps += 1
+        if self.after_reply is not None:
+            self.after_reply(self, pending.result())
         if len(batch):
             self._window_left = k - 1
             self._run_steady(batch)
