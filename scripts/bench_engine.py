@@ -8,8 +8,10 @@ with a cross-engine prefix hit.
 
 For each batch size N (64 and 256; --tiny: 8 and 16) and backend -- (a) the kvd daemon (daemon-owned
 KV cache: shm on CPU, CUDA IPC on GPU), (b) kvd's in-process BlockManager (engine-owned KV), (c) HF
-``generate`` with its contiguous DynamicCache (batched, equal prompt lengths, no padding) -- it
-prefills N prompts (the daemon's prefix cache reset first: every run prefills cold), runs two untimed decode steps (the first captures the CUDA graph, the second
+``generate`` with its contiguous DynamicCache (batched, equal prompt lengths, no padding) -- after a
+warm-up of two requests through two blocks' worth of decode steps on each of (a) and (b) (every
+host path of the timed steps, block registration and finishing included, has run before: CPython
+specializes each instruction on its first runs) it prefills N prompts (the daemon's prefix cache reset first: every run prefills cold), runs two untimed decode steps (the first captures the CUDA graph, the second
 pays the wake-ups after that pause), then times ``--steps`` decode steps. The engines (a) and (b)
 replay CUDA graphs for steps of at most ``--graph-tokens`` tokens and send each steady decode step's
 round trip while the previous forward runs (``--no-overlap``: they wait for it), taking its reply
@@ -125,6 +127,8 @@ def _decode_run(eng, prompts, steps, dev):
             # each message sent ahead in the timed steps: the engine thread's send and taking of its reply
             "ahead_messages_timed": int(sends.size),
             "ahead_send_us_p50_max": _p50_max(sends), "ahead_take_us_p50_max": _p50_max(takes),
+            "ahead_send_take_us_mean": [round(float(x.mean()), 1) if x.size else None for x in (sends, takes)],
+            "ahead_send_us": [round(float(x), 1) for x in sends], "ahead_take_us": [round(float(x), 1) for x in takes],
             "steps_sent_ahead": eng.ahead_steps, "steady_steps": steady, "prehashed_blocks": eng.prehashed_blocks,
             "gc_collections_in_timed_steps": gc_timed,
             "graph_replays": eng.graphs.replays if eng.graphs else 0,
@@ -247,6 +251,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps-per-message", default="8,16",
                     help="also run the daemon's engine with multi-step windows: one message per K steady decode "
                          "steps (Engine(steps_per_message=K)), for each K of the comma-separated list (1: skip)")
+    ap.add_argument("--register-every", type=int, default=None,
+                    help="a steady batch's filled blocks register with every K-th message (Engine(register_every=K); "
+                         "default: the engine's, block size / steps per message; 1: spread over every message)")
     ap.add_argument("--daemon-busy-poll-us", type=int, default=20000,
                     help="the daemon's busy polling after each message (kvd serve --busy-poll-us; its default is "
                          "5,000): a window of 8 steps is ~10 ms, after which a daemon that stopped polling pays "
@@ -294,7 +301,7 @@ def main(argv=None) -> int:
     dtype = getattr(torch, cfg["dtype"])
     gt = args.graph_tokens if args.graph_tokens is not None else (512 if dev.type == "cuda" else 0)
     eng_opts = dict(keep_logits=False, graph_tokens=gt, overlap=not args.no_overlap, prestage=not args.no_prestage,
-                    fused=not args.no_fused)
+                    fused=not args.no_fused, **({} if args.register_every is None else {"register_every": args.register_every}))
     torch.set_num_threads(1 if args.tiny else torch.get_num_threads())
     kind = "hybrid" if args.window else "llama"
     model = build_model(tiny_config(kind, layers=cfg["layers"], hidden=cfg["hidden"], heads=cfg["heads"],
@@ -337,11 +344,16 @@ def main(argv=None) -> int:
             # 16 of them there turned the in-process engine's host-table staging from 0.1 into
             # 62-127 ms a step once its tables were 12 blocks wide (`--steps 128`)
             torch.set_num_threads(1)
+        # warm-up: numba compiles, CUDA contexts, and every host path the timed steps take run more
+        # than twice (CPython specializes an instruction on its first runs: a path's second run cost
+        # the engine thread ~70 µs on an H200 host against ~8 later), the filled blocks' registering
+        # message and the finishing one included (2 blocks of steps)
         warm = {f"w{i}": rng.integers(1, cfg["vocab"], cfg["prompt"]).tolist() for i in range(2)}
-        with Client(d.endpoint, name="bench", slot_mapping=args.kvd_slots, **io) as c:  # numba compiles, CUDA contexts
-            _decode_run(Engine(c, model, device=dev, **eng_opts), warm, 2, dev)
+        warm_steps = 2 * cfg["block"]
+        with Client(d.endpoint, name="bench", slot_mapping=args.kvd_slots, **io) as c:
+            _decode_run(Engine(c, model, device=dev, **eng_opts), warm, warm_steps, dev)
         _decode_run(Engine(InProcClient(num_blocks, cfg["block"], window=kvd_window), model, device=dev, **eng_opts, kv=OwnedKv(
-            cfg["layers"], num_blocks + 1, cfg["block"], cfg["kv_heads"], head_dim, dtype, dev)), warm, 2, dev)
+            cfg["layers"], num_blocks + 1, cfg["block"], cfg["kv_heads"], head_dim, dtype, dev)), warm, warm_steps, dev)
         for n in cfg["batches"]:
             prompts = {f"r{i}": rng.integers(1, cfg["vocab"], cfg["prompt"]).tolist() for i in range(n)}
             with Client(d.endpoint, name="bench", slot_mapping=args.kvd_slots, **io) as c:
@@ -435,7 +447,7 @@ def main(argv=None) -> int:
                "ratio": ttft_all["ttft_hit_ms"] / ttft_all["ttft_cold_ms"], "cold_phases_ms": ttft_all["cold_phases_ms"],
                "hit_phases_ms": ttft_all["hit_phases_ms"]},
            "kvd_share_at_max_batch": big["kvd_share"], "kvd_exposed_share_at_max_batch": big["kvd_exposed_share"],
-           "steps_per_message": per_message, "daemon_busy_poll_us": args.daemon_busy_poll_us,
+           "steps_per_message": per_message, "register_every": args.register_every, "daemon_busy_poll_us": args.daemon_busy_poll_us,
            "daemon_warm_every_us": args.daemon_warm_every_us,
            "pinned_cpus": {"daemon": daemon_cpu, "engine": engine_cpu} if pin else None,
            "client_busy_poll_us": client_poll,

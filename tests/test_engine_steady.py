@@ -117,6 +117,46 @@ def test_lockstep_fills_spread_over_steps_and_a_finishing_row_drains_its_chain()
     assert b.queued[35] == 0 and b.nh[35] == 3 and b.queued[32] == 1
 
 
+def test_registering_every_k_messages_takes_the_prehashed_blocks():
+    """``register_every`` 3: a message less than 3 after the last that registered carries no hash
+    but a finishing row's; a later one takes every queued block ``prehash`` hashed (none hashed:
+    the next message, due still, takes them), each row's chain in order; without a prehash since
+    the last message, every queued block, hashed then."""
+    bs = 4
+    reqs = [_decoding(f"r{i}", [i + 1] * 5, [100 + i, 200 + i, 300 + i], 30, bs) for i in range(40)]  # position 7
+    b = SteadyBatch(reqs, np.arange(40), bs, "S16", register_every=3)
+    none = np.zeros(40, bool)
+    b.push(b.filled())  # 40 blocks queue, cap (20) notwithstanding
+    b.prehashed_since_take = True  # (a prehash ran before they were filled)
+    assert b.take(none, hash_next_blocks)[0].tolist() == [] and b.since_registered == 1  # not due
+    assert b.prehash(hash_next_blocks, lambda: False) == 40  # every queued block, not cap
+    must = np.zeros(40, bool)
+    must[7] = True  # a finishing row registers at once
+    rows, hashes = b.take(must, hash_next_blocks)
+    assert rows.tolist() == [7] and hashes == [[hash_prompt(np.array(reqs[7].seq[:8]), bs)[1]]]
+    assert b.since_registered == 2
+    b.registered(None, must.astype(np.int64))
+    for _ in range(4):  # positions 8..11: every row fills its next block
+        _sample(b, [9] * 40)
+    b.push(b.filled())  # rows but 7 now queue two blocks each, the second not hashed; row 7 one
+    b.prehashed_since_take = True
+    rows, hashes = b.take(none, hash_next_blocks)  # due: the 39 prehashed blocks
+    assert rows.tolist() == [*range(7), *range(8, 40)] and b.q_rows.tolist() == list(range(40))
+    for i, h in zip(rows.tolist(), hashes):
+        assert h == [hash_prompt(np.array(reqs[i].seq[:8]), bs)[1]], i
+    assert b.since_registered == 0
+    b.prehashed_since_take = True
+    assert b.take(none, hash_next_blocks)[0].size == 0 and b.since_registered == 1
+    assert b.take(none, hash_next_blocks)[0].size == 0 and b.since_registered == 2
+    b.prehashed_since_take = True  # due, but nothing prehashed: none now, due still
+    assert b.take(none, hash_next_blocks)[0].size == 0 and b.since_registered == 3
+    rows, hashes = b.take(none, hash_next_blocks)  # no prehash since: every queued block, hashed now
+    assert sorted(rows.tolist()) == list(range(40)) and b.q_rows.size == 0 and b.queued.tolist() == [0] * 40
+    for i, h in zip(rows.tolist(), hashes):
+        assert h == [hash_prompt(np.array(reqs[i].seq[:12]), bs)[2]], i
+    assert b.since_registered == 0
+
+
 def test_queued_blocks_register_by_their_requests_last_message():
     """Beyond ``cap``, a message takes as many queued blocks as an even rate needs to register each
     by its request's last message, the earliest deadlines first: rows 20..39 have 2 tokens to
@@ -388,7 +428,9 @@ def test_multi_step_windows_match_hf_with_one_message_per_window(daemon_factory,
         windows.append(min(per_message, left))
         left -= windows[-1]
     assert sent == windows + [0]
-    assert runs[1][2] == [1] * 18  # a message per step (the last blocks registered on the way)
+    # a message per step; the blocks register with every BLOCK-th message (the engine's default
+    # register_every), the last ones with a finishing message
+    assert runs[1][2] == [1] * 18 + [0]
     # 18 steps on the batch's arrays, and the one that takes the finishing message's reply
     assert eng.ahead_steps == len(windows) + 1 and eng.steady_steps == 19
     # every window's message but the first (sent by the generic step) went out on the previous

@@ -49,7 +49,8 @@ class Engine(ForwardMixin, OverlapMixin):
 
     def __init__(self, client, model, *, kv: OwnedKv | None = None, max_tokens: int = 256, max_running: int = 64,
                  device="cpu", keep_logits: bool = True, graph_tokens: int = 0, overlap: bool = False,
-                 prestage: bool = True, fused: bool = True, steps_per_message: int = 1):
+                 prestage: bool = True, fused: bool = True, steps_per_message: int = 1,
+                 register_every: int | None = None):
         """``keep_logits``: keep every sampled row's logits (float32, on the host) in ``Request.logits``
         (the tests compare them with HF's); False: only the sampled token ids leave the device.
         ``graph_tokens``: on CUDA, steps of at most that many tokens replay CUDA graphs
@@ -67,7 +68,11 @@ class Engine(ForwardMixin, OverlapMixin):
         (needs ``overlap``): a steady decode batch appends up to that many tokens per request in one
         message and runs that many steps on it (multi-step scheduling, as vLLM's
         ``num_scheduler_steps``: kvd's round trip once per window; a request arriving meanwhile
-        waits for the window's end, a block filled meanwhile registers with the next message)."""
+        waits for the window's end, a block filled meanwhile registers with the next message).
+        ``register_every`` k: a steady batch's filled blocks register with every k-th message
+        (``SteadyBatch``; default: block size / ``steps_per_message``, so a request has at most one
+        block to register then): the messages between carry no hashes and cost the engine's thread
+        least, the blocks become prefix hits for other engines at most k messages later."""
         self.c = client
         sha256loop.warm_up()  # the compiled prompt hashing, loaded now rather than on the first request
         self.model = model
@@ -128,6 +133,11 @@ class Engine(ForwardMixin, OverlapMixin):
             raise ValueError("steps_per_message must be an integer >= 1; more than 1 needs overlap")
         self._check_windows(window_of(model.config), (2 if steps_per_message > 1 else 1) if overlap else 0)
         self.per_message = steps_per_message
+        if register_every is None:  # a request fills at most one block between registering messages
+            register_every = max(1, self.bs // steps_per_message)
+        if type(register_every) is not int or register_every < 1:
+            raise ValueError("register_every must be an integer >= 1")
+        self.register_every = register_every
         # a window's message carries K tokens a request: at most the daemon's max_num_batched_tokens
         self._message_tokens = int(getattr(client, "info", {}).get("max_tokens", 0))
         self._window_left = 0  # steps of the current multi-step window still to run without a message
@@ -302,7 +312,8 @@ class Engine(ForwardMixin, OverlapMixin):
             rt = None
             if self._steady(sched, res):  # from now on the steps run on arrays (steady.py)
                 batch = self._batch = SteadyBatch([r for r, _, _ in sched], self.c.rows_of([r.rid for r, _, _ in sched]),
-                                                  self.bs, self.hashes_dtype, self.per_message)
+                                                  self.bs, self.hashes_dtype, self.per_message,
+                                                  self.register_every)
                 launched = ((batch, None),) + launched[1:]
                 rt = self._send_ahead_steady(batch)
             self._finish(launched, rt)

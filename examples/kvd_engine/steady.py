@@ -17,7 +17,12 @@ step needs in numpy arrays indexed by the request's row in the forward (its inde
     recent    int64 [B, block_size]  the tokens of the block being filled, column position % block_size
 
 so the blocks a step fills are hashed in one ``hash_next_blocks`` call from ``recent`` and
-``last_hash``. Filled blocks queue and ``cap`` of them are hashed and registered per message, more
+``last_hash``. Filled blocks queue; with ``register_every`` k > 1 a message k or more after the
+last that registered some registers every queued block hashed by then (``prehash`` hashes them
+during the forwards; a finishing request's go with its last message): the other messages carry no
+hash, and an engine writes such a message as little more than a sequence number (``kvd.mailbox``),
+while the blocks become hits for other engines about k messages later. With k = 1, ``cap`` of them
+are hashed and registered per message, more
 where needed to register every queued block by its request's last message at an even rate (earliest
 deadline first; a finishing request's all at once): a batch that fills its blocks in lockstep (equal
 prompt lengths) would otherwise put every request's hash and registration into one step's message,
@@ -43,9 +48,13 @@ _stamps = count(1)
 class SteadyBatch:
     """The arrays of one steady decode batch (see the module docstring)."""
 
-    def __init__(self, reqs, rows: np.ndarray, block_size: int, hashes_dtype: str, per_message: int = 1):
+    def __init__(self, reqs, rows: np.ndarray, block_size: int, hashes_dtype: str, per_message: int = 1,
+                 register_every: int = 1):
         self.bs = block_size
         self.per_message = per_message  # steps a message covers (the engine's multi-step windows)
+        # messages per registering one (see ``take``); messages since the last that registered
+        self.register_every = register_every
+        self.since_registered = 0
         self.reqs = list(reqs)
         self.rids = [r.rid for r in self.reqs]
         self.rows = np.ascontiguousarray(rows, np.int32)
@@ -143,7 +152,9 @@ class SteadyBatch:
         if not q.size:
             return 0
         left = np.maximum(self.messages_left(np.maximum(self.left[q], 1)) - 1, 1)  # the next message's deadlines
-        room = max(self.cap, _even_rate(left)) - int(np.count_nonzero(self.q_hashed))
+        # registering every few messages: every queued block, hashed over the forwards in between
+        want = q.size if self.register_every > 1 else max(self.cap, _even_rate(left))
+        room = want - int(np.count_nonzero(self.q_hashed))
         if room <= 0:
             return 0
         _, first = np.unique(q, return_index=True)
@@ -161,14 +172,20 @@ class SteadyBatch:
 
     def take(self, must: np.ndarray, hash_next) -> tuple[np.ndarray, list[np.ndarray]]:
         """Hash the queued blocks this step registers: every block of the rows where ``must``, and
-        those of :meth:`_also_take`. Returns (rows, hashes of each row in chain order);
+        those of :meth:`_also_take` on a message ``register_every`` or more after the last that
+        registered some. Returns (rows, hashes of each row in chain order);
         ``hash_next(tokens, parents)`` is the client's ``hash_next_blocks``."""
         q = self.q_rows
         prehashed, self.prehashed_since_take = self.prehashed_since_take, False
+        due = self.since_registered + 1 >= self.register_every
         if not q.size:
+            self.since_registered += 1
             return q, []
         sel = must[q]
-        sel[self._also_take(q, sel, prehashed)] = True
+        if due:
+            sel[self._also_take(q, sel, prehashed)] = True
+        # registering every few messages: counted from the last message that registered queued blocks
+        self.since_registered = 0 if due and sel.any() else self.since_registered + 1
         rows, tokens, pre, hashed = q[sel], self.q_tokens[sel], self.q_hash[sel], self.q_hashed[sel]
         self.q_rows, self.q_tokens = q[~sel], self.q_tokens[~sel]
         self.q_hash, self.q_hashed = self.q_hash[~sel], self.q_hashed[~sel]
@@ -194,15 +211,19 @@ class SteadyBatch:
 
     def _also_take(self, q: np.ndarray, sel: np.ndarray, prehashed: bool) -> np.ndarray:
         """Indices into the queue of the blocks registered now besides ``sel``. ``prehashed`` (a
-        prehash ran since the last message): the prehashed ones (``prehash`` keeps up with the
+        prehash ran since the last message): the prehashed ones (registering every few messages: a
+        message due finds none when the blocks were filled by the forward it is sent during, and
+        the next message, due still, takes them; no prehash: every queued block, hashed now) (``prehash`` keeps up with the
         deadlines; a finishing row's ``must`` catches what it could not). Else ``cap``, or more
         where an even rate is needed for every queued block to register by its request's last
         message (a request with ``left`` tokens to sample has ``left`` messages, this one
         included; with multi-step windows :meth:`messages_left`), earliest deadline first, oldest
         first among equals."""
         rest = np.flatnonzero(~sel)
-        if prehashed or not rest.size:
+        if prehashed or not rest.size:  # registering every few messages: every prehashed block
             return rest[self.q_hashed[rest]]
+        if self.register_every > 1:  # no prehash ran: every queued block, hashed now
+            return rest
         left = np.where(sel, 1, self.messages_left(np.maximum(self.left[q], 1)))
         k = max(self.cap, _even_rate(left) - int(np.count_nonzero(sel)))
         return rest[np.argsort(left[rest], kind="stable")[:k]]
