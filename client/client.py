@@ -994,6 +994,7 @@ class Client(_Core):
         self._sock: zmq.Socket | None = None
         self._hb: _Heartbeat | None = None
         self._pending: PendingStep | None = None  # a started step whose reply is not taken yet
+        self.kicks = 0  # mailbox requests that found the daemon's loop asleep (a kick on the socket woke it)
         try:
             self._open()
             self._hello()
@@ -1072,7 +1073,8 @@ class Client(_Core):
         return h if self._check(h, seq) else None
 
     def _kick(self) -> None:
-        """Wake the daemon's loop to look at the mailbox (kvd.mailbox)."""
+        """Wake the daemon's loop to look at the mailbox (kvd.mailbox); ``kicks`` counts them."""
+        self.kicks += 1
         try:
             P.send_frames(self._sock, [KICK], P.NOBLOCK)
         except zmq.Again:

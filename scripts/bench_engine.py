@@ -101,6 +101,7 @@ def _decode_run(eng, prompts, steps, dev):
     eng.takes_s.clear()
     phases = []
     gc0 = gcheap.status()["collections"]
+    kicks0 = getattr(getattr(eng, "c", None), "kicks", 0)
     cap0 = _captures(eng)
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -109,6 +110,7 @@ def _decode_run(eng, prompts, steps, dev):
     _sync(dev)
     wall = time.perf_counter() - t0
     gc_timed = [b - a for a, b in zip(gc0, gcheap.status()["collections"])]
+    kicks = getattr(getattr(eng, "c", None), "kicks", 0) - kicks0
     captured = _captures(eng) - cap0
     # kvd's figures of the timed steps only: read before run() frees the finished batch (those
     # round trips come after the wall clock stopped)
@@ -131,6 +133,8 @@ def _decode_run(eng, prompts, steps, dev):
             "ahead_send_us": [round(float(x), 1) for x in sends], "ahead_take_us": [round(float(x), 1) for x in takes],
             "steps_sent_ahead": eng.ahead_steps, "steady_steps": steady, "prehashed_blocks": eng.prehashed_blocks,
             "gc_collections_in_timed_steps": gc_timed,
+            # mailbox requests that found the daemon asleep and woke it with a kick on the socket
+            "mailbox_kicks_in_timed_steps": kicks,
             "graph_replays": eng.graphs.replays if eng.graphs else 0,
             "graph_captures_in_timed_steps": captured,
             "phases_p50_ms": {k: round(float(np.median([p.get(k, 0.0) for p in phases])) * 1e3, 3)
