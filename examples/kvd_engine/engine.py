@@ -69,10 +69,11 @@ class Engine(ForwardMixin, OverlapMixin):
         message and runs that many steps on it (multi-step scheduling, as vLLM's
         ``num_scheduler_steps``: kvd's round trip once per window; a request arriving meanwhile
         waits for the window's end, a block filled meanwhile registers with the next message).
-        ``register_every`` k: a steady batch's filled blocks register with every k-th message
-        (``SteadyBatch``; default: block size / ``steps_per_message``, so a request has at most one
-        block to register then): the messages between carry no hashes and cost the engine's thread
-        least, the blocks become prefix hits for other engines at most k messages later."""
+        ``register_every`` k: a steady batch's filled blocks register with a message k or more
+        after the last that registered some (``SteadyBatch``; default: block size /
+        ``steps_per_message``, so a request has about one block to register then): the messages
+        between carry no hashes and cost the engine's thread least, the blocks become prefix hits
+        for other engines about k messages later."""
         self.c = client
         sha256loop.warm_up()  # the compiled prompt hashing, loaded now rather than on the first request
         self.model = model

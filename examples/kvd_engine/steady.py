@@ -211,18 +211,18 @@ class SteadyBatch:
 
     def _also_take(self, q: np.ndarray, sel: np.ndarray, prehashed: bool) -> np.ndarray:
         """Indices into the queue of the blocks registered now besides ``sel``. ``prehashed`` (a
-        prehash ran since the last message): the prehashed ones (registering every few messages: a
-        message due finds none when the blocks were filled by the forward it is sent during, and
-        the next message, due still, takes them; no prehash: every queued block, hashed now) (``prehash`` keeps up with the
-        deadlines; a finishing row's ``must`` catches what it could not). Else ``cap``, or more
-        where an even rate is needed for every queued block to register by its request's last
-        message (a request with ``left`` tokens to sample has ``left`` messages, this one
-        included; with multi-step windows :meth:`messages_left`), earliest deadline first, oldest
-        first among equals."""
+        prehash ran since the last message): the prehashed ones (``prehash`` keeps up with the
+        deadlines; a finishing row's ``must`` catches what it could not; registering every few
+        messages, a due message finds none when its own forward filled the blocks, and the next,
+        due still, takes them). Without a prehash, registering every few messages: every queued
+        block, hashed now; else ``cap``, or more where an even rate is needed for every queued
+        block to register by its request's last message (a request with ``left`` tokens to sample
+        has ``left`` messages, this one included; with multi-step windows :meth:`messages_left`),
+        earliest deadline first, oldest first among equals."""
         rest = np.flatnonzero(~sel)
-        if prehashed or not rest.size:  # registering every few messages: every prehashed block
+        if prehashed or not rest.size:
             return rest[self.q_hashed[rest]]
-        if self.register_every > 1:  # no prehash ran: every queued block, hashed now
+        if self.register_every > 1:
             return rest
         left = np.where(sel, 1, self.messages_left(np.maximum(self.left[q], 1)))
         k = max(self.cap, _even_rate(left) - int(np.count_nonzero(sel)))
