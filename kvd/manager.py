@@ -1036,6 +1036,8 @@ class BlockManager:
             n_new = np.full(n, n_new, np.int64)
         if hash_counts is None:
             hash_counts = [np.zeros(n, np.int64)] * len(self.groups)
+        else:
+            self._settle_registrations(rows, n_new, hash_counts)
         status = np.zeros(n, np.int16)
         self._validate_appends(rows, n_new, lookahead, hash_counts, status)
         valid = status == 0
@@ -1091,6 +1093,8 @@ class BlockManager:
         n = rows.size
         if rows.dtype != np.int32 or n > self.num_tokens.size or not 0 <= lookahead <= self.max_lookahead:
             return None
+        if hashes.size:
+            self._settle_registrations(rows, n_new, (counts,))
         scalar = not isinstance(n_new, np.ndarray)
         n_scalar, n_array = (int(n_new), _EMPTY_I64) if scalar else (0, n_new)
         g = self.groups[0]
@@ -1149,6 +1153,8 @@ class BlockManager:
         old = self._plan_old[:n]
         counts = tuple(_plain_counts(hash_counts[gi]) if hash_counts is not None and hash_lists[gi].size else _EMPTY_I64
                        for gi in range(len(self.groups)))
+        if hash_counts is not None:
+            self._settle_registrations(rows, n_new, [c if c.size else None for c in counts])
         changed = self._gplan_changed[:n]
         # every group planned, and applied at once when the fresh stack holds all their blocks
         total, applied, n_copies = rowloops.append_batch_groups(
@@ -1567,6 +1573,34 @@ class BlockManager:
                 self._wait(item[1], item[2])  # the next call (or reply) goes on with it
         self._deferred[:] = unfinished
         return done
+
+    def _settle_registrations(self, rows, n_new, count_lists) -> None:
+        """Before a step that registers blocks (``count_lists``: per group, a count per row of
+        ``rows``, or None) is checked against ``num_registered``: run the deferred work when an
+        append's registration waiting in it would change the outcome, i.e. when a row registers
+        more blocks than it has full ones beyond those registered and those waiting. Deferral then
+        never changes what a step is told (a registration running ahead of the full blocks is
+        BadHashes, as it would be had the earlier one been registered at once), and costs nothing
+        otherwise."""
+        if not self._deferred:
+            return
+        for gi, counts in enumerate(count_lists or ()):
+            if counts is None or np.shape(counts) != rows.shape or not np.any(counts):
+                continue
+            items = [it for it in self._deferred if it[0] is _APPENDS and it[6] == gi]
+            if not items:
+                continue
+            sel = np.flatnonzero(np.asarray(counts) > 0)
+            sel = sel[(rows[sel] >= 0) & (rows[sel] < self.num_tokens.size)]  # (misuse: checked after this)
+            r = rows[sel]
+            waiting = np.zeros(self.num_tokens.size, np.int64)
+            for it in items:
+                np.add.at(waiting, it[1], it[3])
+            g = self.groups[gi]
+            total = self.num_tokens[r] + (n_new[sel] if isinstance(n_new, np.ndarray) else n_new)
+            if (np.asarray(counts)[sel] > total // g.block_size - g.num_registered[r] - waiting[r]).any():
+                self.flush_deferred()
+                return
 
     def _promote_waiting(self, budget: int) -> int | None:
         """Run waiting confirmations in order while the budget lasts (the rest keep waiting)."""

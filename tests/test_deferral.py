@@ -199,3 +199,38 @@ def test_a_deferred_registering_decode_step_queues_behind_the_waiting_confirmati
     assert m.lookup(hash_prompt(toks[:16], BS), writer=2) == 3
     assert m.lookup(hash_prompt(toks[:16], BS), writer=1) == 4
     m.check_invariants(heavy=True)
+
+
+@pytest.mark.parametrize("window", [False, True])
+@pytest.mark.parametrize("entry", ["step", "decode_rows"])
+def test_a_registration_running_ahead_of_a_deferred_one_is_refused_as_without_deferral(window, entry):
+    """A decode step registers a row's one full block (deferred: num_registered has not moved);
+    the next registers another block of that row with no full block left: BadHashes (the fast
+    entry refuses, and the step then reports it) whether or not the first registration ran, as
+    without deferral. Groups: one, or full attention and a sliding window."""
+    groups = (GroupSpec(BS), GroupSpec(BS, sliding_window=8)) if window else (GroupSpec(BS),)
+    told = []
+    for defer in (False, True):
+        m = BlockManager(ManagerConfig(num_gpu_blocks=40, groups=groups, max_model_len=64, max_num_reqs=4,
+                                       defer_cache_registration=defer))
+        m.allocate("a", 3)
+        rows = np.array([m.row_of("a")], np.int32)
+        out = []
+        for step, n in enumerate([2, 1]):  # 5 tokens (one full block, one hash due), then 6 (none due)
+            h = np.frombuffer(bytes([step + 1]) * m.hash_width, m.hash_dtype)
+            hashes, counts = [h] * len(groups), [np.array([1], np.int32)] * len(groups)
+            if entry == "decode_rows":
+                one = len(groups) == 1
+                took = m.decode_rows(rows, n, 0, hashes[0] if one else tuple(hashes),
+                                     counts[0] if one else tuple(counts))
+                out.append(took is not None)
+                if took is not None:
+                    continue
+            res = m.step(StepBatch(append_rows=rows, append_num_tokens=n, append_hashes=hashes,
+                                   append_hash_counts=counts))
+            out.append(res.append_status.tolist())
+        m.flush_deferred()
+        assert [int(g.num_registered[rows[0]]) for g in m.groups] == [1] * len(groups)
+        told.append(out)
+    assert told[0] == told[1]
+    assert told[1] == ([True, False, [20]] if entry == "decode_rows" else [[0], [20]])
