@@ -66,7 +66,7 @@ from kvd.errors import (
     UnknownRequest,
     invalid_argument,
 )
-from kvd.mailbox import KICK, KICK_AGAIN_S, Mailbox
+from kvd.mailbox import KICK, KICK_AGAIN_S, Mailbox, kick_writer
 from kvd.shm import SHM_DIR, SessionBuffers
 
 from .step import (DecodeWithFrees, LoneAdmission, StepMessage, decode_hash_arrays, decode_hash_frames, group_token_ids, int32_array,
@@ -573,6 +573,8 @@ class _Core:
                 self._mb = Mailbox.attach(name, int(h["mb_req"]), int(h["mb_rep"]))
             except (OSError, ValueError):  # an optimisation: the socket carries the decode steps too
                 self._mb = None
+            if self._mb is not None and h.get("mb_kick"):
+                self._mb.kick_fd = kick_writer(str(h["mb_kick"]))
 
     @property
     def mailbox(self) -> bool:
@@ -1073,8 +1075,15 @@ class Client(_Core):
         return h if self._check(h, seq) else None
 
     def _kick(self) -> None:
-        """Wake the daemon's loop to look at the mailbox (kvd.mailbox); ``kicks`` counts them."""
+        """Wake the daemon's loop to look at the mailbox: through its kick FIFO, else on the socket
+        (kvd.mailbox); ``kicks`` counts them."""
         self.kicks += 1
+        mb = self._mb
+        if mb is not None and mb.kick():
+            return
+        self._kick_socket()
+
+    def _kick_socket(self) -> None:
         try:
             P.send_frames(self._sock, [KICK], P.NOBLOCK)
         except zmq.Again:
@@ -1454,11 +1463,11 @@ class PendingStep:
     def granted(self) -> bool:
         """Wait for the reply as ``result`` does and say whether every request of the step got
         ``STATUS_OK`` (frees, forks, appends, admissions) with nothing copied on write
-        (``StepResult.granted``); ``result()`` then still returns the whole result. An engine's steady decode step needs no more than this
-        from its reply (its tables are written when this returns), and a decode reply through the
-        mailbox answers it from the reply's counts alone: the result's arrays are built only if
-        ``result()`` asks (the engine's thread meets this code cold once a step, where building
-        them costs more than everything else the reply takes)."""
+        (``StepResult.granted``); ``result()`` then still returns the whole result. An engine's
+        steady decode step needs no more than this from its reply (its tables are written when
+        this returns), and a decode reply through the mailbox answers it from the reply's counts
+        alone: the result's arrays are built only if ``result()`` asks (the engine's thread meets
+        this code cold once a step, where building them cost more than the rest of the taking)."""
         if self._reply is None and self._result is None:
             self._take()
         r = self._reply

@@ -67,7 +67,7 @@ from kvd.errors import (
 )
 from kvd.hashing import VLLM_NONE_HASH_SEED, VLLM_SCHEME, hash_dtype, hash_width
 from kvd.memory import available_memory
-from kvd.mailbox import KICK, Mailbox, fence, reply_capacity, request_capacity
+from kvd.mailbox import KICK, Mailbox, drain_kicks, fence, open_kick_fifo, reply_capacity, request_capacity
 from kvd.pacing import IdlePacer
 from kvd.shm import SessionBuffers, segment_name, sweep_stale
 from kvd.tenancy import Peer, parse_tenants, peer_of, tenant_for
@@ -233,6 +233,7 @@ class Daemon:
         self.mailbox_on = bool(_opt(config, "mailbox", True))
         self.mailboxes: list[Session] = []  # the sessions with a mailbox, which the serve loop polls
         self.mailbox_polling = False  # whether the serve loop polls them now (their ``polling`` word)
+        self.kick_path: str | None = None  # the serve loop's kick FIFO (kvd.mailbox), named in mailbox grants
         self.hash_algo = str(_opt(config, "hash_algo", "sha256"))
         self.hash_seed = str(_opt(config, "hash_seed", VLLM_NONE_HASH_SEED))
         self.hash_width = self.mcfg.hash_width
@@ -756,7 +757,8 @@ class Daemon:
             kv_events=self.events is not None, slots=sess.slot_mapping,
             **({"gpu": sess.gpu.handle} if sess.gpu is not None and sess.gpu.handle else {}),
             **({"kv": self.kv.info} if self.kv is not None else {}),
-            **({"mb": sess.mailbox.name, "mb_req": sess.mailbox.req_cap, "mb_rep": sess.mailbox.rep_cap}
+            **({"mb": sess.mailbox.name, "mb_req": sess.mailbox.req_cap, "mb_rep": sess.mailbox.rep_cap,
+                **({"mb_kick": self.kick_path} if self.kick_path else {})}
                if sess.mailbox is not None else {}),
         )
 
@@ -1577,6 +1579,7 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
     ctx = zmq.Context()
     d: Daemon | None = None
     sock = None
+    kick_fd: int | None = None
     try:
         pin_cpu = int(_opt(config, "pin_cpu", -1))
         if pin_cpu >= 0:
@@ -1629,6 +1632,13 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
         if ipc_path is not None:
             _set_socket_access(ipc_path, socket_mode, gid)
         d.sock = sock
+        if d.mailbox_on:
+            kick_path = lock_path[:-len(".lock")] + ".kick"  # kvd.kick beside kvd.lock: one per daemon
+            try:
+                kick_fd = open_kick_fifo(kick_path)
+                d.kick_path = kick_path
+            except OSError as e:  # an optimisation: mailbox clients then kick on the socket
+                log.warning("kvd: no kick FIFO (%s)", e)
         mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         d.monitor = mon
         events_ep = str(getattr(config, "kv_events_endpoint", "") or "")
@@ -1847,6 +1857,12 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
             d._cprof = _cprof
         loop.add_reader(fd, drain)
         loop.add_reader(mon_fd, on_monitor)
+        if kick_fd is not None:
+            def on_kick() -> None:
+                drain_kicks(kick_fd)
+                drain()
+
+            loop.add_reader(kick_fd, on_kick)
 
         def on_signal(signame: str) -> None:
             log.info("%s: shutting down", signame)
@@ -1913,6 +1929,8 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
                         np.percentile(a, 99), np.percentile(c, 50), a.size)
         loop.remove_reader(fd)
         loop.remove_reader(mon_fd)
+        if kick_fd is not None:
+            loop.remove_reader(kick_fd)
         drain()  # answer what already arrived
         await tick
         return 0
@@ -1948,6 +1966,12 @@ async def _serve(config: Any, loop: asyncio.AbstractEventLoop) -> int:
         if ipc_path is not None:
             try:
                 os.unlink(ipc_path)
+            except FileNotFoundError:
+                pass
+        if kick_fd is not None:
+            os.close(kick_fd)
+            try:
+                os.unlink(d.kick_path)
             except FileNotFoundError:
                 pass
         os.close(lock_fd)  # the lock file stays: unlinking it would race with a starting daemon

@@ -503,6 +503,33 @@ def test_a_daemon_without_mailboxes_serves_on_the_socket(daemon_factory):
         res = c.step(StepBatch(append_rows=np.array(c.rows_of(["a"]), np.int32), append_num_tokens=1))
         assert res.append_status.tolist() == [0] and c.block_table("a").size == 2
     assert not [n for n in shm_segments(d.pid) if "_mb" in n]
+    assert not (d.runtime_dir / "kvd.kick").exists()  # no mailboxes, no kick FIFO
+
+
+def test_a_sleeping_daemon_is_kicked_through_its_fifo(short_tmp, daemon_factory):
+    """A daemon that never polls (every mailbox request finds it asleep) is woken through its kick
+    FIFO (kvd.kick beside its lock, 0600, a stale file there replaced): the client's socket never
+    carries a kick. The FIFO goes with the daemon."""
+    rd = short_tmp / "rtk"
+    rd.mkdir(mode=0o700)
+    (rd / "kvd.kick").write_text("stale")
+    d = daemon_factory(runtime_dir=rd, block_size=4, busy_poll_us=0)
+    fifo = rd / "kvd.kick"
+    st = os.stat(fifo)
+    assert stat.S_ISFIFO(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+    with Client(d.endpoint, mailbox=True) as c:
+        assert c.mailbox and c.info["mb_kick"] == str(fifo) and c._mb.kick_fd is not None
+
+        def no_socket_kick():
+            raise AssertionError("a kick on the socket")
+
+        c._kick_socket = no_socket_kick
+        c.allocate("a", 3)
+        rows = np.array(c.rows_of(["a"]), np.int32)
+        for _ in range(10):
+            assert c.step(StepBatch(append_rows=rows, append_num_tokens=1)).append_status.tolist() == [0]
+        assert c.kicks == 10 and int(c._mb.req_seq[0]) == c._seq and c.block_table("a").size == 4  # 13 tokens
+    assert d.stop() == 0 and not fifo.exists()
 
 
 def test_a_mailbox_reply_from_another_boot_raises_daemon_restarted(daemon_factory):
