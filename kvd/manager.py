@@ -1593,12 +1593,15 @@ class BlockManager:
             sel = np.flatnonzero(np.asarray(counts) > 0)
             sel = sel[(rows[sel] >= 0) & (rows[sel] < self.num_tokens.size)]  # (misuse: checked after this)
             r = rows[sel]
+            g = self.groups[gi]
+            total = self.num_tokens[r] + (n_new[sel] if isinstance(n_new, np.ndarray) else n_new)
+            slack = total // g.block_size - g.num_registered[r] - np.asarray(counts)[sel]
+            if slack.size and slack.min() >= sum(int(it[3].max()) for it in items if it[3].size):
+                continue  # more full blocks to spare than could be waiting for any row
             waiting = np.zeros(self.num_tokens.size, np.int64)
             for it in items:
                 np.add.at(waiting, it[1], it[3])
-            g = self.groups[gi]
-            total = self.num_tokens[r] + (n_new[sel] if isinstance(n_new, np.ndarray) else n_new)
-            if (np.asarray(counts)[sel] > total // g.block_size - g.num_registered[r] - waiting[r]).any():
+            if (slack < waiting[r]).any():
                 self.flush_deferred()
                 return
 
