@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 import threading
 
@@ -152,12 +153,16 @@ def drain_kicks(fd: int) -> None:
 
 
 def kick_writer(path: str) -> int | None:
-    """Client: the daemon's kick FIFO opened for writing, or None (not there, not ours: the socket
-    kicks instead)."""
+    """Client: the daemon's kick FIFO opened for writing, or None (not there, not ours, not a
+    FIFO: the socket kicks instead)."""
     try:
-        return os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
     except OSError:
         return None
+    if not stat.S_ISFIFO(os.fstat(fd).st_mode):  # (a kick never writes into a file)
+        os.close(fd)
+        return None
+    return fd
 
 
 class Mailbox:

@@ -27,7 +27,7 @@ from conftest_daemon import REPO, daemon_factory, shm_segments, short_tmp  # noq
 from kvd import protocol as P
 from kvd.api import AdmitRequest, StepBatch
 from kvd.errors import ERROR_BY_CODE, ProtocolError
-from kvd.mailbox import AREAS, KICK, Mailbox
+from kvd.mailbox import AREAS, KICK, Mailbox, drain_kicks, kick_writer, open_kick_fifo
 from kvd.server import Daemon
 from kvd.tenancy import Peer
 from kvd_client import Client
@@ -530,6 +530,27 @@ def test_a_sleeping_daemon_is_kicked_through_its_fifo(short_tmp, daemon_factory)
             assert c.step(StepBatch(append_rows=rows, append_num_tokens=1)).append_status.tolist() == [0]
         assert c.kicks == 10 and int(c._mb.req_seq[0]) == c._seq and c.block_table("a").size == 4  # 13 tokens
     assert d.stop() == 0 and not fifo.exists()
+
+
+def test_a_client_kicks_only_through_a_fifo(short_tmp):
+    """``kick_writer`` opens the daemon's FIFO, and nothing else a grant could name (a missing path,
+    a regular file: a kick never writes into a file); ``drain_kicks`` empties the FIFO."""
+    (short_tmp / "file").write_bytes(b"")
+    assert kick_writer(str(short_tmp / "file")) is None and kick_writer(str(short_tmp / "none")) is None
+    assert (short_tmp / "file").read_bytes() == b""
+    rd = open_kick_fifo(str(short_tmp / "k"))
+    fd = kick_writer(str(short_tmp / "k"))
+    try:
+        assert fd is not None
+        box = Mailbox.__new__(Mailbox)
+        box.kick_fd = fd
+        assert box.kick() and box.kick()
+        drain_kicks(rd)
+        with pytest.raises(BlockingIOError):
+            os.read(rd, 1)  # (both kicks read)
+    finally:
+        os.close(fd)
+        os.close(rd)
 
 
 def test_a_mailbox_reply_from_another_boot_raises_daemon_restarted(daemon_factory):
