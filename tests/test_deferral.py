@@ -231,6 +231,7 @@ def test_a_registration_running_ahead_of_a_deferred_one_is_refused_as_without_de
             out.append(res.append_status.tolist())
         m.flush_deferred()
         assert [int(g.num_registered[rows[0]]) for g in m.groups] == [1] * len(groups)
+        m.check_invariants(heavy=True)
         told.append(out)
     assert told[0] == told[1]
     assert told[1] == ([True, False, [20]] if entry == "decode_rows" else [[0], [20]])
