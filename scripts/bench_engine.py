@@ -133,7 +133,7 @@ def _decode_run(eng, prompts, steps, dev):
             "ahead_send_us": [round(float(x), 1) for x in sends], "ahead_take_us": [round(float(x), 1) for x in takes],
             "steps_sent_ahead": eng.ahead_steps, "steady_steps": steady, "prehashed_blocks": eng.prehashed_blocks,
             "gc_collections_in_timed_steps": gc_timed,
-            # mailbox requests that found the daemon asleep and woke it with a kick on the socket
+            # mailbox requests that found the daemon asleep and kicked it awake (its FIFO, else the socket)
             "mailbox_kicks_in_timed_steps": kicks,
             "graph_replays": eng.graphs.replays if eng.graphs else 0,
             "graph_captures_in_timed_steps": captured,
