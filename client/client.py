@@ -996,7 +996,7 @@ class Client(_Core):
         self._sock: zmq.Socket | None = None
         self._hb: _Heartbeat | None = None
         self._pending: PendingStep | None = None  # a started step whose reply is not taken yet
-        self.kicks = 0  # mailbox requests that found the daemon's loop asleep (a kick on the socket woke it)
+        self.kicks = 0  # mailbox requests that found the daemon's loop asleep and kicked it awake (_kick)
         try:
             self._open()
             self._hello()
