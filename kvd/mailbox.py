@@ -72,9 +72,9 @@ KICK_AGAIN_S = 0.005
 cannot happen with the fences; this bounds what a missed one would cost)."""
 _U32 = struct.Struct("<I")
 _SEQ_C = struct.Struct("<qq")
-_STEADY_SEQ_AT = AREAS + 12 + 4 + 8
+_STEADY_SEQ_AT = AREAS + 3 * _U32.size + struct.calcsize(P.DECODE_REQUEST.format[:4])
 """Where a decode request of two frames (header, rows) has its seq and c: after the frame table
-(n, two lengths) and the header's magic and sid (``P.DECODE_REQUEST``)."""
+(n, two lengths) and the header's magic and sid (``P.DECODE_REQUEST``'s first two fields)."""
 _DECODE_POST: dict[int, struct.Struct] = {}
 
 

@@ -374,6 +374,13 @@ class Engine(ForwardMixin, OverlapMixin):
             self.owned.copy(res.copies)
         self.copies += len(res.copies)
 
+    def _took_granted(self, pending) -> None:
+        """``_took_reply`` of a reply that granted every request and copied nothing
+        (``PendingStep.granted``): nothing to check or copy; its result is built for a hook only."""
+        self.steps += 1
+        if self.after_reply is not None:
+            self.after_reply(self, pending.result())
+
     def _check(self, res) -> None:
         for what in ("free_status", "fork_status"):
             st = getattr(res, what)

@@ -231,9 +231,7 @@ class OverlapMixin:
             self.freed_since_preempt = True
             batch.compact(~gone)
         self.phases.update(plan=plan_s, rt=rt_s)
-        self.steps += 1
-        if self.after_reply is not None:
-            self.after_reply(self, pending.result())
+        self._took_granted(pending)
         if len(batch):
             self._window_left = k - 1
             self._run_steady(batch)
